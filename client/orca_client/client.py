@@ -1,0 +1,141 @@
+"""A thin, typed wrapper over tritonclient's gRPC streaming for orca_gpt's tensor interface."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+
+class OrcaError(RuntimeError):
+    """An error response from the server (status is the Triton status, e.g. StatusCode.INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, status: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Chunk:
+    """One response: the ids (and text, when the model has a tokenizer) it carries."""
+
+    output_ids: list[int]
+    text: str | None
+    final: bool
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    time: float = field(default_factory=time.perf_counter)
+
+
+def build_inputs(
+    input_ids: list[int] | None = None,
+    text: str | None = None,
+    messages: list[dict[str, str]] | None = None,
+    stream: bool = True,
+    exclude_input_in_output: bool = True,
+    **sampling: Any,
+) -> list[grpcclient.InferInput]:
+    """The request tensors for orca_gpt; `sampling` holds SamplingParams keys (max_tokens, ...)."""
+    inputs = []
+
+    def add(name: str, dtype: str, value: np.ndarray) -> None:
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        inputs.append(t)
+
+    if input_ids is not None:
+        add("input_ids", "INT32", np.asarray(input_ids, dtype=np.int32))
+    if text is not None:
+        add("text_input", "BYTES", np.asarray([text.encode()], dtype=np.object_))
+    if messages is not None:
+        add("messages", "BYTES", np.asarray([json.dumps(messages).encode()], dtype=np.object_))
+    add("stream", "BOOL", np.asarray([stream]))
+    add("exclude_input_in_output", "BOOL", np.asarray([exclude_input_in_output]))
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    if sampling:
+        add("sampling_parameters", "BYTES", np.asarray([json.dumps(sampling).encode()], dtype=np.object_))
+    return inputs
+
+
+def parse_result(result: Any) -> Chunk:
+    response = result.get_response()
+    final = response.parameters["triton_final_response"].bool_param if "triton_final_response" in (
+        response.parameters
+    ) else False
+    names = {o.name for o in response.outputs}
+
+    def get(name: str) -> Any:
+        return result.as_numpy(name) if name in names else None
+
+    ids = get("output_ids")
+    text = get("text_output")
+    reason = get("finish_reason")
+    n_in, n_out = get("num_input_tokens"), get("num_output_tokens")
+    return Chunk(
+        output_ids=[] if ids is None else [int(x) for x in ids.reshape(-1)],
+        text=None if text is None else b"".join(text.reshape(-1)).decode("utf-8"),
+        final=final,
+        finish_reason=None if reason is None else reason.reshape(-1)[0].decode(),
+        num_input_tokens=None if n_in is None else int(n_in.reshape(-1)[0]),
+        num_output_tokens=None if n_out is None else int(n_out.reshape(-1)[0]),
+    )
+
+
+class OrcaClient:
+    """Sends orca_gpt requests over gRPC streaming.
+
+    Each request gets its own stream: Triton's stream errors carry no request id, so on a shared stream
+    an error could not be told apart from another request's. Leaving a request's iterator early (or
+    calling close on it) cancels the request on the server.
+    """
+
+    def __init__(self, url: str = "localhost:8001", model: str = "orca_gpt") -> None:
+        self.url, self.model = url, model
+
+    def __enter__(self) -> OrcaClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def generate(self, timeout: float | None = 600, **request: Any) -> Iterator[Chunk]:
+        """Streams one request's responses (stream=True: one per iteration that produced a token;
+        stream=False: one). Raises OrcaError for an error response."""
+        model = request.pop("model", self.model)
+        results: queue.Queue[Chunk | OrcaError] = queue.Queue()
+
+        def on_result(result: Any, error: InferenceServerException | None) -> None:
+            if error is not None:
+                results.put(OrcaError(error.message(), str(error.status())))
+            else:
+                results.put(parse_result(result))
+
+        client = grpcclient.InferenceServerClient(self.url)
+        done = False
+        try:
+            client.start_stream(callback=on_result)
+            client.async_stream_infer(model, build_inputs(**request), request_id=f"orca-client-{next(_IDS)}")
+            while True:
+                item = results.get(timeout=timeout)
+                if isinstance(item, OrcaError):
+                    done = True
+                    raise item
+                done = item.final
+                yield item
+                if done:
+                    return
+        finally:
+            client.stop_stream(cancel_requests=not done)
+            client.close()
+
+
+_IDS = itertools.count()

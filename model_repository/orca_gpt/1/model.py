@@ -1,0 +1,218 @@
+"""Triton adapter for the Orca engine: a decoupled Python model.
+
+Thin by design: Triton tensors in, engine calls, Triton responses out. The scheduling is the engine's
+(orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca.serving's.
+
+Threads: Triton calls execute(), which parses, submits and returns at once. The scheduler thread runs
+iterations and queues outputs. The response thread turns outputs into Triton responses and sends them,
+so sending never delays the next iteration. Every request gets exactly one FINAL.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from orca import EngineConfig, LLMEngine, QueueFullError, RequestOutput
+from orca.engine_loop import EngineLoop
+from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
+
+logger = logging.getLogger("orca_gpt")
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+@dataclass
+class _Active:
+    """A request between submit and its FINAL response."""
+
+    sender: Any
+    request: GenerateRequest
+
+
+class _Metrics:
+    """Triton custom metrics (served on the metrics port with Triton's own)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        C, G, H = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
+        fam = pb_utils.MetricFamily
+        self._families = {
+            "prompt": fam("orca_prompt_tokens_total", "Prompt tokens of admitted requests", C),
+            "generated": fam("orca_generated_tokens_total", "Generated tokens", C),
+            "finished": fam("orca_requests_finished_total", "Finished requests by finish reason", C),
+            "ttft": fam("orca_time_to_first_token_seconds", "Arrival to first token", H),
+            "tpot": fam("orca_time_per_output_token_seconds", "Per-token time after the first", H),
+            "e2e": fam("orca_request_latency_seconds", "Arrival to final response", H),
+            "batch": fam("orca_iteration_batch_size", "Requests per iteration", H),
+            "running": fam("orca_running_requests", "Admitted requests (holding K/V slots)", G),
+            "waiting": fam("orca_waiting_requests", "Requests waiting for admission", G),
+            "reserved": fam("orca_kv_reserved_slots", "Reserved K/V slots", G),
+            "n_slots": fam("orca_kv_slots", "K/V slots in the budget (n_slots)", G),
+        }
+        f = self._families
+        self.prompt = f["prompt"].Metric(labels=labels)
+        self.generated = f["generated"].Metric(labels=labels)
+        self._finished_labels = labels
+        self._finished: dict[str, Any] = {}
+        self.ttft = f["ttft"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
+        self.tpot = f["tpot"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
+        self.e2e = f["e2e"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
+        self.batch = f["batch"].Metric(labels=labels, buckets=_BATCH_BUCKETS)
+        self.running = f["running"].Metric(labels=labels)
+        self.waiting = f["waiting"].Metric(labels=labels)
+        self.reserved = f["reserved"].Metric(labels=labels)
+        self.n_slots = f["n_slots"].Metric(labels=labels)
+
+    def finished(self, reason: str) -> Any:
+        if reason not in self._finished:
+            labels = {**self._finished_labels, "reason": reason}
+            self._finished[reason] = self._families["finished"].Metric(labels=labels)
+        return self._finished[reason]
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("orca_gpt must be decoupled (model_transaction_policy)")
+        self.engine = LLMEngine(_engine_config(model_config))
+        self.has_tokenizer = self.engine.tokenizer is not None
+        self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
+        self.metrics.n_slots.set(self.engine.n_slots)
+        self._ids = itertools.count()
+        self._id_prefix = f"{args['model_name']}-{args['model_instance_name']}-"
+        self._active: dict[str, _Active] = {}
+        self._active_lock = threading.Lock()
+        self._responses: queue.Queue[RequestOutput | None] = queue.Queue()
+        self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
+        self._response_thread.start()
+        self.loop = EngineLoop(
+            self.engine, on_output=self._responses.put, poll_cancelled=self._cancelled_ids,
+            on_iteration=self._on_iteration,
+        )
+        self.loop.start()
+        logger.info("orca_gpt ready: %s, n_slots=%d", self.engine.checkpoint, self.engine.n_slots)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._submit(request)
+        return None  # decoupled: responses go out through each request's sender
+
+    def finalize(self) -> None:
+        self.loop.shutdown()  # cancels what is in flight: each gets its FINAL through the queue
+        self._responses.put(None)
+        self._response_thread.join(timeout=30)
+
+    # -- execute's side --------------------------------------------------------------------------
+    def _submit(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        try:
+            inputs = {}
+            for name in INPUT_NAMES:
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            parameters = json.loads(request.parameters() or "{}")
+            parsed = parse_generate_request(inputs, parameters, self.engine, self.has_tokenizer)
+            request_id = f"{self._id_prefix}{next(self._ids)}"
+            with self._active_lock:
+                self._active[request_id] = _Active(sender, parsed)
+            try:
+                self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params)
+            except BaseException:
+                with self._active_lock:
+                    self._active.pop(request_id, None)
+                raise
+        except ValueError as exc:
+            _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+        except QueueFullError as exc:
+            _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+        except Exception as exc:  # noqa: BLE001 - answer the request whatever went wrong
+            logger.exception("could not submit a request")
+            _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+    # -- the scheduler thread's side -------------------------------------------------------------
+    def _cancelled_ids(self) -> list[str]:
+        with self._active_lock:
+            active = list(self._active.items())
+        return [rid for rid, a in active if a.sender.is_cancelled()]
+
+    def _on_iteration(self, stats: Any) -> None:
+        m, s = self.metrics, self.loop.stats
+        m.batch.observe(stats.batch_size)
+        m.running.set(s.running)
+        m.waiting.set(s.waiting)
+        m.reserved.set(s.reserved_slots)
+
+    # -- the response thread ---------------------------------------------------------------------
+    def _send_responses(self) -> None:
+        while (out := self._responses.get()) is not None:
+            try:
+                self._respond(out)
+            except Exception:  # noqa: BLE001
+                logger.exception("sending a response for %s failed", out.request_id)
+
+    def _respond(self, out: RequestOutput) -> None:
+        with self._active_lock:
+            active = self._active.pop(out.request_id, None) if out.finished else self._active.get(out.request_id)
+        if active is None:
+            return
+        if out.first_token_time is not None and len(out.token_ids) == len(out.new_token_ids) == 1:
+            self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
+            self.metrics.prompt.increment(out.num_prompt_tokens)
+        self.metrics.generated.increment(len(out.new_token_ids))
+        if out.finished:
+            self._observe_finished(out)
+            if out.finish_reason == "error":
+                _send_error(active.sender, f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
+                return
+            if out.finish_reason == "cancelled" and active.sender.is_cancelled():
+                _send_error(active.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+                return
+        elif not active.request.stream or not out.new_token_ids:
+            return  # non-streaming requests answer once, at the end
+        tensors = response_tensors(out, active.request, self.has_tokenizer)
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+        active.sender.send(response, flags=_FINAL if out.finished else 0)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        m = self.metrics
+        m.finished(out.finish_reason or "unknown").increment(1)
+        if out.finish_time is not None:
+            m.e2e.observe(out.finish_time - out.arrival_time)
+            if out.first_token_time is not None and len(out.token_ids) > 1:
+                m.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+
+
+def _send_error(sender: Any, message: str, code: Any) -> None:
+    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=_FINAL)
+
+
+def _engine_config(model_config: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from the config.pbtxt parameters (strings; empty = default)."""
+    raw = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+    raw = {k: v.strip() for k, v in raw.items() if v.strip()}
+    if "model" not in raw and os.environ.get("ORCA_MODEL"):
+        raw["model"] = os.environ["ORCA_MODEL"]
+    ints = ("max_bs", "n_slots", "kv_cache_bytes", "max_queue", "max_model_len", "n_workers", "seed")
+    options: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in EngineConfig.__dataclass_fields__:
+            raise pb_utils.TritonModelException(
+                f"unknown parameter {key!r}; allowed: {', '.join(EngineConfig.__dataclass_fields__)}"
+            )
+        try:
+            options[key] = int(value) if key in ints else value
+        except ValueError:
+            raise pb_utils.TritonModelException(f"parameter {key} must be an integer, got {value!r}") from None
+    return EngineConfig(**options)

@@ -1,0 +1,21 @@
+"""Orca: iteration-level scheduling and selective batching for generative transformers.
+
+The engine package knows nothing of Triton: model_repository/orca_gpt/1/model.py adapts it.
+"""
+
+from orca.config import EngineConfig, ModelConfig
+from orca.engine import IterationStats, LLMEngine, QueueFullError, RequestOutput
+from orca.llm import LLM, CompletionOutput
+from orca.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "IterationStats",
+    "LLMEngine",
+    "ModelConfig",
+    "QueueFullError",
+    "RequestOutput",
+    "SamplingParams",
+]

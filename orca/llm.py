@@ -1,0 +1,75 @@
+"""The offline API, in the spirit of vLLM's: a list of prompts in, a list of completions out.
+
+It drives the same LLMEngine (same scheduler, same step) as the Triton model, just from a loop in the
+caller's thread instead of a background one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from orca.config import EngineConfig
+from orca.engine import LLMEngine
+from orca.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    text: str | None = None  # None when the model has no tokenizer
+
+
+class LLM:
+    """``LLM(model=path_or_gguf, **EngineConfig options)``; ``model=None`` is SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generates for every prompt (token-id lists, or strings when the model has a tokenizer);
+        outputs come back in input order. Raises ValueError for invalid arguments before any work."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of prompts (strings or lists of token ids)")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+            if not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError("sampling_params must be SamplingParams objects")
+        token_prompts = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for ids, p in zip(token_prompts, params):
+            self.engine.validate(ids, p)  # fail before doing any work
+        if self.engine.has_unfinished():
+            raise RuntimeError("generate() is not re-entrant: the engine still has requests")
+        ids_of = {f"offline-{i}": i for i in range(len(prompts))}
+        results: list[CompletionOutput | None] = [None] * len(prompts)
+        pending = list(ids_of)
+        while pending or self.engine.has_unfinished():
+            # Admit as many as the waiting queue takes; the rest join as earlier ones finish.
+            while pending and self.engine.scheduler.num_waiting < self.engine.config.max_queue:
+                rid = pending.pop(0)
+                i = ids_of[rid]
+                self.engine.add_request(rid, token_prompts[i], params[i])
+            for out in self.engine.step():
+                if out.finished:
+                    if out.error:
+                        raise RuntimeError(f"generation failed: {out.error}")
+                    i = ids_of[out.request_id]
+                    results[i] = CompletionOutput(token_prompts[i], out.token_ids, out.finish_reason or "", out.text)
+        return [r for r in results if r is not None]

@@ -1,0 +1,106 @@
+"""Turns one iteration's logits into one token per request, vectorised over the batch.
+
+Greedy (temperature 0), temperature, top-k and top-p, each per request. Randomness comes from a
+counter-based generator: the uniform number for (request seed, output step, token id) is a hash of those
+three, computed for the whole [batch, vocab] block at once. So a seeded request draws the same numbers
+alone or inside any batch, with no per-request generator object and no Python loop over requests. The
+draw itself is the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from orca.request import Request
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 torch stores (two's complement)."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+_STEP = _signed(0xD1B54A32D192ED03)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B,) seeds and (B,) steps -> (B, V) uniforms in (0, 1), by SplitMix64 of (seed, step, token)."""
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants.
+    x = (seeds * _GOLDEN + steps * _STEP).unsqueeze(1) + tokens * _GOLDEN  # (B, V)
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # top 24 bits; never 0 or 1
+
+
+@dataclass
+class SamplingTensors:
+    """Per-request sampling options as (B,) tensors, built once per iteration."""
+
+    temperature: torch.Tensor  # float32; 0 = greedy
+    top_k: torch.Tensor  # int64; 0 = off
+    top_p: torch.Tensor  # float32; 1 = off
+    seeds: torch.Tensor  # int64
+    steps: torch.Tensor  # int64: index of the token being drawn
+    all_greedy: bool
+    any_filter: bool
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingTensors:
+        params = [r.params for r in requests]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seeds=torch.tensor([_signed(r.seed) for r in requests], dtype=torch.int64, device=device),
+            steps=torch.tensor([len(r.output_token_ids) for r in requests], dtype=torch.int64, device=device),
+            all_greedy=all(p.greedy for p in params),
+            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+        )
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """logits (B, V) float32 -> next token ids (B,) int64."""
+    greedy_ids = logits.argmax(dim=-1)  # (B,)
+    if st.all_greedy:
+        return greedy_ids
+    vocab = logits.shape[-1]
+    greedy = st.temperature == 0  # (B,)
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    scaled = logits / temp.unsqueeze(1)  # (B, V)
+    if st.any_filter:
+        scaled = _apply_top_k_top_p(scaled, st.top_k, st.top_p)
+    probs = scaled.softmax(dim=-1)  # (B, V)
+    exp_noise = -counter_uniform(st.seeds, st.steps, vocab).log()  # (B, V) ~ Exp(1)
+    sampled_ids = (probs / exp_noise).argmax(dim=-1)  # (B,)
+    return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Sets logits outside each row's top-k and top-p nucleus to -inf (the most likely token always
+    survives)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)  # (1, V)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)  # (B, 1)
+    drop = ranks >= k
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # A token is outside the nucleus when the tokens ranked above it already hold top_p of the mass.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
