@@ -115,7 +115,8 @@ class OrcaClient:
 
         def on_result(result: Any, error: InferenceServerException | None) -> None:
             if error is not None:
-                results.put(OrcaError(error.message(), str(error.status())))
+                status = error.status()  # None on gRPC streams: tritonclient passes only the message
+                results.put(OrcaError(error.message(), None if status is None else str(status)))
             else:
                 results.put(parse_result(result))
 

@@ -1,0 +1,304 @@
+"""End to end through a real tritonserver (from the nvidia-pytriton wheel) and real tritonclient calls.
+
+One server per session serves the test repository (tests/_server.py): orca_gpt as shipped
+(SmolLM2-135M-Instruct) and tiny random GPT-2 variants without a tokenizer. No sleeps decide a result:
+where the test must wait for the server, it polls for a condition with a generous deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import requests
+import torch
+from orca_client import OrcaClient, OrcaError
+
+from orca import LLM, SamplingParams
+from orca.loader import default_model_path
+
+PARIS_PROMPT = "The capital of France is"
+JAPANESE_PROMPT = "The Japanese word for thank you is"
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def generate(server: Any, model: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    r = requests.post(f"{server.http_url}/v2/models/{model}/generate", json=body, timeout=300)
+    return r.status_code, r.json()
+
+
+def generate_stream(server: Any, model: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    r = requests.post(
+        f"{server.http_url}/v2/models/{model}/generate_stream", json={**body, "stream": True}, timeout=300
+    )
+    assert r.status_code == 200, r.text
+    return [json.loads(line[len("data: ") :]) for line in r.text.splitlines() if line.startswith("data: ")]
+
+
+def metrics(server: Any, model: str) -> dict[str, float]:
+    """orca_* samples of one model, keyed by name plus the labels other than model and version."""
+    out: dict[str, float] = {}
+    for line in requests.get(server.metrics_url, timeout=30).text.splitlines():
+        m = re.match(r"^(orca_\w+)\{([^}]*)\} (\S+)$", line)
+        if not m or f'model="{model}"' not in m.group(2):
+            continue
+        labels = [kv for kv in m.group(2).split(",") if not kv.startswith(("model=", "version="))]
+        out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
+    return out
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def idle(server: Any, model: str) -> bool:
+    m = metrics(server, model)
+    return m.get("orca_running_requests") == 0 and m.get("orca_kv_reserved_slots") == 0
+
+
+@pytest.fixture(scope="session")
+def orca_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _server import build_test_repository
+
+    from orca_server.launcher import TritonServer
+
+    root = tmp_path_factory.mktemp("e2e")
+    repo, tiny = build_test_repository(root)
+    with TritonServer(repo, log_path=root / "tritonserver.log", startup_timeout=600) as server:
+        server.tiny_checkpoint = tiny
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(orca_server: Any) -> LLM:
+    """The offline engine over the same tiny checkpoint the server's orca_tiny serves."""
+    return LLM(str(orca_server.tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2() -> Any:
+    """transformers loading the same GGUF file the server serves: the reference for text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return tok, model
+
+
+# -- text in, text out (the default model) -----------------------------------------------------------
+def test_capital_of_france_over_http_generate(orca_server: Any) -> None:
+    status, body = generate(orca_server, "orca_gpt", {"text_input": PARIS_PROMPT, "max_tokens": 12, "temperature": 0})
+    assert status == 200, body
+    assert body["text_output"].startswith(PARIS_PROMPT)  # non-streaming: prompt + completion
+    assert "Paris" in body["text_output"][len(PARIS_PROMPT) :]
+    assert body["num_output_tokens"] == len(body["output_ids"]) == 12
+    assert body["finish_reason"] == "length"
+
+
+def test_chat_question_answers_paris(orca_server: Any) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    status, body = generate(
+        orca_server,
+        "orca_gpt",
+        {"messages": json.dumps(messages), "max_tokens": 24, "temperature": 0, "exclude_input_in_output": True},
+    )
+    assert status == 200, body
+    assert "Paris" in body["text_output"]
+    assert body["finish_reason"] == "stop"  # the chat model ends its turn with <|im_end|>
+
+
+def test_greedy_text_equals_transformers_on_the_same_gguf(orca_server: Any, hf_smollm2: Any) -> None:
+    tok, model = hf_smollm2
+    for prompt in (PARIS_PROMPT, "Once upon a time", "def fibonacci(n):"):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            ref = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
+        ref = ref[: ref.index(tok.eos_token_id) + 1] if tok.eos_token_id in ref else ref
+        status, body = generate(
+            orca_server, "orca_gpt",
+            {"text_input": prompt, "max_tokens": 16, "temperature": 0, "exclude_input_in_output": True},
+        )
+        assert status == 200, body
+        assert body["output_ids"] == ref, prompt
+        assert body["text_output"] == tok.decode(ref, skip_special_tokens=True), prompt
+
+
+def test_streamed_deltas_concatenate_to_the_non_streaming_completion(orca_server: Any) -> None:
+    request = {"text_input": JAPANESE_PROMPT, "max_tokens": 24, "temperature": 0, "exclude_input_in_output": True}
+    status, whole = generate(orca_server, "orca_gpt", request)
+    assert status == 200, whole
+    completion = whole["text_output"]
+    assert " " in completion and any(ord(c) > 127 for c in completion), completion  # spaces and multi-byte
+    # HTTP server-sent events: one per iteration's token.
+    events = generate_stream(orca_server, "orca_gpt", request)
+    assert len(events) == whole["num_output_tokens"]
+    assert "".join(e["text_output"] for e in events) == completion
+    assert all("\ufffd" not in e["text_output"] for e in events)
+    # gRPC streaming through the client library.
+    chunks = list(OrcaClient(orca_server.grpc_url).generate(text=JAPANESE_PROMPT, max_tokens=24, temperature=0))
+    assert "".join(c.text or "" for c in chunks) == completion
+    assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]  # exactly one FINAL, last
+
+
+def test_stop_string_ends_generation_and_is_not_returned(orca_server: Any) -> None:
+    # Triton's HTTP parameters are scalars: one stop string as a string, several as a JSON list in one.
+    for stop in (".", '["!", "."]'):
+        status, body = generate(
+            orca_server, "orca_gpt",
+            {"text_input": PARIS_PROMPT, "max_tokens": 12, "temperature": 0, "stop": stop,
+             "exclude_input_in_output": True},
+        )
+        assert status == 200, body
+        assert body["finish_reason"] == "stop"
+        assert body["text_output"] == " Paris"
+    # The same through the JSON sampling_parameters input, streaming over gRPC.
+    chunks = list(OrcaClient(orca_server.grpc_url).generate(text=PARIS_PROMPT, max_tokens=12, temperature=0,
+                                                            stop=["Paris"]))
+    assert "".join(c.text or "" for c in chunks) == " "
+    assert chunks[-1].finish_reason == "stop"
+
+
+# -- a checkpoint without a tokenizer ----------------------------------------------------------------
+def test_model_without_tokenizer_serves_ids_and_rejects_text(orca_server: Any) -> None:
+    status, body = generate(orca_server, "orca_tiny", {"text_input": "hello", "max_tokens": 4})
+    assert status == 400
+    assert "no tokenizer" in body["error"] and "input_ids" in body["error"]
+    status, body = generate(orca_server, "orca_tiny", {"input_ids": [5, 6, 7], "max_tokens": 4})
+    assert status == 200, body
+    assert len(body["output_ids"]) == 4 and "text_output" not in body
+
+
+def test_served_greedy_tokens_equal_offline_generate(orca_server: Any, tiny_llm: LLM) -> None:
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(10, 40)), [100]]
+    max_tokens = [7, 20, 3, 12]
+    expected = tiny_llm.generate(
+        prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    )
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        chunks = OrcaClient(orca_server.grpc_url, "orca_tiny").generate(
+            input_ids=prompts[i], max_tokens=max_tokens[i], temperature=0, ignore_eos=True
+        )
+        results[i] = [t for c in chunks for t in c.output_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]  # concurrently
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(len(prompts))] == [e.token_ids for e in expected]
+
+
+# -- iteration-level scheduling, cancellation, errors -------------------------------------------------
+def test_short_request_joins_and_returns_before_a_running_long_one(orca_server: Any) -> None:
+    client = OrcaClient(orca_server.grpc_url, "orca_tiny")
+    long_stream = client.generate(input_ids=[1, 2, 3], max_tokens=1900, ignore_eos=True, temperature=0)
+    first = next(long_stream)  # the long request is running
+    assert first.output_ids and not first.final
+    short = list(client.generate(input_ids=[4, 5], max_tokens=3, stream=False, ignore_eos=True))
+    assert short[-1].final and short[-1].num_output_tokens == 3
+    long_chunks = [first]
+    for chunk in long_stream:  # the long one is still going: its FINAL comes later
+        long_chunks.append(chunk)
+    assert long_chunks[-1].final and long_chunks[-1].num_output_tokens == 1900
+    assert sum(len(c.output_ids) for c in long_chunks) == 1900
+
+
+def test_client_cancellation_aborts_and_frees_kv_slots(orca_server: Any) -> None:
+    before = metrics(orca_server, "orca_tiny")
+    stream = OrcaClient(orca_server.grpc_url, "orca_tiny").generate(
+        input_ids=[7, 8, 9], max_tokens=1900, ignore_eos=True
+    )
+    for _, chunk in zip(range(5), stream):
+        assert not chunk.final
+    assert metrics(orca_server, "orca_tiny")["orca_kv_reserved_slots"] == 3 + 1900
+    stream.close()  # leaving early: stop_stream(cancel_requests=True)
+    key = 'orca_requests_finished_total{reason="cancelled"}'
+    wait_for(lambda: metrics(orca_server, "orca_tiny").get(key, 0) == before.get(key, 0) + 1, "cancellation")
+    wait_for(lambda: idle(orca_server, "orca_tiny"), "slots freed")
+    generated = metrics(orca_server, "orca_tiny")["orca_generated_tokens_total"]
+    assert generated - before["orca_generated_tokens_total"] < 1900  # it stopped early
+
+
+BAD_REQUESTS = [
+    ({"max_tokens": 4}, "no prompt"),
+    ({"input_ids": []}, "prompt is empty"),
+    ({"input_ids": [1, -3]}, "out of range"),
+    ({"input_ids": [1, 211]}, "[0, 210]"),
+    ({"input_ids": [7] * 2048}, "at most 2047"),
+    ({"input_ids": [1, 2], "max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"input_ids": [1, 2], "max_tokens": 5000}, "max_tokens must be in [1, 2046]"),
+    ({"input_ids": [1, 2], "sampling_parameters": "{not json"}, "not valid JSON"),
+    ({"input_ids": [1, 2], "sampling_parameters": "[1, 2]"}, "must be a JSON object"),
+    ({"input_ids": [1, 2], "sampling_parameters": '{"max_tokenz": 3}'}, "unknown sampling parameter(s) max_tokenz"),
+    ({"input_ids": [1, 2], "nonsense": 3}, "unknown request parameter(s) nonsense"),
+    ({"input_ids": [1, 2], "sampling_parameters": '{"max_tokens": "many"}'}, "max_tokens must be an integer"),
+    ({"input_ids": [1, 2], "temperature": -0.5}, "temperature must be >= 0"),
+    ({"input_ids": [1, 2], "top_p": 0}, "top_p must be in (0, 1]"),
+    ({"input_ids": [1, 2], "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"input_ids": [1, 2], "top_k": -1}, "top_k must be >= 0"),
+]
+
+
+def test_bad_input_gets_invalid_arg_and_harms_no_request_in_flight(orca_server: Any, tiny_llm: LLM) -> None:
+    client = OrcaClient(orca_server.grpc_url, "orca_tiny")
+    in_flight = client.generate(input_ids=[11, 12, 13], max_tokens=400, temperature=0, ignore_eos=True)
+    tokens = list(next(in_flight).output_ids)
+    for body, message in BAD_REQUESTS:
+        status, reply = generate(orca_server, "orca_tiny", body)
+        assert status == 400, (body, reply)
+        assert message in reply["error"], (body, reply)
+    # The same over gRPC streaming (whose error responses carry the message but no status code).
+    with pytest.raises(OrcaError, match=re.escape("top_p must be in (0, 1], got 2.0")):
+        list(client.generate(input_ids=[1, 2], top_p=2.0))
+    for chunk in in_flight:
+        tokens += chunk.output_ids
+    expected = tiny_llm.generate([[11, 12, 13]], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+    assert tokens == expected[0].token_ids
+
+
+def test_full_waiting_queue_answers_unavailable(orca_server: Any) -> None:
+    client = OrcaClient(orca_server.grpc_url, "orca_tiny_q")
+    running = client.generate(input_ids=[1, 2], max_tokens=2000, ignore_eos=True)
+    next(running)  # admitted; max_bs 1 keeps every later request waiting behind it
+    waiting = [client.generate(input_ids=[3], max_tokens=2, ignore_eos=True) for _ in range(2)]
+    threads = [threading.Thread(target=lambda g=g: list(g)) for g in waiting]
+    for t in threads:
+        t.start()
+    wait_for(lambda: metrics(orca_server, "orca_tiny_q").get("orca_waiting_requests") == 2, "two waiting")
+    status, body = generate(orca_server, "orca_tiny_q", {"input_ids": [4], "max_tokens": 2})
+    # The model answers with code UNAVAILABLE; Triton's /generate reports any response error as 400.
+    assert status == 400 and "the waiting queue is full (2 requests): retry later" in body["error"], body
+    running.close()  # cancel the long one: the waiting ones then run to completion
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+    wait_for(lambda: idle(orca_server, "orca_tiny_q"), "idle")
+
+
+def test_metrics_move_with_requests(orca_server: Any) -> None:
+    before = metrics(orca_server, "orca_tiny")
+    assert before["orca_kv_slots"] == 8192  # n_slots from config.pbtxt
+    status, body = generate(orca_server, "orca_tiny", {"input_ids": [1, 2, 3, 4], "max_tokens": 6, "ignore_eos": True})
+    assert status == 200, body
+    after = metrics(orca_server, "orca_tiny")
+    assert after["orca_prompt_tokens_total"] - before.get("orca_prompt_tokens_total", 0) == 4
+    assert after["orca_generated_tokens_total"] - before.get("orca_generated_tokens_total", 0) == 6
+    key = 'orca_requests_finished_total{reason="length"}'
+    assert after[key] - before.get(key, 0) == 1
+    for hist in ("orca_time_to_first_token_seconds", "orca_request_latency_seconds",
+                 "orca_time_per_output_token_seconds"):
+        assert after[f"{hist}_count"] - before.get(f"{hist}_count", 0) == 1, hist
+    assert after["orca_iteration_batch_size_count"] - before.get("orca_iteration_batch_size_count", 0) >= 6
+    assert after["orca_running_requests"] == 0 and after["orca_kv_reserved_slots"] == 0
