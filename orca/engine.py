@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from orca.config import EngineConfig, ModelConfig
 from orca.detokenizer import IncrementalDetokenizer
 from orca.kv_cache import KVSlotManager
@@ -68,7 +66,7 @@ class LLMEngine:
         if config.n_workers != 1:
             raise ValueError("n_workers > 1 needs pipeline parallelism, which this engine does not have yet")
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = config.torch_device
         self.checkpoint = resolve_checkpoint(config.model)
         model, self.model_config = load_model(self.checkpoint, config.torch_dtype, self.device)
         self.tokenizer = load_tokenizer(self.checkpoint)

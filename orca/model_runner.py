@@ -7,6 +7,7 @@ computes logits only for each request's last row, and samples one token per requ
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -49,40 +50,54 @@ class ModelRunner:
         self.kv_cache.free(request_id)
 
     def prepare(self, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flat input ids and positions (T,), attention metadata, and each request's last row (B,).
+        `requests` must already be in execution order (see `execution_order`)."""
         input_ids: list[int] = []
         positions: list[int] = []
-        starts, ends, context_lens = [], [], []
+        lengths, context_lens = [], []
         for req in requests:
             new = req.next_input_ids()
             past = req.num_computed_tokens
-            starts.append(len(input_ids))
             input_ids.extend(new)
-            ends.append(len(input_ids))
             positions.extend(range(past, past + len(new)))
+            lengths.append(len(new))
             context_lens.append(past)
-        meta = AttentionMetadata(starts, ends, context_lens, [self.kv_cache.get(r.request_id) for r in requests])
+        buffers = [self.kv_cache.get(r.request_id) for r in requests]
+        meta = AttentionMetadata.build(lengths, context_lens, buffers)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # (T,)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
-        last_rows = torch.tensor([e - 1 for e in ends], dtype=torch.int64, device=self.device)  # (B,)
+        last_rows = torch.tensor(list(itertools.accumulate(lengths)), dtype=torch.int64, device=self.device) - 1
         return ids, pos, meta, last_rows
+
+    @staticmethod
+    def execution_order(requests: list[Request]) -> list[int]:
+        """Increments first, then initiations (each group in the scheduler's order): the layout
+        AttentionMetadata expects, which lets one-token requests share their merge."""
+        inc = [i for i, r in enumerate(requests) if r.num_computed_tokens > 0 and len(r.next_input_ids()) == 1]
+        inc_set = set(inc)
+        return inc + [i for i in range(len(requests)) if i not in inc_set]
 
     @torch.inference_mode()
     def execute(self, requests: list[Request]) -> list[int]:
         """Runs one iteration; returns the next token of each request, in order. Advances each request's
         num_computed_tokens (its K/V now holds this iteration's tokens)."""
         t0 = perf_counter()
-        ids, pos, meta, last_rows = self.prepare(requests)
-        st = SamplingTensors.from_requests(requests, self.device)
+        order = self.execution_order(requests)
+        ordered = [requests[i] for i in order]
+        ids, pos, meta, last_rows = self.prepare(ordered)
+        st = SamplingTensors.from_requests(ordered, self.device)
         t1 = perf_counter()
         hidden = self.model(ids, pos, meta)  # (T, E)
         logits = self.model.compute_logits(hidden[last_rows])  # (B, V): no logits for prompt rows
         if self.profile:
             _sync(self.device)
         t2 = perf_counter()
-        next_ids = sample(logits, st).tolist()  # the one host sync of the iteration
+        sampled = sample(logits, st).tolist()  # the one host sync of the iteration
         t3 = perf_counter()
-        for i, req in enumerate(requests):
-            req.num_computed_tokens += meta.ends[i] - meta.starts[i]
+        next_ids = [0] * len(requests)
+        for j, i in enumerate(order):
+            next_ids[i] = sampled[j]
+            requests[i].num_computed_tokens += meta.lengths[j]
         if self.profile:
             self.last_timings = IterationTimings(prepare=t1 - t0, model=t2 - t1, sample=t3 - t2)
         return next_ids

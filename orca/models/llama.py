@@ -37,10 +37,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: (T, heads, D); positions: (T,)
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (T, 1, D) cos and sin rows of this iteration's tokens: gathered once, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: (T, heads, D); cos, sin: (T, 1, D)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -60,13 +63,13 @@ class LlamaBlock(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, meta: AttentionMetadata
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(x))  # (T, (H + 2 KVH) D)
         qk = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)  # (T, H+KVH, D)
-        qk = rotary(qk, positions)  # queries and keys share each token's rotation
+        qk = RotaryEmbedding.apply(qk, *rope)  # queries and keys share each token's rotation
         q = qk[:, :heads]  # (T, H, D)
         kv = torch.cat((qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)), 1)
         kv = kv.view(num_tokens, 2, kv_heads, dim)  # (T, 2, KVH, D)
@@ -87,8 +90,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, E)
+        rope = self.rotary.tables(positions, x.dtype)
         for block in self.layers:
-            x = block(x, positions, self.rotary, meta)
+            x = block(x, rope, meta)
         return x  # (T, E), before the final norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
