@@ -1,0 +1,34 @@
+# Developer and CI entry points. Everything runs from the project venv that `make venv`
+# creates (scripts/setup_venv.sh: idempotent, returns at once when nothing changed).
+#
+#   make serve HTTP_PORT=9000   # serve model_repository with Triton
+#   make test PYTEST_ARGS='-k launcher -x'
+
+PYTHON ?= python3
+VENV ?= .venv
+MODEL_REPOSITORY ?= model_repository
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+SERVE_ARGS ?=
+PYTEST_ARGS ?=
+
+VPY := $(VENV)/bin/python
+
+.PHONY: venv serve test lint
+
+venv:
+	PYTHON="$(PYTHON)" VENV_DIR="$(VENV)" bash scripts/setup_venv.sh
+
+serve: venv
+	$(VPY) -m orca_server.launcher --model-repository $(MODEL_REPOSITORY) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
+
+# Any non-zero pytest exit fails the target: 1 for failures, 5 when no test was collected.
+test: venv
+	@rc=0; $(VPY) -m pytest -q $(PYTEST_ARGS) tests || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
+
+lint: venv
+	$(VENV)/bin/ruff check .
