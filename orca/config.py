@@ -32,6 +32,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # llama only
     attention_bias: bool = False  # llama only
     mlp_bias: bool = False  # llama only
+    scale_attn_weights: bool = True  # gpt2 only: divide attention scores by sqrt(head_dim)
     scale_attn_by_inverse_layer_idx: bool = False  # gpt2 only
 
     @classmethod
@@ -60,6 +61,7 @@ class ModelConfig:
                 tie_word_embeddings=cfg.get("tie_word_embeddings", True),
                 eos_token_ids=eos_ids,
                 bos_token_id=cfg.get("bos_token_id"),
+                scale_attn_weights=cfg.get("scale_attn_weights", True),
                 scale_attn_by_inverse_layer_idx=cfg.get("scale_attn_by_inverse_layer_idx", False),
             )
         if model_type == "llama":

@@ -219,7 +219,7 @@ class LLMEngine:
         if detok is None:
             return ""
         delta = detok.add(token, final=req.finished)
-        if detok.stopped and not req.finished:
+        if detok.stopped:  # a stop string outranks max_tokens, even when the last allowed token completed it
             req.finish_reason = FinishReason.STOP
         return delta
 

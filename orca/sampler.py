@@ -14,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from orca.request import Request
+from orca.sampling_params import MIN_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
+
 
 
 def _signed(c: int) -> int:
@@ -35,15 +37,24 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B,) seeds and (B,) steps -> (B, V) uniforms in (0, 1), by SplitMix64 of (seed, step, token)."""
-    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants.
-    x = (seeds * _GOLDEN + steps * _STEP).unsqueeze(1) + tokens * _GOLDEN  # (B, V)
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser: a bijection of int64 that spreads every input bit over every output bit."""
     x = (x ^ _shr(x, 30)) * _MIX1
     x = (x ^ _shr(x, 27)) * _MIX2
-    x = x ^ _shr(x, 31)
-    return (_shr(x, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # top 24 bits; never 0 or 1
+    return x ^ _shr(x, 31)
+
+
+def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B,) seeds and (B,) steps -> (B, V) uniforms in (0, 1), a hash of (seed, step, token).
+
+    Seed and step are mixed before the token is added, so nearby seeds or steps give unrelated streams
+    (a plain sum would make seed s + 1 at token t equal seed s at token t + 1)."""
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants.
+    stream = _mix(_mix(seeds * _GOLDEN + _GOLDEN) + steps * _STEP)  # (B,)
+    x = _mix(stream.unsqueeze(1) + tokens * _GOLDEN)  # (B, V)
+    # Top 23 bits: k + 0.5 is exact in float32 for k < 2**23, so the result is never 0 and never 1.
+    return (_shr(x, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -78,9 +89,10 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     if st.all_greedy:
         return greedy_ids
     vocab = logits.shape[-1]
-    greedy = st.temperature == 0  # (B,)
+    greedy = st.temperature < MIN_TEMPERATURE  # (B,)
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    scaled = logits / temp.unsqueeze(1)  # (B, V)
+    # Subtracting the row max first keeps logits / temp finite for small temperatures.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temp.unsqueeze(1)  # (B, V)
     if st.any_filter:
         scaled = _apply_top_k_top_p(scaled, st.top_k, st.top_p)
     probs = scaled.softmax(dim=-1)  # (B, V)

@@ -14,14 +14,17 @@ DEFAULT_MAX_TOKENS = 16
 """vLLM's default: a request that names no max_tokens gets a short completion, never the whole context."""
 
 _SEED_RANGE = (0, 2**63 - 1)
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this decode greedily (as vLLM does): the limit of sampling as temperature -> 0,
+without dividing by a number so small that the logits overflow."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 means greedy decoding (top_k/top_p are then ignored). top_k 0 and top_p 1 disable those
-    filters. seed makes a sampled request reproducible whatever else shares its batch. Generation stops at
+    temperature 0 (or below 1e-5) means greedy decoding (top_k/top_p are then ignored). top_k 0 and top_p 1
+    disable those filters. seed makes a sampled request reproducible whatever else shares its batch. Generation stops at
     max_tokens ("length"), at the model's EOS unless ignore_eos, at any of stop_token_ids, or when the text
     contains one of the stop strings (those three give "stop").
     """
@@ -62,7 +65,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ class GPT2Block(nn.Module):
         hidden = cfg.hidden_size
         self.layer = layer
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim) if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             self.scale /= layer + 1
         self.ln_1 = nn.LayerNorm(hidden, eps=cfg.norm_eps)

@@ -1,0 +1,117 @@
+"""Shared test resources, cached per test process (tests/conftest.py belongs to the launcher tests).
+
+Each tiny checkpoint is built once and each reference model loaded once per session, however many test
+modules ask for it: the builders below are memoised, and the fixtures in the test modules are thin
+wrappers around them. Also the helpers that turn a transformers model into the reference we compare to.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from checkpoints import make_gpt2, make_llama
+from transformers import AutoModelForCausalLM
+
+from orca import LLM, EngineConfig, LLMEngine, RequestOutput
+
+FAMILIES = ("gpt2", "llama")
+_BUILDERS: dict[str, Callable[[Path], Path]] = {"gpt2": make_gpt2, "llama": make_llama}
+
+
+@functools.cache
+def _root() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="orca-tests-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+@functools.cache
+def tiny_checkpoint(family: str) -> Path:
+    """A tiny random checkpoint of `family` (see tests/checkpoints.py), built once per session."""
+    return _BUILDERS[family](_root() / family)
+
+
+@functools.cache
+def tiny_reference(family: str) -> Any:
+    """The transformers model for the same checkpoint, in fp32: the numerical reference."""
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family), dtype=torch.float32).eval()
+
+
+def tiny_engine(family: str, **options: Any) -> LLMEngine:
+    """A fresh engine over the tiny checkpoint (cheap: the weights are a few hundred kB)."""
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **options))
+
+
+@functools.cache
+def smollm2() -> LLM:
+    """The default model (SmolLM2-135M-Instruct GGUF) through orca.LLM(), loaded once per session.
+    Tests that use its engine must leave it idle (every request finished)."""
+    return LLM()
+
+
+@torch.inference_mode()
+def hf_last_logits(model: Any, token_ids: list[int]) -> torch.Tensor:
+    """(V,) logits of the last position of a full forward pass over token_ids."""
+    return model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy generate with EOS disabled: exactly max_new_tokens tokens."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    tokens = out[0, len(prompt) :].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens
+
+
+def record_logits(engine: LLMEngine, monkeypatch: Any) -> list[dict[str, torch.Tensor]]:
+    """From now on, records each iteration's logits as {request id: (V,) row}.
+
+    Wraps the model's compute_logits (what the sampler sees) and the runner's prepare, whose argument is
+    the requests in the order their rows are laid out: the runner may reorder a batch (increments first),
+    so rows are matched to requests by that order, never assumed to follow the scheduler's."""
+    iterations: list[dict[str, torch.Tensor]] = []
+    layout: list[str] = []
+    prepare = engine.runner.prepare
+    compute_logits = engine.runner.model.compute_logits
+
+    def recording_prepare(requests: list[Any], *args: Any, **kwargs: Any) -> Any:
+        layout[:] = [r.request_id for r in requests]
+        return prepare(requests, *args, **kwargs)
+
+    def recording_compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        assert logits.shape[0] == len(layout)
+        iterations.append(dict(zip(layout, logits.detach().clone())))
+        return logits
+
+    monkeypatch.setattr(engine.runner, "prepare", recording_prepare)
+    monkeypatch.setattr(engine.runner.model, "compute_logits", recording_compute_logits)
+    return iterations
+
+
+def drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
+    """Steps the engine until it has no request left; returns each request's final output."""
+    final: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return final
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in final, f"{out.request_id} finished twice"
+                final[out.request_id] = out
+    raise AssertionError(f"the engine did not finish its requests in {max_steps} steps")

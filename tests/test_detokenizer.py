@@ -1,0 +1,176 @@
+"""Incremental detokenisation with SmolLM2's byte-level BPE tokenizer: streamed deltas concatenate to
+exactly the one-shot decode, never carry a broken character, and stop strings never reach the client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _fixtures import drain, smollm2
+
+from orca import SamplingParams
+from orca.detokenizer import REPLACEMENT, IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! It's 3.14 -- isn't it?  Two  spaces,\ttabs\nand newlines.\n\n",
+    " leading and trailing spaces ",
+    "Café, naïve résumé: é è ê ü ß",
+    "日本語のテキストです。東京は大きい。",
+    "emoji 😀👍🏽 and a flag 🇫🇷, then text again!",
+    "mixed: é日本語😀 «quotes» — dash… end",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return smollm2().engine.tokenizer
+
+
+def decode_all(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def stream(tokenizer: Any, ids: list[int], stop: tuple[str, ...] = (), final: bool = True) -> tuple[list[str], Any]:
+    """Feeds ids one by one (the last with final=True, as the engine does); returns the deltas."""
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    deltas = []
+    for i, token in enumerate(ids):
+        deltas.append(detok.add(token, final=final and i == len(ids) - 1))
+        if detok.stopped:
+            break
+    return deltas, detok
+
+
+def single(tokenizer: Any, piece: str) -> int:
+    ids = tokenizer.encode(piece, add_special_tokens=False)
+    assert len(ids) == 1, f"{piece!r} is not one token: {ids}"
+    return ids[0]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("final", [True, False])
+def test_deltas_concatenate_to_the_full_decode(tokenizer: Any, text: str, final: bool) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    expected = decode_all(tokenizer, ids)
+    assert expected == text
+    deltas, detok = stream(tokenizer, ids, final=final)
+    assert "".join(deltas) == expected
+    assert detok.text == expected and detok.emitted == len(expected) and not detok.stopped
+    for delta in deltas:
+        assert REPLACEMENT not in delta
+
+
+def test_multibyte_characters_are_split_across_tokens(tokenizer: Any) -> None:
+    """What makes the test above discriminating: single tokens of these texts decode to broken bytes, so a
+    detokenizer that decoded token by token would emit U+FFFD."""
+    ids = tokenizer.encode("日本語 😀👍🏽", add_special_tokens=False)
+    assert any(REPLACEMENT in decode_all(tokenizer, [t]) for t in ids)
+    naive = "".join(decode_all(tokenizer, [t]) for t in ids)
+    assert REPLACEMENT in naive
+
+
+def test_special_tokens_are_skipped(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    deltas, detok = stream(tokenizer, [*ids, eos])
+    assert "".join(deltas) == "Hi there" == decode_all(tokenizer, [*ids, eos])
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+def test_prefix_of_a_stop_string_is_held_back_until_resolved(tokenizer: Any) -> None:
+    par, is_, dot, ian = (single(tokenizer, p) for p in (" Par", "is", ".", "ian"))
+    detok = IncrementalDetokenizer(tokenizer, ("Paris.",))
+    assert detok.add(par) == " "  # "Par" could start "Paris.": held
+    assert detok.add(is_) == ""  # "Paris" still could
+    assert detok.add(dot) == "" and detok.stopped  # it was: nothing of it is ever sent
+    assert detok.text == " "
+
+    detok = IncrementalDetokenizer(tokenizer, ("Paris.",))
+    assert [detok.add(t) for t in (par, is_, ian)] == [" ", "", "Parisian"]  # it was not: released
+    assert not detok.stopped
+    assert detok.add(dot, final=True) == "."
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("The answer is 42. Then more text", (". ",)),
+        ("Café au lait, s'il vous plaît", ("lait",)),
+        ("one two three four", ("x", "three", "two t")),  # the earliest match wins
+        ("日本語のテキストです。東京", ("。",)),
+        ("emoji 😀👍🏽 end", ("👍",)),
+        ("ab ab ab abc", ("abc",)),
+        ("line one\n\nline two", ("\n\n",)),
+    ],
+)
+def test_text_stops_before_the_stop_string(tokenizer: Any, text: str, stop: tuple[str, ...]) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    cut = min(i for i in (text.find(s) for s in stop) if i >= 0)
+    deltas, detok = stream(tokenizer, ids, stop=stop, final=False)
+    assert detok.stopped
+    assert "".join(deltas) == text[:cut] == detok.text
+    emitted = ""
+    for delta in deltas:  # no delta ever runs ahead of the final text
+        emitted += delta
+        assert text[:cut].startswith(emitted)
+
+
+def test_text_without_the_stop_string_is_complete(tokenizer: Any) -> None:
+    text = "Paris is the capital of France, Pari"  # ends in a prefix of the stop string
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas, detok = stream(tokenizer, ids, stop=("Paris.",), final=False)
+    assert not detok.stopped and "".join(deltas) == "Paris is the capital of France, "  # "Pari" held
+    assert detok.flush() == "Pari"
+
+
+# -- through the engine ----------------------------------------------------------------------------
+PROMPT = "The capital of France is"  # greedy: " Paris.\n\nThe answer is: 201"
+
+
+def generate(params: SamplingParams) -> tuple[Any, str]:
+    """Runs one request on the shared SmolLM2 engine; returns its final output and its streamed text."""
+    engine = smollm2().engine
+    engine.add_request("detok", engine.encode(PROMPT), params)
+    streamed = ""
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed += out.text_delta
+            assert REPLACEMENT not in out.text_delta
+            if out.finished:
+                final = out
+    return final, streamed
+
+
+def test_engine_text_without_stop() -> None:
+    out, streamed = generate(SamplingParams(temperature=0, max_tokens=12))
+    assert out.finish_reason == "length"
+    assert out.text == streamed == " Paris.\n\nThe answer is: 201"
+
+
+@pytest.mark.parametrize(
+    ("stop", "text"),
+    [
+        (["."], " Paris"),
+        (["\n\nThe", "answer"], " Paris."),  # spans three tokens; the earliest of two stop strings wins
+        ([" is:"], " Paris.\n\nThe answer"),
+    ],
+)
+def test_engine_stop_string_ends_generation_and_is_not_returned(stop: list[str], text: str) -> None:
+    out, streamed = generate(SamplingParams(temperature=0, max_tokens=12, stop=stop))
+    assert out.finish_reason == "stop"
+    assert out.text == streamed == text
+    assert len(out.token_ids) < 12
+
+
+def test_engine_stop_string_on_the_last_token_reports_stop() -> None:
+    # " Paris" then "." : the second token is both the max_tokens-th and completes the stop string.
+    out, _ = generate(SamplingParams(temperature=0, max_tokens=2, stop=["."]))
+    assert out.text == " Paris"
+    assert out.finish_reason == "stop"
+
+
+def test_shared_engine_is_left_idle() -> None:
+    engine = smollm2().engine
+    assert not engine.has_unfinished() and engine.slots.n_reserved == 0 and len(engine.runner.kv_cache) == 0
+    drain(engine)
