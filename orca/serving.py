@@ -41,6 +41,7 @@ class GenerateRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     prompt_text: str | None = None  # the prompt as text, echoed before a non-streaming completion
+    # (None for `messages`: a chat answer is the completion alone)
 
 
 def parse_generate_request(
@@ -66,9 +67,9 @@ def parse_generate_request(
             raise ValueError("text_input is empty: give at least one character")
         prompt_ids = codec.encode(prompt_text)
     else:
+        # A chat prompt is a structure, not text: its response carries the completion only.
         messages = _parse_messages(_string_input(inputs, "messages"))
         prompt_ids = codec.apply_chat_template(messages)
-        prompt_text = codec.decode(prompt_ids)
     params = _sampling_params(inputs, parameters)
     return GenerateRequest(
         prompt_token_ids=prompt_ids,

@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
                 reason = chunk.finish_reason or reason
             sys.stdout.write("\n")
+            sys.stdout.flush()
             print(f"[finish_reason: {reason}]", file=sys.stderr)
     except OrcaError as exc:
         print(f"error: {exc}", file=sys.stderr)
