@@ -72,29 +72,39 @@ class SamplingParams:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
+    def check_keys(cls, keys: Any, what: str = "sampling parameter") -> None:
+        """Unknown keys are an error naming them and the allowed ones, never silently ignored."""
+        unknown = sorted(set(keys) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown {what}(s) {', '.join(unknown)}; allowed: {', '.join(cls.field_names())}")
+
+    @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
-        """Builds from a JSON-like dict; unknown keys are an error, not silently ignored."""
+        """Builds from a JSON-like dict."""
         if not isinstance(values, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
-        unknown = sorted(set(values) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(
-                f"unknown sampling parameter(s) {', '.join(unknown)}; allowed: {', '.join(cls.field_names())}"
-            )
+        cls.check_keys(values)
         return cls(**values)
 
     @classmethod
     def from_json(cls, text: str) -> SamplingParams:
-        try:
-            values = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
-        return cls.from_dict(values)
+        return cls.from_dict(json_object(text, "sampling_parameters"))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
         return d
+
+
+def json_object(text: str, what: str) -> dict[str, Any]:
+    """Parses a JSON object (an empty string is {}); ValueError saying what `what` got wrong."""
+    try:
+        values = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(values).__name__}")
+    return values
 
 
 def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:

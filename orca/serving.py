@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from orca.engine import RequestOutput
-from orca.sampling_params import SamplingParams
+from orca.sampling_params import SamplingParams, json_object
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
 INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_in_output")
@@ -126,18 +126,8 @@ def _parse_messages(text: str) -> list[dict[str, str]]:
 def _sampling_params(inputs: dict[str, np.ndarray], parameters: dict[str, Any]) -> SamplingParams:
     values: dict[str, Any] = {}
     if "sampling_parameters" in inputs:
-        text = _string_input(inputs, "sampling_parameters")
-        try:
-            values = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"sampling_parameters must be a JSON object, got {type(values).__name__}")
-    unknown = sorted(set(parameters) - set(SamplingParams.field_names()))
-    if unknown:
-        raise ValueError(
-            f"unknown request parameter(s) {', '.join(unknown)}; allowed: {', '.join(SamplingParams.field_names())}"
-        )
+        values = json_object(_string_input(inputs, "sampling_parameters"), "sampling_parameters")
+    SamplingParams.check_keys(parameters, "request parameter")
     values = {**values, **{k: _parameter_value(k, v) for k, v in parameters.items()}}
     return SamplingParams.from_dict(values)
 
