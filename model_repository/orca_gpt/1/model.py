@@ -143,9 +143,10 @@ class TritonPythonModel:
 
     # -- the scheduler thread's side -------------------------------------------------------------
     def _cancelled_ids(self) -> list[str]:
+        # Under the lock: the response thread removes a request before sending its FINAL, and asking a
+        # sender whose FINAL is gone about cancellation crashes Triton (its response factory is freed).
         with self._active_lock:
-            active = list(self._active.items())
-        return [rid for rid, a in active if a.sender.is_cancelled()]
+            return [rid for rid, a in self._active.items() if a.sender.is_cancelled()]
 
     def _on_iteration(self, stats: Any) -> None:
         m, s = self.metrics, self.loop.stats
