@@ -1,8 +1,11 @@
-"""The end-to-end test model repository: orca_gpt exactly as shipped (SmolLM2 by default) beside tiny
-random GPT-2 variants that exercise queueing, cancellation and long runs in milliseconds per iteration."""
+"""The end-to-end test model repository: every model of model_repository/ exactly as shipped (orca_gpt and
+request_level_gpt on SmolLM2 by default) beside tiny
+random GPT-2 variants that exercise queueing, cancellation and long runs in milliseconds per iteration,
+and the request-level baseline (request_level_gpt's config and model.py) on the same tiny checkpoint."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -10,6 +13,7 @@ from checkpoints import make_gpt2
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "orca_gpt"
+SHIPPED_BASELINE = REPO_ROOT / "model_repository" / "request_level_gpt"
 
 # name -> engine parameters overriding the shipped config.pbtxt
 TINY_MODELS = {
@@ -18,6 +22,13 @@ TINY_MODELS = {
     # One request per iteration and a queue of two: the third waiting request is refused.
     "orca_tiny_q": {"max_bs": "1", "max_queue": "2", "n_slots": "4096"},
 }
+
+# The baseline serving the tiny checkpoint. Triton runs a batch as soon as it holds max_batch_size
+# requests; the long queue delay means a batch of exactly REQUEST_LEVEL_TINY_BATCH requests sent together
+# is always one batch, however slowly they arrive (a test sending fewer waits out the delay).
+REQUEST_LEVEL_TINY = "request_level_tiny"
+REQUEST_LEVEL_TINY_BATCH = 4
+REQUEST_LEVEL_TINY_DELAY_US = 30_000_000
 
 
 def _with_parameters(config: str, name: str, params: dict[str, str]) -> str:
@@ -36,11 +47,26 @@ def build_test_repository(root: Path) -> tuple[Path, Path]:
     """Returns (model repository, tiny GPT-2 checkpoint directory)."""
     repo = root / "model_repository"
     tiny = make_gpt2(root / "tiny-gpt2", n_positions=2048)
-    shutil.copytree(SHIPPED_MODEL, repo / "orca_gpt")
+    for shipped in sorted(SHIPPED_MODEL.parent.glob("*/config.pbtxt")):  # every shipped model, as is
+        shutil.copytree(shipped.parent, repo / shipped.parent.name)
     config = (SHIPPED_MODEL / "config.pbtxt").read_text()
     for name, params in TINY_MODELS.items():
         (repo / name / "1").mkdir(parents=True)
         shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / name / "1" / "model.py")
         text = _with_parameters(config, name, {"model": str(tiny), **params})
         (repo / name / "config.pbtxt").write_text(text)
+    _add_request_level_tiny(repo, tiny)
     return repo, tiny
+
+
+def _add_request_level_tiny(repo: Path, tiny: Path) -> None:
+    (repo / REQUEST_LEVEL_TINY / "1").mkdir(parents=True)
+    shutil.copy(SHIPPED_BASELINE / "1" / "model.py", repo / REQUEST_LEVEL_TINY / "1" / "model.py")
+    text = _with_parameters((SHIPPED_BASELINE / "config.pbtxt").read_text(), REQUEST_LEVEL_TINY, {"model": str(tiny)})
+    text, n_size = re.subn(r"^max_batch_size: \d+$", f"max_batch_size: {REQUEST_LEVEL_TINY_BATCH}", text, flags=re.M)
+    text, n_delay = re.subn(
+        r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {REQUEST_LEVEL_TINY_DELAY_US}", text
+    )
+    if (n_size, n_delay) != (1, 1):
+        raise RuntimeError("request_level_gpt/config.pbtxt lacks max_batch_size or max_queue_delay_microseconds")
+    (repo / REQUEST_LEVEL_TINY / "config.pbtxt").write_text(text)

@@ -1,24 +1,19 @@
 """Session fixtures shared by the server tests.
 
-``triton_server`` starts ONE tritonserver (the binary from the nvidia-pytriton
-wheel, through :class:`orca_server.launcher.TritonServer`) for the whole test
-session, serving the repository's own ``model_repository`` on free loopback
-ports.  It is lazy like every pytest fixture: a run that requests it from no
-test never starts Triton, so unit-test runs stay fast.
+``orca_server`` (alias ``triton_server``) starts ONE tritonserver (the binary from the nvidia-pytriton
+wheel, through :class:`orca_server.launcher.TritonServer`) for the whole test session, on free loopback
+ports, serving the test repository of tests/_server.py: every shipped model as is, plus tiny variants.
+It is lazy like every pytest fixture: a run that requests it from no test never starts Triton.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from orca_server.launcher import TritonServer
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 
 
 def _startup_timeout() -> float:
@@ -27,22 +22,20 @@ def _startup_timeout() -> float:
 
 
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    """A running Triton serving ``model_repository/``; stopped when the session ends.
+def orca_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    """The end-to-end test repository (tests/_server.py: the shipped models, tiny orca_gpt variants and
+    the tiny request-level baseline) on one Triton for every test module that asks for it. The yielded
+    server also has ``tiny_checkpoint``, the tiny GPT-2 directory the tiny models serve."""
+    from _server import build_test_repository
 
-    The yielded object has ``http_url`` (``http://127.0.0.1:PORT``),
-    ``http_address`` and ``grpc_url`` (``127.0.0.1:PORT``, what
-    ``tritonclient.http`` / ``tritonclient.grpc`` take), ``metrics_url``
-    (``http://127.0.0.1:PORT/metrics``) and ``log_path``.  If startup fails the
-    error carries the tail of the server log.
-    """
-    if not any(MODEL_REPOSITORY.glob("*/config.pbtxt")):
-        pytest.fail(f"no model in {MODEL_REPOSITORY}: nothing for the triton_server fixture to serve")
-    log_dir = tmp_path_factory.mktemp("triton_server")
-    with TritonServer(
-        MODEL_REPOSITORY,
-        log_path=log_dir / "tritonserver.log",
-        backend_dir=log_dir / "backends",
-        startup_timeout=_startup_timeout(),
-    ) as server:
+    root = tmp_path_factory.mktemp("e2e")
+    repo, tiny = build_test_repository(root)
+    with TritonServer(repo, log_path=root / "tritonserver.log", startup_timeout=_startup_timeout()) as server:
+        server.tiny_checkpoint = tiny
         yield server
+
+
+@pytest.fixture(scope="session")
+def triton_server(orca_server: TritonServer) -> TritonServer:
+    """The same single server: its repository holds every shipped model as is (tests/_server.py)."""
+    return orca_server

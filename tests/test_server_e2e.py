@@ -65,19 +65,6 @@ def idle(server: Any, model: str) -> bool:
     return m.get("orca_running_requests") == 0 and m.get("orca_kv_reserved_slots") == 0
 
 
-@pytest.fixture(scope="session")
-def orca_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from _server import build_test_repository
-
-    from orca_server.launcher import TritonServer
-
-    root = tmp_path_factory.mktemp("e2e")
-    repo, tiny = build_test_repository(root)
-    with TritonServer(repo, log_path=root / "tritonserver.log", startup_timeout=600) as server:
-        server.tiny_checkpoint = tiny
-        yield server
-
-
 @pytest.fixture(scope="module")
 def tiny_llm(orca_server: Any) -> LLM:
     """The offline engine over the same tiny checkpoint the server's orca_tiny serves."""

@@ -1,0 +1,131 @@
+"""Triton adapter for the request-level baseline (the paper's FasterTransformer + dynamic batcher setup).
+
+Not decoupled: Triton's dynamic batcher forms the batch and hands it to execute() as a list of requests
+(each with its own tensors, so prompts of different lengths need no padding). execute() runs the whole
+batch with orca.request_level.RequestLevelBatcher on the same engine model code as orca_gpt and returns
+one response per request only when the longest member is done; requests arriving meanwhile queue in
+Triton until the next batch. Request meaning (inputs, sampling parameters, outputs) is orca.serving's,
+exactly as for orca_gpt, with Triton's batch dimension in front of every tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from orca import EngineConfig, LLMEngine
+from orca.request_level import RequestLevelBatcher
+from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
+
+logger = logging.getLogger("request_level_gpt")
+
+# The engine's own limits that Triton's configuration decides here: max_bs is max_batch_size (a whole
+# Triton batch must run in one group of iterations) and the waiting queue is Triton's.
+_DERIVED = ("max_bs", "max_queue")
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        model_config = json.loads(args["model_config"])
+        if pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("request_level_gpt must not be decoupled: it answers once per batch")
+        max_batch_size = int(model_config.get("max_batch_size", 0))
+        if max_batch_size < 1:
+            raise pb_utils.TritonModelException("request_level_gpt needs max_batch_size >= 1 and dynamic_batching")
+        self.engine = LLMEngine(_engine_config(model_config, max_batch_size))
+        self.name = args["model_name"]
+        self.batcher = RequestLevelBatcher(self.engine, id_prefix=f"{self.name}-")
+        self.has_tokenizer = self.engine.tokenizer is not None
+        logger.info(
+            "%s ready: %s, max_batch_size=%d, n_slots=%d",
+            self.name, self.engine.checkpoint, max_batch_size, self.engine.n_slots,
+        )
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        """One Triton batch: every valid request runs in it; one response per request, in order."""
+        responses: list[Any] = [None] * len(requests)
+        members: list[tuple[int, GenerateRequest]] = []
+        for i, request in enumerate(requests):
+            try:
+                parsed = self._parse(request)
+                self.batcher.validate(parsed.prompt_token_ids, parsed.params)
+                members.append((i, parsed))
+            except ValueError as exc:
+                responses[i] = _error(str(exc), pb_utils.TritonError.INVALID_ARG)
+        if not members:
+            return responses
+        try:
+            outputs = self.batcher.run([(p.prompt_token_ids, p.params) for _, p in members])
+        except Exception as exc:  # noqa: BLE001 - answer every request whatever went wrong
+            logger.exception("a batch of %d requests failed", len(members))
+            for i, _ in members:
+                responses[i] = _error(f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            return responses
+        for (i, parsed), out in zip(members, outputs):
+            if out.finish_reason == "error":
+                responses[i] = _error(f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
+                continue
+            tensors = response_tensors(out, parsed, self.has_tokenizer)
+            # Every output gets Triton's batch dimension back: this request is one batch member.
+            responses[i] = pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor(k, v[np.newaxis]) for k, v in tensors.items()]
+            )
+        return responses
+
+    def finalize(self) -> None:
+        return None  # execute() finishes its batch before Triton unloads the model: nothing is in flight
+
+    def _parse(self, request: Any) -> GenerateRequest:
+        inputs = {}
+        for name in INPUT_NAMES:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                continue
+            array = tensor.as_numpy()
+            if array.ndim == 0 or array.shape[0] != 1:
+                rows = "no" if array.ndim == 0 else array.shape[0]
+                raise ValueError(f"{name} has {rows} batch rows: send one prompt per request (shape [1, ...])")
+            inputs[name] = array[0]
+        parameters = json.loads(request.parameters() or "{}")
+        parsed = parse_generate_request(inputs, parameters, self.engine, self.has_tokenizer)
+        if parsed.stream:
+            raise ValueError(
+                f"{self.name} answers each request once, when its batch ends: it cannot stream "
+                "(send stream=false, or use orca_gpt)"
+            )
+        return parsed
+
+
+def _error(message: str, code: Any) -> Any:
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def _engine_config(model_config: dict[str, Any], max_batch_size: int) -> EngineConfig:
+    """EngineConfig from the config.pbtxt parameters (strings; empty = default), as orca_gpt reads them."""
+    raw = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+    raw = {k: v.strip() for k, v in raw.items() if v.strip()}
+    if "model" not in raw and os.environ.get("ORCA_MODEL"):
+        raw["model"] = os.environ["ORCA_MODEL"]
+    ints = ("n_slots", "kv_cache_bytes", "max_model_len", "seed")
+    allowed = [k for k in EngineConfig.__dataclass_fields__ if k not in (*_DERIVED, "n_workers")]
+    options: dict[str, Any] = {"max_bs": max_batch_size, "max_queue": max_batch_size}
+    for key, value in raw.items():
+        if key in _DERIVED:
+            raise pb_utils.TritonModelException(
+                f"parameter {key!r} is not used by request_level_gpt: set max_batch_size and dynamic_batching"
+            )
+        if key not in allowed:
+            raise pb_utils.TritonModelException(f"unknown parameter {key!r}; allowed: {', '.join(allowed)}")
+        try:
+            options[key] = int(value) if key in ints else value
+        except ValueError:
+            raise pb_utils.TritonModelException(f"parameter {key} must be an integer, got {value!r}") from None
+    try:
+        return EngineConfig(**options)
+    except ValueError as exc:
+        raise pb_utils.TritonModelException(str(exc)) from None

@@ -1,0 +1,175 @@
+"""The paper's baseline: request-level batching (ORCA.md, "The problem"), on the same engine model code.
+
+FasterTransformer behind Triton's dynamic batcher fixes a batch when it starts and runs it until its
+longest member is done. A member that finished early keeps its place in the batch (its rows are still
+computed, the results thrown away) and no member is answered before the whole batch ends; a request that
+arrives meanwhile waits for the next batch. ``RequestLevelBatcher.run`` reproduces that on an
+``LLMEngine``, so the only difference from ``orca_gpt`` is the scheduling policy.
+
+How: every member joins the engine with max_tokens = the batch's largest and its EOS ignored, so all of
+them are admitted in the first iteration and leave together in the last one (as in FasterTransformer, which
+pads every sequence to the batch's output length). Afterwards each member's tokens are cut back at its own
+stop condition (its max_tokens, EOS unless ignore_eos, stop_token_ids, stop strings), with the engine's
+rules. The answer is what orca_gpt gives for the same request: greedy decoding does not depend on the
+batch, and the seeded sampler draws from (seed, step, token) only, never from the batch's composition.
+
+Memory, where FasterTransformer would run out of it (documented choices, both rare with the defaults):
+- A member whose context cannot hold the batch's largest max_tokens runs as long as its context allows
+  (never shorter than its own max_tokens) and then idles, its keys and values freed, until the batch ends.
+- When the K/V budget (n_slots) cannot hold every member at the batch's length, the batch is run as
+  consecutive sub-batches in arrival order (as if Triton's max_batch_size were smaller); every member is
+  still answered only when the last sub-batch ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from orca.detokenizer import IncrementalDetokenizer
+from orca.engine import LLMEngine, RequestOutput
+from orca.request import FinishReason
+from orca.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SubBatch:
+    """Members (indices into the batch) that run together, and how many tokens each one runs for."""
+
+    members: tuple[int, ...]
+    run_tokens: tuple[int, ...]
+
+
+class RequestLevelBatcher:
+    """Runs whole batches on an engine, request-level style. Not thread-safe: one batch at a time.
+
+    The engine's max_bs bounds a sub-batch, so it must be at least the serving batcher's max batch size
+    for a whole batch to run in one group of iterations.
+    """
+
+    def __init__(self, engine: LLMEngine, id_prefix: str = "batch-") -> None:
+        self.engine = engine
+        self._id_prefix = id_prefix
+        self._next_batch = 0
+        self.last_plan: list[SubBatch] = []
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming what is wrong with one member (the engine's own checks)."""
+        self.engine.validate(prompt_token_ids, params)
+
+    def plan(self, batch: Sequence[tuple[list[int], SamplingParams]]) -> list[SubBatch]:
+        """Splits a batch into sub-batches that fit max_bs and n_slots, in arrival order; one sub-batch
+        whenever the memory allows (the normal case)."""
+        engine = self.engine
+        subs: list[SubBatch] = []
+        group: list[int] = []
+        for i in range(len(batch)):
+            candidate = [*group, i]
+            if group and (
+                len(candidate) > engine.config.max_bs
+                or self._reservation(batch, candidate) > engine.n_slots
+            ):
+                subs.append(self._sub_batch(batch, group))
+                candidate = [i]
+            group = candidate
+        if group:
+            subs.append(self._sub_batch(batch, group))
+        return subs
+
+    def run(self, batch: Sequence[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
+        """Runs the batch to its end and returns every member's final output, in order. Raises ValueError
+        (naming the member) before any work if a member is invalid. A member whose iteration failed gets
+        finish_reason "error"."""
+        for i, (prompt, params) in enumerate(batch):
+            try:
+                self.validate(prompt, params)
+            except ValueError as exc:
+                raise ValueError(f"batch member {i}: {exc}") from None
+        if self.engine.has_unfinished():
+            raise RuntimeError("the engine still has requests: a request-level batch needs it to itself")
+        batch_id = self._next_batch
+        self._next_batch += 1
+        self.last_plan = self.plan(batch)
+        finals: dict[int, RequestOutput] = {}
+        for sub in self.last_plan:
+            finals.update(self._run_sub_batch(batch, sub, batch_id))
+        end = time.monotonic()  # nobody is answered before the last sub-batch ends
+        outputs = []
+        for i, (_, params) in enumerate(batch):
+            out = finals[i]
+            if out.finish_reason != FinishReason.ERROR.value:
+                out = self._cut(out, params)
+            out.finish_time = end
+            outputs.append(out)
+        return outputs
+
+    # -- internals -------------------------------------------------------------------------------
+    def _run_tokens(self, batch: Sequence[tuple[list[int], SamplingParams]], members: list[int]) -> list[int]:
+        longest = max(batch[i][1].max_tokens for i in members)
+        # A member's own max_tokens always fits its context (validate), so this never goes below it.
+        return [min(longest, self.engine.max_model_len - len(batch[i][0])) for i in members]
+
+    def _reservation(self, batch: Sequence[tuple[list[int], SamplingParams]], members: list[int]) -> int:
+        return sum(len(batch[i][0]) + n for i, n in zip(members, self._run_tokens(batch, members)))
+
+    def _sub_batch(self, batch: Sequence[tuple[list[int], SamplingParams]], members: list[int]) -> SubBatch:
+        return SubBatch(tuple(members), tuple(self._run_tokens(batch, members)))
+
+    def _run_sub_batch(
+        self, batch: Sequence[tuple[list[int], SamplingParams]], sub: SubBatch, batch_id: int
+    ) -> dict[int, RequestOutput]:
+        engine = self.engine
+        index_of: dict[str, int] = {}
+        for i, n in zip(sub.members, sub.run_tokens):
+            prompt, params = batch[i]
+            request_id = f"{self._id_prefix}{batch_id}-{i}"
+            index_of[request_id] = i
+            # Every member runs the batch's length: its own stop conditions are applied afterwards.
+            padded = replace(params, max_tokens=n, ignore_eos=True, stop=(), stop_token_ids=())
+            engine.add_request(request_id, prompt, padded)
+        finals: dict[int, RequestOutput] = {}
+        first = True
+        while engine.has_unfinished():
+            outputs = engine.step()
+            if first and engine.last_iteration.batch_size != len(sub.members):
+                # The plan fits max_bs and n_slots, so the scheduler admits everyone at once.
+                raise RuntimeError(
+                    f"the engine admitted {engine.last_iteration.batch_size} of {len(sub.members)} batch members"
+                )
+            first = False
+            for out in outputs:
+                if out.finished:
+                    finals[index_of[out.request_id]] = out
+        return finals
+
+    def _cut(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
+        """The member's tokens up to its own stop condition, by the engine's rules (LLMEngine._check_stop,
+        which this must follow; tests/test_baseline_and_bench.py compares the two on every rule): a stop
+        token id or EOS (unless ignore_eos) gives "stop", else max_tokens gives "length"; a stop string
+        found in the text gives "stop" (even on the last allowed token) with the text cut before it."""
+        engine = self.engine
+        detok = None if engine.tokenizer is None else IncrementalDetokenizer(engine.tokenizer, params.stop)
+        kept: list[int] = []
+        reason: FinishReason | None = None
+        for token in out.token_ids:
+            kept.append(token)
+            if token in params.stop_token_ids or (not params.ignore_eos and token in engine.eos_token_ids):
+                reason = FinishReason.STOP
+            elif len(kept) >= params.max_tokens:
+                reason = FinishReason.LENGTH
+            if detok is not None:
+                detok.add(token, final=reason is not None)
+                if detok.stopped:  # a stop string outranks max_tokens, as in the engine
+                    reason = FinishReason.STOP
+            if reason is not None:
+                break
+        if reason is None:  # cannot happen: every member runs at least its own max_tokens
+            raise RuntimeError(f"{out.request_id} ran {len(out.token_ids)} tokens, fewer than its max_tokens")
+        text = None if detok is None else detok.text[: detok.emitted]
+        return replace(
+            out, new_token_ids=kept, token_ids=kept, finish_reason=reason.value, text_delta=text, text=text
+        )
+
+
+__all__ = ["RequestLevelBatcher", "SubBatch"]
