@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -10,6 +12,7 @@ import torch
 ARCHITECTURES = ("gpt2", "llama")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+_INT_OPTIONS = ("max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed")
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,37 @@ class EngineConfig:
                 _check_int(name, getattr(self, name), 1)
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
+
+    @classmethod
+    def from_parameters(
+        cls,
+        raw: Mapping[str, str],
+        fixed: Mapping[str, Any] | None = None,
+        not_settable: Mapping[str, str] | None = None,
+    ) -> EngineConfig:
+        """From string options, as a Triton config.pbtxt's `parameters` hold them. Empty means the
+        default; an empty `model` falls back to $ORCA_MODEL (how `make serve` points the shipped models
+        elsewhere). `fixed` options are decided by the caller; `not_settable` maps keys the caller does
+        not let the user set to the reason. ValueError names an unknown key or a malformed value."""
+        not_settable = dict(not_settable or {})
+        options: dict[str, Any] = dict(fixed or {})
+        values = {k: v.strip() for k, v in raw.items() if v.strip()}
+        if "model" not in values and os.environ.get("ORCA_MODEL"):
+            values["model"] = os.environ["ORCA_MODEL"]
+        allowed = [f.name for f in fields(cls) if f.name not in not_settable and f.name not in options]
+        for key, value in values.items():
+            if key in not_settable:
+                raise ValueError(f"parameter {key!r} cannot be set here: {not_settable[key]}")
+            if key not in allowed:
+                raise ValueError(f"unknown parameter {key!r}; allowed: {', '.join(allowed)}")
+            if key in _INT_OPTIONS:
+                try:
+                    options[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"parameter {key} must be an integer, got {value!r}") from None
+            else:
+                options[key] = value
+        return cls(**options)
 
     @property
     def torch_device(self) -> torch.device:

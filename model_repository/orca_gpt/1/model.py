@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -202,18 +201,7 @@ def _send_error(sender: Any, message: str, code: Any) -> None:
 def _engine_config(model_config: dict[str, Any]) -> EngineConfig:
     """EngineConfig from the config.pbtxt parameters (strings; empty = default)."""
     raw = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-    raw = {k: v.strip() for k, v in raw.items() if v.strip()}
-    if "model" not in raw and os.environ.get("ORCA_MODEL"):
-        raw["model"] = os.environ["ORCA_MODEL"]
-    ints = ("max_bs", "n_slots", "kv_cache_bytes", "max_queue", "max_model_len", "n_workers", "seed")
-    options: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in EngineConfig.__dataclass_fields__:
-            raise pb_utils.TritonModelException(
-                f"unknown parameter {key!r}; allowed: {', '.join(EngineConfig.__dataclass_fields__)}"
-            )
-        try:
-            options[key] = int(value) if key in ints else value
-        except ValueError:
-            raise pb_utils.TritonModelException(f"parameter {key} must be an integer, got {value!r}") from None
-    return EngineConfig(**options)
+    try:
+        return EngineConfig.from_parameters(raw)
+    except ValueError as exc:
+        raise pb_utils.TritonModelException(str(exc)) from None

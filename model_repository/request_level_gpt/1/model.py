@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -106,26 +105,15 @@ def _error(message: str, code: Any) -> Any:
 
 
 def _engine_config(model_config: dict[str, Any], max_batch_size: int) -> EngineConfig:
-    """EngineConfig from the config.pbtxt parameters (strings; empty = default), as orca_gpt reads them."""
+    """EngineConfig from the config.pbtxt parameters (strings; empty = default), as orca_gpt reads them;
+    Triton's batcher decides the batch size and holds the queue."""
     raw = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-    raw = {k: v.strip() for k, v in raw.items() if v.strip()}
-    if "model" not in raw and os.environ.get("ORCA_MODEL"):
-        raw["model"] = os.environ["ORCA_MODEL"]
-    ints = ("n_slots", "kv_cache_bytes", "max_model_len", "seed")
-    allowed = [k for k in EngineConfig.__dataclass_fields__ if k not in (*_DERIVED, "n_workers")]
-    options: dict[str, Any] = {"max_bs": max_batch_size, "max_queue": max_batch_size}
-    for key, value in raw.items():
-        if key in _DERIVED:
-            raise pb_utils.TritonModelException(
-                f"parameter {key!r} is not used by request_level_gpt: set max_batch_size and dynamic_batching"
-            )
-        if key not in allowed:
-            raise pb_utils.TritonModelException(f"unknown parameter {key!r}; allowed: {', '.join(allowed)}")
-        try:
-            options[key] = int(value) if key in ints else value
-        except ValueError:
-            raise pb_utils.TritonModelException(f"parameter {key} must be an integer, got {value!r}") from None
+    reason = "request_level_gpt takes it from max_batch_size and dynamic_batching"
     try:
-        return EngineConfig(**options)
+        return EngineConfig.from_parameters(
+            raw,
+            fixed={"max_bs": max_batch_size, "max_queue": max_batch_size},
+            not_settable={**dict.fromkeys(_DERIVED, reason), "n_workers": "request-level batches run one at a time"},
+        )
     except ValueError as exc:
         raise pb_utils.TritonModelException(str(exc)) from None
