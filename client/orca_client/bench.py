@@ -516,12 +516,8 @@ def run_orca_offline(
     seconds = time.perf_counter() - start
     tokens = [o.token_ids for o in outputs]
     result["model"] = model_shape(engine.runner.model, engine.model_config)
-    flops = workload_flops(result["model"], prompts, [len(t) for t in tokens])
     result["orca"] = {
-        "seconds": seconds,
-        "generated_tokens": sum(len(t) for t in tokens),
-        "tokens_per_second": sum(len(t) for t in tokens) / seconds,
-        "model_flops": flops,
+        **run_record(result["model"], prompts, tokens, seconds),
         "max_bs": args.max_bs,
         "n_slots": engine.n_slots,
     }
@@ -646,12 +642,8 @@ def run_transformers_offline(
         tokens = _cb_generate(cb, prompts, max_new, "bench")
         seconds = time.perf_counter() - start
         resolved = cb.continuous_batching_config  # what transformers made of cb_config and the hints
-    flops = workload_flops(result["model"], prompts, [len(t) for t in tokens])
     result["transformers"] = {
-        "seconds": seconds,
-        "generated_tokens": sum(len(t) for t in tokens),
-        "tokens_per_second": sum(len(t) for t in tokens) / seconds,
-        "model_flops": flops,
+        **run_record(result["model"], prompts, tokens, seconds),
         "attn_implementation": model.config._attn_implementation,
         "max_requests_per_batch": getattr(resolved, "max_requests_per_batch", None),
         "max_batch_tokens": getattr(resolved, "max_batch_tokens", None),
@@ -711,6 +703,17 @@ def workload_flops(shape: dict[str, int], prompts: Sequence[Sequence[int]], gene
         m = len(prompt) + n - 1  # tokens through the layers
         total += 2 * shape["linear_params"] * m + head * n + per_pair * m * (m + 1) / 2
     return total
+
+
+def run_record(model: dict[str, Any], prompts: list[list[int]], tokens: list[list[int]], seconds: float) -> dict:
+    """What every timed offline run reports: time, generated tokens, tokens/s and the model FLOPs done."""
+    generated = sum(len(t) for t in tokens)
+    return {
+        "seconds": seconds,
+        "generated_tokens": generated,
+        "tokens_per_second": generated / seconds,
+        "model_flops": workload_flops(model, prompts, [len(t) for t in tokens]),
+    }
 
 
 def measure_matmul_peak(dtype: str, device: str, seconds: float) -> float:
