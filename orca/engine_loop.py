@@ -163,17 +163,14 @@ class EngineLoop:
                 logger.exception("on_output failed for request %s", out.request_id)
 
     def _cancel_all(self) -> list[RequestOutput]:
-        for request_id in list(self.engine.scheduler.request_ids()):
+        for request_id in self.engine.scheduler.request_ids():
             self.engine.abort_request(request_id)
         return self.engine.step()
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
-        outputs = []
-        for request_id in list(self.engine.scheduler.request_ids()):
-            self.engine.abort_request(request_id)
-        for out in self.engine.step():
+        outputs = self._cancel_all()
+        for out in outputs:
             out.finish_reason, out.error = FinishReason.ERROR.value, message
-            outputs.append(out)
         return outputs
 
 

@@ -8,7 +8,7 @@ computes logits only for each request's last row, and samples one token per requ
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 
 import torch
@@ -29,7 +29,6 @@ class IterationTimings:
     prepare: float = 0.0
     model: float = 0.0
     sample: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -73,7 +72,7 @@ class ModelRunner:
     def execution_order(requests: list[Request]) -> list[int]:
         """Increments first, then initiations (each group in the scheduler's order): the layout
         AttentionMetadata expects, which lets one-token requests share their merge."""
-        inc = [i for i, r in enumerate(requests) if r.num_computed_tokens > 0 and len(r.next_input_ids()) == 1]
+        inc = [i for i, r in enumerate(requests) if r.num_computed_tokens > 0]  # one new token each
         inc_set = set(inc)
         return inc + [i for i in range(len(requests)) if i not in inc_set]
 
