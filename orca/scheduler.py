@@ -1,9 +1,32 @@
-"""Orca's iteration-level scheduler: Algorithm 1 of the paper (see shared ORCA.md), exactly.
+"""Orca's iteration-level scheduler (Algorithm 1; docs/design.md), over a paged K/V block pool, with two
+admission policies and an optional per-iteration token budget (chunked prefill).
 
-The scheduler decides and the engine executes: ``schedule()`` returns the next batch (a plan), the engine
-runs one iteration of the model on it, and ``complete()`` takes the batch back. Up to n_workers batches may
-be in flight at once, one per pipeline stage; a request is in at most one of them (a RUNNING request is
-never selected again until its batch returns). Plain Python: no tensors here.
+The scheduler decides and the workers execute: ``schedule()`` returns the next batch, the engine turns it
+into a StepPlan for the workers, and ``complete()`` takes the batch back when its result returns. Up to
+n_workers batches may be in flight at once, one per pipeline stage; a request is in at most one of them (a
+running request is never selected again until its batch returns). Plain Python: no tensors here.
+
+Selection, every iteration, FCFS by arrival:
+1. Increments first: admitted requests with one token to feed (the token they sampled last), in arrival
+   order, while the batch has room (max_bs) and the token budget allows.
+2. Then prompt work fills what is left of the budget, in arrival order: admitted requests still in their
+   prompt (chunked prefill, or recomputing after a preemption), then waiting requests, which are admitted
+   here. A prompt longer than what is left of the budget runs as a chunk; its next chunk comes in a later
+   iteration, and its first token is sampled after its last chunk. Without a budget (Orca) a prompt runs
+   whole in its first iteration.
+Admission stops at the first waiting request that does not fit (``break``, not ``continue``): a later,
+smaller request never jumps ahead of an earlier one waiting for memory.
+
+Admission policies (``kv_admission``):
+- ``reserve`` (Orca): a request takes the blocks for its max_tokens (prompt + max new tokens) when
+  admitted, so it can always run to completion; nothing is ever preempted (TensorRT-LLM's
+  guaranteed_no_evict).
+- ``on_demand`` (vLLM): a request takes blocks as it grows. When a request that arrived earlier needs a
+  block and none is free, the most recently arrived admitted request that is not in flight (nor already in
+  this batch) is preempted: its blocks are freed and it goes back to waiting, ahead of later arrivals, to
+  recompute its prompt and generated tokens when readmitted. An earlier request is never preempted for a
+  later one, so the earliest admitted request can always grow (its max_tokens fits the whole pool: the
+  engine refuses any request that does not) and the pool never deadlocks.
 """
 
 from __future__ import annotations
@@ -11,42 +34,74 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from orca.kv_cache import KVSlotManager
-from orca.request import FinishReason, Phase, Request
+from orca.block_manager import BlockManager
+from orca.request import FinishReason, Request
+
+KV_ADMISSION_POLICIES = ("reserve", "on_demand")
+
+
+@dataclass
+class ScheduledRequest:
+    """One member of a batch: feed ``num_tokens`` tokens from position ``start``; ``new_blocks`` are the
+    blocks its table gained in this selection; ``sample`` when the chunk ends at its last known token, so
+    the iteration draws its next token."""
+
+    request: Request
+    num_tokens: int
+    start: int
+    new_blocks: list[int]
+    sample: bool
+    increment: bool  # Orca's increment phase (one token after a computed prefix)
 
 
 @dataclass
 class ScheduledBatch:
-    """One iteration's plan. ``admitted`` are the members scheduled for the first time, whose K/V
-    reservation was made by this selection: the engine allocates their buffers before running."""
+    """One iteration's selection. ``admitted`` joined this iteration (first time, or again after a
+    preemption); ``preempted`` lost their blocks in this selection and went back to waiting."""
 
     batch_id: int
-    requests: list[Request]
+    members: list[ScheduledRequest]
     admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [m.request for m in self.members]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(m.num_tokens for m in self.members)
 
 
 class OrcaScheduler:
-    """FCFS at iteration granularity with up-front K/V slot reservation.
-
-    - At most max_bs requests per iteration.
-    - A request is admitted (its max_tokens slots reserved) the first time it is selected; if that would
-      exceed n_slots, selection stops (``break``, not ``continue``): a later, smaller request never jumps
-      ahead of an earlier one that is waiting for memory.
-    - Requests join at any iteration and leave at the iteration they finish.
-    """
-
-    def __init__(self, max_bs: int, slots: KVSlotManager, n_workers: int = 1) -> None:
-        if isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1:
-            raise ValueError(f"max_bs must be an integer >= 1, got {max_bs!r}")
-        if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
-            raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
+    def __init__(
+        self,
+        max_bs: int,
+        blocks: BlockManager,
+        n_workers: int = 1,
+        kv_admission: str = "reserve",
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        for name, value in (("max_bs", max_bs), ("n_workers", n_workers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if kv_admission not in KV_ADMISSION_POLICIES:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION_POLICIES)}, got {kv_admission!r}")
+        if max_num_batched_tokens is not None and (
+            isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
+            or max_num_batched_tokens < 1
+        ):
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1 or None, got {max_num_batched_tokens!r}")
         self.max_bs = max_bs
         self.n_workers = n_workers
-        self.slots = slots
+        self.blocks = blocks
+        self.kv_admission = kv_admission
+        self.max_num_batched_tokens = max_num_batched_tokens
         # The request pool, in arrival order (insertion order of the dict = arrival order).
         self._pool: OrderedDict[str, Request] = OrderedDict()
         self._in_flight: deque[ScheduledBatch] = deque()
         self._next_batch_id = 0
+        self.num_preemptions = 0  # cumulative
 
     # -- queries ---------------------------------------------------------------------------------
     def __contains__(self, request_id: str) -> bool:
@@ -64,13 +119,18 @@ class OrcaScheduler:
 
     @property
     def num_running(self) -> int:
-        """Admitted requests: those holding a K/V reservation."""
-        return sum(1 for r in self._pool.values() if r.reserved)
+        """Admitted requests: those holding K/V blocks."""
+        return sum(1 for r in self._pool.values() if r.admitted)
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet admitted."""
-        return sum(1 for r in self._pool.values() if not r.reserved)
+        """Requests not admitted (new, or preempted)."""
+        return sum(1 for r in self._pool.values() if not r.admitted)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """Tokens whose keys and values the pool holds."""
+        return sum(r.num_computed_tokens for r in self._pool.values() if r.admitted)
 
     def can_schedule(self) -> bool:
         return len(self._in_flight) < self.n_workers
@@ -88,38 +148,95 @@ class OrcaScheduler:
         n_workers batches already in flight)."""
         if not self.can_schedule():
             return None
-        batch: list[Request] = []
-        admitted: list[Request] = []
-        for req in self._pool.values():
-            if req.running:
+        batch = ScheduledBatch(self._next_batch_id, [])
+        budget = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else float("inf")
+        chosen: set[str] = set()
+        candidates = [r for r in self._pool.values() if not r.running]
+        # 1. Increments: one token each.
+        for req in candidates:
+            if not req.in_increment:  # (also skips those preempted earlier in this pass)
                 continue
-            if len(batch) == self.max_bs:
+            if len(batch.members) == self.max_bs or budget < 1:
                 break
-            if req.phase is Phase.INITIATION and not req.reserved:
-                if not self.slots.can_reserve(req):
+            new_blocks = self._grow(req, req.num_computed_tokens + 1, batch, chosen)
+            if new_blocks is None:
+                break  # memory is full for this request and everything later: stop selecting
+            batch.members.append(ScheduledRequest(req, 1, req.num_computed_tokens, new_blocks, True, True))
+            chosen.add(req.request_id)
+            budget -= 1
+        # 2. Prompt work (initiation chunks), admitting waiting requests in arrival order.
+        for req in candidates:
+            if req.request_id in chosen or req.in_increment:
+                continue
+            if len(batch.members) == self.max_bs or budget < 1 or req in batch.preempted:
+                break  # (a request preempted in this selection waits, and so does everything after it)
+            n = int(min(req.num_uncomputed_tokens, budget))
+            start = req.num_computed_tokens
+            if req.admitted:
+                new_blocks = self._grow(req, start + n, batch, chosen)
+                if new_blocks is None:
+                    break
+            else:
+                target = req.max_tokens if self.kv_admission == "reserve" else start + n
+                if not self.blocks.can_grow(req.request_id, target):
                     break  # no queue jumping: later requests wait behind this one
-                self.slots.reserve(req)
-                admitted.append(req)
-            batch.append(req)
-        if not batch:
+                new_blocks = self.blocks.grow(req.request_id, target)
+                req.admitted = True
+                batch.admitted.append(req)
+            sample = n == req.num_uncomputed_tokens
+            batch.members.append(ScheduledRequest(req, n, start, new_blocks, sample, False))
+            chosen.add(req.request_id)
+            budget -= n
+        if not batch.members:  # (every preemption is for a member, so none happened)
             return None
-        for req in batch:
-            req.running = True
-        scheduled = ScheduledBatch(self._next_batch_id, batch, admitted)
+        for m in batch.members:
+            m.request.running = True
         self._next_batch_id += 1
-        self._in_flight.append(scheduled)
-        return scheduled
+        self._in_flight.append(batch)
+        return batch
+
+    def _grow(self, req: Request, num_tokens: int, batch: ScheduledBatch, chosen: set[str]) -> list[int] | None:
+        """Blocks so that an admitted request holds num_tokens tokens; under on_demand, preempts later
+        arrivals that are neither in flight nor in this batch when the pool is short. None when even
+        that cannot make room (the request then waits, keeping what it holds)."""
+        need = self.blocks.blocks_needed(req.request_id, num_tokens)
+        if need <= self.blocks.num_free_blocks:
+            return self.blocks.grow(req.request_id, num_tokens)
+        if self.kv_admission == "reserve":  # cannot happen: the reservation covers max_tokens
+            raise RuntimeError(f"{req.request_id} outgrew its reservation")
+        victims = [
+            r for r in reversed(self._pool.values())
+            if r.admitted and not r.running and r.request_id not in chosen and r.arrival > req.arrival
+        ]
+        reclaimable = sum(self.blocks.num_held(r.request_id) for r in victims)
+        if need > self.blocks.num_free_blocks + reclaimable:
+            return None
+        for victim in victims:  # latest arrival first
+            if need <= self.blocks.num_free_blocks:
+                break
+            self._preempt(victim)
+            batch.preempted.append(victim)
+        return self.blocks.grow(req.request_id, num_tokens)
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.request_id)
+        req.admitted = False
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
 
     def complete(self, batch: ScheduledBatch) -> list[Request]:
-        """A scheduled batch returned. The engine has already appended each member's new token and set
-        finish_reason on those that finished. Frees finished requests' slots; returns them."""
+        """A scheduled batch returned. The engine has already appended each sampled token and set
+        finish_reason on those that finished. Advances each member's computed tokens, frees the blocks of
+        finished requests; returns them."""
         if not self._in_flight or self._in_flight[0] is not batch:
             raise RuntimeError("batches must complete in the order they were scheduled")
         self._in_flight.popleft()
         finished: list[Request] = []
-        for req in batch.requests:
+        for m in batch.members:
+            req = m.request
             req.running = False
-            req.phase = Phase.INCREMENT
+            req.num_computed_tokens = m.start + m.num_tokens
             if req.aborted and not req.finished:
                 req.finish_reason = FinishReason.CANCELLED
             if req.finished:
@@ -129,7 +246,7 @@ class OrcaScheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Aborts a request. Returns it, finished as cancelled, if it was not in flight; a request in
-        flight is only marked, and leaves (with its slots) when its batch completes."""
+        flight is only marked, and leaves (with its blocks) when its batch completes."""
         req = self._pool.get(request_id)
         if req is None:
             return None
@@ -142,4 +259,5 @@ class OrcaScheduler:
 
     def _remove(self, req: Request) -> None:
         del self._pool[req.request_id]
-        self.slots.release(req)
+        self.blocks.free(req.request_id)
+        req.admitted = False

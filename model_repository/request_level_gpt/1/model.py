@@ -18,7 +18,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from orca import EngineConfig, LLMEngine
-from orca.request_level import RequestLevelBatcher
+from orca.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
 from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
 
 logger = logging.getLogger("request_level_gpt")
@@ -112,8 +112,12 @@ def _engine_config(model_config: dict[str, Any], max_batch_size: int) -> EngineC
     try:
         return EngineConfig.from_parameters(
             raw,
-            fixed={"max_bs": max_batch_size, "max_queue": max_batch_size},
-            not_settable={**dict.fromkeys(_DERIVED, reason), "n_workers": "request-level batches run one at a time"},
+            fixed={"max_bs": max_batch_size, "max_queue": max_batch_size, **REQUEST_LEVEL_OPTIONS},
+            not_settable={
+                **dict.fromkeys(_DERIVED, reason),
+                **dict.fromkeys(REQUEST_LEVEL_OPTIONS, "the baseline reserves K/V and runs whole prompts, as FasterTransformer"),
+                "n_workers": "request-level batches run one at a time",
+            },
         )
     except ValueError as exc:
         raise pb_utils.TritonModelException(str(exc)) from None

@@ -1,0 +1,50 @@
+"""Executors hand StepPlans to workers and StepResults back, in order.
+
+The engine's iteration is schedule -> submit -> collect -> complete: it submits up to n_workers plans
+before it collects the oldest result, so with pipeline stages (a multi-process executor) several batches
+are in flight at once. The executor is the only part of the engine that knows where workers run; the
+scheduler and the worker do not change with it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from orca.config import EngineConfig
+from orca.plan import StepPlan, StepResult
+from orca.worker import Worker
+
+
+class Executor(Protocol):
+    num_blocks: int  # K/V pool blocks every worker holds (the minimum over workers)
+
+    def submit(self, plan: StepPlan) -> None: ...
+    def collect(self) -> StepResult: ...  # the oldest submitted plan's result
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """One worker in the engine's own process: a submitted plan runs at once; collect returns results
+    in submission order."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.num_blocks = self.worker.determine_num_blocks()
+        if self.num_blocks < 1:
+            layout = self.worker.kv_layout
+            raise ValueError(
+                f"the K/V pool holds no block of {layout.block_size} tokens ({layout.bytes_per_block} bytes "
+                f"each): raise kv_cache_bytes or n_slots, or lower block_size"
+            )
+        self.worker.init_kv_pool(self.num_blocks)
+        self._results: deque[StepResult] = deque()
+
+    def submit(self, plan: StepPlan) -> None:
+        self._results.append(self.worker.execute(plan))
+
+    def collect(self) -> StepResult:
+        return self._results.popleft()
+
+    def shutdown(self) -> None:
+        self._results.clear()

@@ -1,0 +1,61 @@
+"""What crosses the boundary between the driver (engine + scheduler) and the workers: plain, picklable
+data. No tensors in a plan, no Request objects either way.
+
+A worker keeps, per request it has seen, its block table and its sampling options; a plan sends only what
+changed since: the blocks a request gained, its sampling options the first time (after each admission),
+and the ids whose state the worker must drop (finished, aborted, preempted) before it runs the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What a worker needs to draw a request's tokens (orca/sampler.py)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request's share of an iteration: feed ``token_ids`` at positions ``start``, ``start + 1``, ...
+    ``sampling`` is set when the worker has no state for the request yet (its table starts empty);
+    ``new_block_ids`` extend its block table; ``sample_step`` is the index of the output token to draw
+    (None for a prompt chunk that does not reach the prompt's end)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    new_block_ids: tuple[int, ...] = ()
+    sampling: SamplingSpec | None = None
+    sample_step: int | None = None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One iteration. ``free_request_ids`` are dropped before the plan runs (their blocks may be reused
+    by this very plan). ``return_logits`` asks for the float32 logits row of every sampled request."""
+
+    batch_id: int
+    requests: tuple[PlannedRequest, ...]
+    free_request_ids: tuple[str, ...] = ()
+    return_logits: bool = False
+    profile: bool = False  # time the phases (costs a device sync per phase)
+
+
+@dataclass
+class StepResult:
+    """A worker's answer to a plan: the token drawn for each request with a sample_step, or an error
+    (the whole iteration failed). ``logits`` rows are CPU tensors (plan.return_logits only);
+    ``timings`` are seconds per phase when the plan asked for profiling."""
+
+    batch_id: int
+    sampled: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    logits: dict[str, object] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,199 @@
+"""The worker: owns the device, the weights, the K/V pool and the attention path; carries out StepPlans.
+
+For each plan it drops the state of the requests the plan frees, extends block tables, turns the plan into
+flat tensors (every token of every request in one [T] row vector, positions, pool slots) plus an explicit
+AttentionMetadata, runs the model once, computes logits only for the rows that sample, and samples one
+token for each. It never sees a Request and never decides anything: the driver's scheduler did.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from orca.config import EngineConfig, ModelConfig
+from orca.kv_cache import KVLayout, blocks_from_gpu_memory
+from orca.loader import load_model, resolve_checkpoint
+from orca.models.attention import AttentionMetadata, PhaseTimer
+from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
+from orca.sampler import SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    """What the worker remembers of a request between plans."""
+
+    sampling: SamplingSpec
+    block_table: list[int] = field(default_factory=list)
+
+
+class Worker:
+    """One device's share of the engine. In-process today (orca/executor.py); the same class serves as the
+    body of a worker process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.checkpoint = resolve_checkpoint(config.model)
+        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device)
+        mc: ModelConfig = self.model_config
+        self.kv_layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.block_size)
+        self.kv_pool: torch.Tensor | None = None
+        self._requests: dict[str, _RequestState] = {}
+
+    # -- the K/V pool ----------------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        """How many K/V blocks this worker can hold: n_slots or kv_cache_bytes when given; on CUDA
+        otherwise what gpu_memory_utilization leaves after a profiling forward pass at the largest
+        iteration; on CPU otherwise the default kv_cache_bytes."""
+        cfg, layout = self.config, self.kv_layout
+        if cfg.n_slots is not None:
+            return cfg.n_slots // cfg.block_size
+        if cfg.kv_cache_bytes is not None or self.device.type != "cuda":
+            return layout.blocks_for_budget(cfg.effective_kv_cache_bytes)
+        return self._profile_gpu_blocks()
+
+    def _profile_gpu_blocks(self) -> int:
+        cfg = self.config
+        max_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                      self.model_config.max_position_embeddings)
+        num_tokens = min(cfg.max_num_batched_tokens or cfg.max_bs * max_len, cfg.max_bs * max_len)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        # A profiling iteration: `num_tokens` prompt tokens in sequences of max_len, on a scratch pool.
+        blocks = -(-num_tokens // cfg.block_size) + cfg.max_bs
+        self.kv_pool = self.kv_layout.allocate(blocks, self.device)
+        lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+        plan_requests, next_block = [], 0
+        for i, n in enumerate(lengths):
+            used = -(-n // cfg.block_size)
+            plan_requests.append(PlannedRequest(
+                f"profile-{i}", tuple([0] * n), 0, tuple(range(next_block, next_block + used)),
+                SamplingSpec(1.0, 0, 1.0, 0), sample_step=0,
+            ))
+            next_block += used
+        result = self.execute(StepPlan(-1, tuple(plan_requests)))
+        self._requests.clear()
+        if result.error:
+            raise RuntimeError(f"the profiling iteration ({num_tokens} tokens) failed: {result.error}")
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_pool.numel() * self.kv_pool.element_size()
+        self.kv_pool = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Memory in use by others (another process, the CUDA context) counts against the budget too.
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        n = blocks_from_gpu_memory(total, max(0, used_by_others) + peak, cfg.gpu_memory_utilization,
+                                   self.kv_layout.bytes_per_block)
+        logger.info("K/V pool from GPU memory: %d blocks (profiled %d tokens, peak %.2f GiB)", n, num_tokens,
+                    peak / 2**30)
+        return n
+
+    def init_kv_pool(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the K/V pool needs at least one block")
+        self.kv_pool = self.kv_layout.allocate(num_blocks, self.device)
+
+    # -- iterations ------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs one iteration. An exception fails this plan only: it comes back as StepResult.error."""
+        try:
+            return self._execute(plan)
+        except Exception as exc:  # noqa: BLE001 - the driver fails this iteration's requests, not the engine
+            logger.exception("iteration %d failed", plan.batch_id)
+            for pr in plan.requests:  # their state is now unreliable; the driver frees them anyway
+                self._requests.pop(pr.request_id, None)
+            return StepResult(plan.batch_id, error=f"{type(exc).__name__}: {exc}")
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan) -> StepResult:
+        if self.kv_pool is None:
+            raise RuntimeError("the K/V pool is not initialised")
+        timer = PhaseTimer(self.device) if plan.profile else None
+        t0 = time.perf_counter()
+        for request_id in plan.free_request_ids:
+            self._requests.pop(request_id, None)
+        ordered = _execution_order(plan.requests)
+        ids, pos, meta, sample_rows = self._prepare(ordered, timer)
+        t1 = time.perf_counter()
+        hidden = self.model(ids, pos, meta)  # (T, E)
+        result = StepResult(plan.batch_id)
+        if sample_rows is not None:
+            rows, specs, steps, sampled_ids = sample_rows
+            logits = self.model.compute_logits(hidden[rows])  # (B, V): no logits for other prompt rows
+            if timer is not None:
+                timer.sync()
+            t2 = time.perf_counter()
+            tokens = sample(logits, SamplingTensors.from_specs(specs, steps, self.device)).tolist()  # host sync
+            result.sampled = dict(zip(sampled_ids, tokens))
+            if plan.return_logits:
+                result.logits = dict(zip(sampled_ids, logits.detach().cpu().unbind(0)))
+        else:
+            if timer is not None:
+                timer.sync()
+            t2 = time.perf_counter()
+        if timer is not None:
+            t3 = time.perf_counter()
+            attention = timer.seconds.get("attention", 0.0)
+            result.timings = {"prepare": t1 - t0, "model": t2 - t1, "attention": attention, "sample": t3 - t2}
+        return result
+
+    def _prepare(
+        self, ordered: list[PlannedRequest], timer: PhaseTimer | None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, tuple | None]:
+        """Flat input ids and positions (T,), the attention metadata, and the sampling rows: (row indices
+        (B,), specs, steps, request ids) of the requests that draw a token, or None when none does."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        lengths: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        rows: list[int] = []
+        specs: list[SamplingSpec] = []
+        steps: list[int] = []
+        sampled_ids: list[str] = []
+        for pr, end in zip(ordered, itertools.accumulate(len(p.token_ids) for p in ordered)):
+            state = self._requests.get(pr.request_id)
+            if pr.sampling is not None:
+                state = self._requests[pr.request_id] = _RequestState(pr.sampling)
+            elif state is None:
+                raise RuntimeError(f"plan names request {pr.request_id!r}, which this worker does not hold")
+            state.block_table.extend(pr.new_block_ids)
+            n = len(pr.token_ids)
+            input_ids.extend(pr.token_ids)
+            positions.extend(range(pr.start, pr.start + n))
+            lengths.append(n)
+            context_lens.append(pr.start)
+            tables.append(state.block_table)
+            if pr.sample_step is not None:
+                rows.append(end - 1)
+                specs.append(state.sampling)
+                steps.append(pr.sample_step)
+                sampled_ids.append(pr.request_id)
+        meta = AttentionMetadata.build(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool, timer)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # (T,)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
+        sample_rows = None
+        if rows:
+            sample_rows = (torch.tensor(rows, dtype=torch.int64, device=self.device), specs, steps, sampled_ids)
+        return ids, pos, meta, sample_rows
+
+    @property
+    def num_requests(self) -> int:
+        """Requests this worker holds state for."""
+        return len(self._requests)
+
+
+def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
+    """Increments (one token after a cached prefix) first, then the rest, each group in plan order: the
+    layout AttentionMetadata expects, which lets one-token requests share their merge."""
+    inc = [r for r in requests if len(r.token_ids) == 1 and r.start > 0]
+    rest = [r for r in requests if not (len(r.token_ids) == 1 and r.start > 0)]
+    return inc + rest
