@@ -33,7 +33,6 @@ from orca.request import FinishReason
 from orca.sampling_params import SamplingParams
 from orca.stopping import apply_stop_rules
 
-
 # What the baseline's engine must be: FasterTransformer reserves each member's memory up front and runs
 # every prompt whole in the batch's first iteration.
 REQUEST_LEVEL_OPTIONS = {"kv_admission": "reserve", "max_num_batched_tokens": None}

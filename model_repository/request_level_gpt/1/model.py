@@ -26,6 +26,7 @@ logger = logging.getLogger("request_level_gpt")
 # The engine's own limits that Triton's configuration decides here: max_bs is max_batch_size (a whole
 # Triton batch must run in one group of iterations) and the waiting queue is Triton's.
 _DERIVED = ("max_bs", "max_queue")
+_AS_FASTERTRANSFORMER = "the baseline reserves K/V up front and runs whole prompts, as FasterTransformer does"
 
 
 class TritonPythonModel:
@@ -115,7 +116,7 @@ def _engine_config(model_config: dict[str, Any], max_batch_size: int) -> EngineC
             fixed={"max_bs": max_batch_size, "max_queue": max_batch_size, **REQUEST_LEVEL_OPTIONS},
             not_settable={
                 **dict.fromkeys(_DERIVED, reason),
-                **dict.fromkeys(REQUEST_LEVEL_OPTIONS, "the baseline reserves K/V and runs whole prompts, as FasterTransformer"),
+                **dict.fromkeys(REQUEST_LEVEL_OPTIONS, _AS_FASTERTRANSFORMER),
                 "n_workers": "request-level batches run one at a time",
             },
         )
