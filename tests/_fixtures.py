@@ -79,28 +79,21 @@ def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 def record_logits(engine: LLMEngine, monkeypatch: Any) -> list[dict[str, torch.Tensor]]:
-    """From now on, records each iteration's logits as {request id: (V,) row}.
-
-    Wraps the model's compute_logits (what the sampler sees) and the runner's prepare, whose argument is
-    the requests in the order their rows are laid out: the runner may reorder a batch (increments first),
-    so rows are matched to requests by that order, never assumed to follow the scheduler's."""
+    """From now on, records each iteration's logits as {request id: (V,) row}: the rows the sampler drew
+    from, through the engine's public logits capture (RequestOutput.logits). Wraps step() only to
+    collect them; `monkeypatch` undoes that at the end of the test."""
     iterations: list[dict[str, torch.Tensor]] = []
-    layout: list[str] = []
-    prepare = engine.runner.prepare
-    compute_logits = engine.runner.model.compute_logits
+    step = engine.step
+    engine.capture_logits = True
 
-    def recording_prepare(requests: list[Any], *args: Any, **kwargs: Any) -> Any:
-        layout[:] = [r.request_id for r in requests]
-        return prepare(requests, *args, **kwargs)
+    def recording_step() -> list[RequestOutput]:
+        outputs = step()
+        rows = {out.request_id: out.logits for out in outputs if out.logits is not None}
+        if rows:
+            iterations.append(rows)
+        return outputs
 
-    def recording_compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
-        assert logits.shape[0] == len(layout)
-        iterations.append(dict(zip(layout, logits.detach().clone())))
-        return logits
-
-    monkeypatch.setattr(engine.runner, "prepare", recording_prepare)
-    monkeypatch.setattr(engine.runner.model, "compute_logits", recording_compute_logits)
+    monkeypatch.setattr(engine, "step", recording_step)
     return iterations
 
 

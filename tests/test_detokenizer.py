@@ -172,5 +172,5 @@ def test_engine_stop_string_on_the_last_token_reports_stop() -> None:
 
 def test_shared_engine_is_left_idle() -> None:
     engine = smollm2().engine
-    assert not engine.has_unfinished() and engine.slots.n_reserved == 0 and len(engine.runner.kv_cache) == 0
+    assert not engine.has_unfinished() and engine.stats().kv_allocated_blocks == 0
     drain(engine)

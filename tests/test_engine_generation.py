@@ -13,6 +13,14 @@ from orca import LLM, RequestOutput, SamplingParams
 
 MAX_BS = 5
 N_SLOTS = 128  # a request needs up to 24 + 20 = 44 slots, 22 on average: about five fit at once
+# K/V configurations every generation must be exact under (the parity the paged pool must keep):
+# Orca's slot-exact reservation; paged blocks with a token budget that chunks most prompts; and a pool so
+# small under on_demand admission that requests are preempted (and recomputed) again and again.
+KV_CONFIGS = {
+    "orca-reserve": dict(n_slots=N_SLOTS, block_size=1, kv_admission="reserve"),
+    "paged-reserve-chunked": dict(n_slots=N_SLOTS, block_size=4, kv_admission="reserve", max_num_batched_tokens=8),
+    "on-demand-preempting": dict(n_slots=44, block_size=4, kv_admission="on_demand", max_num_batched_tokens=8),
+}
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
@@ -37,10 +45,13 @@ def references() -> dict[str, list[list[int]]]:
     return {fam: [hf_greedy(tiny_reference(fam), prompt, n) for prompt, n in workload(0)] for fam in FAMILIES}
 
 
+@pytest.mark.parametrize("kv", list(KV_CONFIGS))
 def test_requests_joining_at_different_iterations_generate_transformers_greedy_tokens(
-    family: str, references: dict[str, list[list[int]]]
+    family: str, kv: str, references: dict[str, list[list[int]]]
 ) -> None:
-    engine = tiny_engine(family, max_bs=MAX_BS, n_slots=N_SLOTS)
+    options = KV_CONFIGS[kv]
+    engine = tiny_engine(family, max_bs=MAX_BS, **options)
+    budget = options.get("max_num_batched_tokens")
     specs = workload(0)
     rng = random.Random(1)
     join_at = sorted(rng.randint(0, 20) for _ in specs)  # iteration at which request i arrives
@@ -57,20 +68,29 @@ def test_requests_joining_at_different_iterations_generate_transformers_greedy_t
             streamed[out.request_id].extend(out.new_token_ids)
             if out.finished:
                 final[out.request_id] = out
-        stats = engine.last_iteration
-        assert stats.batch_size <= MAX_BS
-        assert engine.slots.n_reserved <= N_SLOTS
-        assert engine.runner.kv_cache.allocated_slots == engine.slots.n_reserved
-        saw_full_batch |= stats.batch_size == MAX_BS
-        # A request waits for K/V memory although the batch has room: admission is slot-constrained.
-        saw_memory_wait |= engine.scheduler.num_waiting > 0 and stats.batch_size < MAX_BS
+        it, stats = engine.last_iteration, engine.stats()
+        assert it.batch_size <= MAX_BS and (budget is None or it.num_tokens <= budget)
+        assert stats.kv_allocated_blocks <= stats.kv_total_blocks
+        assert stats.kv_used_tokens <= stats.kv_allocated_slots
+        assert it.kv_used_tokens <= it.kv_allocated_blocks * stats.block_size
+        saw_full_batch |= it.batch_size == MAX_BS
+        # A request waits for K/V memory although the batch has room: admission is memory-constrained.
+        saw_memory_wait |= stats.waiting > 0 and it.batch_size < MAX_BS
         iteration += 1
-        assert iteration < 1000
-    assert saw_full_batch and saw_memory_wait, "the workload must exercise both max_bs and n_slots"
-    assert engine.slots.n_reserved == 0 and len(engine.runner.kv_cache) == 0
+        assert iteration < 2000
+    assert saw_memory_wait, "the workload must exercise the K/V pool's limit"
+    assert saw_full_batch or kv == "on-demand-preempting", "the workload must exercise max_bs"
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.kv_allocated_blocks, stats.kv_used_tokens) == (0, 0, 0, 0)
+    if options["kv_admission"] == "reserve":
+        assert stats.preemptions == 0
+    else:
+        assert stats.preemptions >= 8, "the tiny pool must force many preemptions"
+    if budget is not None:
+        assert sum(len(prompt) > budget for prompt, _ in specs) >= 8, "most prompts must be chunked"
     for i, expected in enumerate(references[family]):
         out = final[f"r{i}"]
-        assert out.token_ids == expected, f"{family} r{i}"
+        assert out.token_ids == expected, f"{family} {kv} r{i}"
         assert streamed[f"r{i}"] == expected
         assert out.finish_reason == "length" and out.num_prompt_tokens == len(specs[i][0])
         assert out.first_token_time is not None and out.finish_time is not None
@@ -90,7 +110,7 @@ def test_offline_generate_matches_transformers(
     assert [out.token_ids for out in outputs] == references[family]
     assert [out.prompt_token_ids for out in outputs] == [prompt for prompt, _ in specs]
     assert all(out.finish_reason == "length" and out.text is None for out in outputs)
-    assert not llm.engine.has_unfinished() and llm.engine.slots.n_reserved == 0
+    assert not llm.engine.has_unfinished() and llm.engine.stats().kv_allocated_blocks == 0
 
 
 def test_offline_generate_rejects_bad_arguments_before_any_work() -> None:
@@ -135,6 +155,32 @@ def test_seeded_request_samples_the_same_tokens_alone_and_in_a_busy_batch(family
         assert busy.last_iteration.batch_size > 1 or iteration == 0
     outputs.update(drain(busy))
     assert outputs["s"].token_ids == expected
+
+
+def test_seeded_request_samples_the_same_tokens_chunked_and_after_preemption(family: str) -> None:
+    alone = tiny_engine(family)
+    alone.add_request("s", PROMPT, SEEDED)
+    expected = drain(alone)["s"].token_ids
+
+    # Chunked: a budget of 4 tokens per iteration splits the 6-token prompt in two.
+    chunked = tiny_engine(family, max_num_batched_tokens=4)
+    chunked.add_request("s", PROMPT, SEEDED)
+    first = chunked.step()
+    assert first[0].new_token_ids == [] and chunked.last_iteration.num_tokens == 4  # no token mid-prompt
+    assert drain(chunked)["s"].token_ids == expected
+
+    # Preempted: two earlier requests grow into a 12-block pool until the latest arrival, "s" (26 tokens
+    # at most), loses its blocks; it is recomputed when readmitted and draws the same tokens.
+    tight = tiny_engine(family, block_size=4, n_slots=48, kv_admission="on_demand", max_num_batched_tokens=8)
+    tight.add_request("a", [3] * 10, greedy(20))
+    tight.add_request("b", [7] * 10, greedy(20))
+    tight.add_request("s", PROMPT, SEEDED)
+    outputs = drain(tight)
+    assert tight.stats().preemptions >= 1
+    assert outputs["s"].token_ids == expected
+    reference = tiny_reference(family)
+    assert outputs["a"].token_ids == hf_greedy(reference, [3] * 10, 20)
+    assert outputs["b"].token_ids == hf_greedy(reference, [7] * 10, 20)
 
 
 def test_unseeded_requests_differ() -> None:
@@ -182,24 +228,47 @@ def test_stop_token_ids_and_eos(family: str) -> None:
     assert outputs["ignore"].finish_reason == "length" and outputs["ignore"].token_ids == expected
 
 
-def test_kv_buffers_are_sized_per_request_and_freed_when_it_finishes() -> None:
-    engine = tiny_engine("llama")
-    engine.add_request("short", [1, 2, 3], greedy(2))
-    engine.add_request("long", [4] * 10, greedy(7))
+def test_reserve_takes_the_blocks_of_max_tokens_at_admission() -> None:
+    engine = tiny_engine("llama", block_size=4, n_slots=64, kv_admission="reserve")
+    engine.add_request("short", [1, 2, 3], greedy(2))  # 5 tokens: 2 blocks
+    engine.add_request("long", [4] * 10, greedy(7))  # 17 tokens: 5 blocks
     engine.step()
-    cache, layout = engine.runner.kv_cache, engine.runner.kv_layout
-    cfg = engine.model_config
-    assert cache.get("short").shape == (cfg.num_layers, 2, cfg.num_kv_heads, 3 + 2, cfg.head_dim)
-    assert cache.get("long").shape == (cfg.num_layers, 2, cfg.num_kv_heads, 10 + 7, cfg.head_dim)
-    assert engine.slots.n_reserved == 5 + 17 == cache.allocated_slots
-    assert layout.bytes_per_slot == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    stats = engine.stats()
+    assert (stats.kv_allocated_blocks, stats.kv_used_tokens, stats.running) == (2 + 5, 3 + 10, 2)
     outputs = engine.step()
     assert [out.request_id for out in outputs if out.finished] == ["short"]
-    assert len(cache) == 1 and engine.slots.n_reserved == 17
+    assert (engine.stats().kv_allocated_blocks, engine.stats().kv_used_tokens) == (5, 11)
     drain(engine)
-    assert len(cache) == 0 and engine.slots.n_reserved == 0
+    assert engine.stats().kv_allocated_blocks == 0 and engine.stats().kv_used_tokens == 0
 
 
-def test_n_slots_defaults_to_the_kv_cache_budget() -> None:
-    engine = tiny_engine("gpt2", kv_cache_bytes=100_000)
-    assert engine.n_slots == 100_000 // engine.runner.kv_layout.bytes_per_slot
+def test_on_demand_takes_blocks_as_requests_grow() -> None:
+    engine = tiny_engine("llama", block_size=4, n_slots=64, kv_admission="on_demand")
+    engine.add_request("short", [1, 2, 3], greedy(2))
+    engine.add_request("long", [4] * 10, greedy(7))
+    engine.step()  # prompts: 3 tokens (1 block) and 10 tokens (3 blocks)
+    assert (engine.stats().kv_allocated_blocks, engine.stats().kv_used_tokens) == (1 + 3, 3 + 10)
+    engine.step()  # increments at positions 3 and 10: both fit the blocks they hold; short finishes
+    assert (engine.stats().kv_allocated_blocks, engine.stats().kv_used_tokens) == (3, 11)
+    engine.step()  # long's token 12 needs a fourth block
+    assert (engine.stats().kv_allocated_blocks, engine.stats().kv_used_tokens) == (3, 12)
+    engine.step()
+    assert (engine.stats().kv_allocated_blocks, engine.stats().kv_used_tokens) == (4, 13)
+    drain(engine)
+    assert engine.stats().kv_allocated_blocks == 0
+
+
+def test_the_pool_is_sized_from_kv_cache_bytes_in_whole_blocks() -> None:
+    engine = tiny_engine("gpt2", kv_cache_bytes=100_000, block_size=8)
+    cfg = engine.model_config
+    bytes_per_block = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * 8  # fp32
+    stats = engine.stats()
+    assert stats.kv_total_blocks == 100_000 // bytes_per_block and stats.block_size == 8
+    assert engine.n_slots == stats.kv_total_blocks * 8
+    assert tiny_engine("gpt2", n_slots=37, block_size=8).stats().kv_total_blocks == 4  # whole blocks
+
+
+def test_an_unadmitted_request_that_cannot_fit_the_pool_is_refused() -> None:
+    engine = tiny_engine("gpt2", block_size=4, n_slots=48, kv_admission="on_demand")
+    with pytest.raises(ValueError, match=r"K/V cache of 48 slots: max_tokens must be in \[1, 38\]"):
+        engine.add_request("big", [1] * 10, greedy(39))

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from orca import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from orca.models.attention import AttentionMetadata
+from orca.worker import Worker
 
 ATOL = 1e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -87,28 +88,29 @@ def test_mixed_iteration_matches_each_request_alone(family: str, monkeypatch: py
     assert len(captured) == 6
 
 
-def test_model_forward_over_a_cached_prefix(family: str) -> None:
-    """The model itself, two requests in one flattened batch: an initiation of a whole prompt (every row's
-    logits, i.e. the causal mask) and a continuation of several tokens after a cached prefix (the masked
-    path of selective attention), against transformers on the full sequences."""
-    engine = tiny_engine(family)
-    model, cfg = engine.runner.model, engine.model_config
+@pytest.mark.parametrize("tables", ["consecutive", "scattered"])
+def test_model_forward_over_a_cached_prefix(family: str, tables: str) -> None:
+    """The model itself over the paged K/V pool, two requests in one flattened batch: an initiation of a
+    whole prompt (every row's logits, i.e. the causal mask) and a continuation of several tokens after a
+    cached prefix (the masked path of selective attention, as a later prompt chunk runs), against
+    transformers on the full sequences. Block tables of consecutive blocks are read as views of the pool,
+    scattered ones through a gather: both must give the same numbers."""
+    worker = Worker(EngineConfig(model=str(tiny_checkpoint(family)), block_size=4, n_slots=64))
+    worker.init_kv_pool(16)
+    model, pool = worker.model, worker.kv_pool
     ref = tiny_reference(family)
     rng = random.Random(1)
     first, second = random_prompt(rng, 6), random_prompt(rng, 10)
-
-    def buffer(max_tokens: int) -> torch.Tensor:
-        return torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, max_tokens, cfg.head_dim)
-
-    buf_first, buf_second = buffer(8), buffer(12)
+    table_first, table_second = ([0, 1], [2, 3, 4]) if tables == "consecutive" else ([9, 2], [7, 0, 12])
     with torch.inference_mode():
         # Iteration 1: the first 4 tokens of `second` alone.
-        meta = AttentionMetadata.build([4], [0], [buf_second])
+        meta = AttentionMetadata.build([4], [0], [table_second], 4, pool)
         model(torch.tensor(second[:4]), torch.arange(4), meta)
         # Iteration 2: all of `first` (initiation) + the remaining 6 tokens of `second` after its prefix.
         ids = torch.tensor(first + second[4:])
         positions = torch.tensor(list(range(6)) + list(range(4, 10)))
-        meta = AttentionMetadata.build([6, 6], [0, 4], [buf_first, buf_second])
+        meta = AttentionMetadata.build([6, 6], [0, 4], [table_first, table_second], 4, pool)
+        assert (meta.views[0] is None) == (tables == "scattered")
         logits = model.compute_logits(model(ids, positions, meta))  # (12, V)
         expected_first = ref(torch.tensor([first])).logits[0]  # (6, V)
         expected_second = ref(torch.tensor([second])).logits[0, 4:]  # (6, V)

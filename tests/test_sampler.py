@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from orca.request import Request
+from orca.plan import SamplingSpec
 from orca.sampler import SamplingTensors, counter_uniform, sample
 from orca.sampling_params import SamplingParams
 
@@ -145,19 +145,25 @@ def test_mixed_batch_rows_follow_their_own_options() -> None:
         _request(2, SamplingParams(temperature=1.0, top_k=1, seed=4)),
         _request(3, SamplingParams(temperature=1.2, top_p=0.9, seed=5)),
     ]
-    st = SamplingTensors.from_requests(reqs, torch.device("cpu"))
+    st = _tensors(reqs)
     assert not st.all_greedy and st.any_filter
     ids = sample(logits, st)
     assert ids[0] == logits[0].argmax() and ids[2] == logits[2].argmax()
     assert ids[1] in logits[1].topk(5).indices
     # Each sampled row draws the same token alone as inside the batch.
     for i in (1, 3):
-        alone = sample(logits[i : i + 1], SamplingTensors.from_requests([reqs[i]], torch.device("cpu")))
+        alone = sample(logits[i : i + 1], _tensors([reqs[i]]))
         assert alone.item() == ids[i].item()
 
 
-def _request(i: int, params: SamplingParams) -> Request:
-    return Request(f"r{i}", [1, 2], params, arrival=i, seed=params.seed if params.seed is not None else 99)
+def _request(i: int, params: SamplingParams) -> SamplingSpec:
+    """What a worker receives for a request in a plan (orca/plan.py)."""
+    seed = params.seed if params.seed is not None else 99
+    return SamplingSpec(params.temperature, params.top_k, params.top_p, seed)
+
+
+def _tensors(specs: list[SamplingSpec]) -> SamplingTensors:
+    return SamplingTensors.from_specs(specs, [0] * len(specs), torch.device("cpu"))
 
 
 # -- the sampled distribution ----------------------------------------------------------------------

@@ -7,7 +7,10 @@ import pytest
 from _fixtures import drain, hf_greedy, tiny_checkpoint, tiny_engine, tiny_reference
 
 from orca import EngineConfig, LLMEngine, QueueFullError, SamplingParams
+from orca.executor import InProcessExecutor
+from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.sampling_params import DEFAULT_MAX_TOKENS
+from orca.worker import Worker
 
 
 # -- SamplingParams --------------------------------------------------------------------------------
@@ -142,8 +145,9 @@ def test_engine_rejects_options_the_model_cannot_honour() -> None:
 # -- request validation ----------------------------------------------------------------------------
 @pytest.fixture
 def engine() -> LLMEngine:
-    """Tiny GPT-2 (vocab 211, context 128) with a 64-slot K/V cache."""
-    return tiny_engine("gpt2", n_slots=64, max_queue=2)
+    """Tiny GPT-2 (vocab 211, context 128) with a 64-slot K/V pool under Orca's reservation, one token per
+    block, so admission is slot-exact."""
+    return tiny_engine("gpt2", n_slots=64, max_queue=2, kv_admission="reserve", block_size=1)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +168,7 @@ def engine() -> LLMEngine:
 def test_engine_rejects_bad_requests(engine: LLMEngine, prompt: object, params: SamplingParams, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         engine.add_request("bad", prompt, params)  # type: ignore[arg-type]
-    assert not engine.has_unfinished() and engine.slots.n_reserved == 0
+    assert not engine.has_unfinished() and engine.stats().kv_allocated_slots == 0
 
 
 def test_engine_accepts_a_request_that_fills_the_cache_exactly(engine: LLMEngine) -> None:
@@ -190,7 +194,7 @@ def test_queue_full(engine: LLMEngine) -> None:
     engine.add_request("c", [1] * 5, params)
     engine.add_request("d", [1] * 5, params)
     engine.step()  # c and d wait: 50 + 25 > 64
-    assert engine.scheduler.num_waiting == 2
+    assert engine.stats().waiting == 2
     with pytest.raises(QueueFullError):
         engine.add_request("e", [1] * 5, params)
     assert set(drain(engine)) == {"a", "b", "c", "d"}
@@ -201,16 +205,16 @@ def test_abort_a_waiting_request(engine: LLMEngine) -> None:
     engine.add_request("run", [1] * 5, params)
     engine.add_request("wait", [2] * 5, params)
     engine.step()
-    assert engine.scheduler.num_waiting == 1 and engine.slots.n_reserved == 35
+    assert engine.stats().waiting == 1 and engine.stats().kv_allocated_slots == 35
     assert engine.abort_request("wait")
     assert not engine.abort_request("wait") and not engine.abort_request("never-added")
     outputs = engine.step()
     cancelled = [out for out in outputs if out.request_id == "wait"]
     assert len(cancelled) == 1
     assert cancelled[0].finished and cancelled[0].finish_reason == "cancelled" and cancelled[0].token_ids == []
-    assert engine.slots.n_reserved == 35  # only "run" holds slots
+    assert engine.stats().kv_allocated_slots == 35  # only "run" holds slots
     assert set(drain(engine)) == {"run"}
-    assert engine.slots.n_reserved == 0
+    assert engine.stats().kv_allocated_slots == 0
 
 
 def test_abort_a_running_request_frees_its_slots(engine: LLMEngine) -> None:
@@ -220,27 +224,46 @@ def test_abort_a_running_request_frees_its_slots(engine: LLMEngine) -> None:
     engine.step()
     engine.step()
     assert engine.abort_request("victim")
-    assert engine.slots.n_reserved == 0 and len(engine.runner.kv_cache) == 0
+    assert engine.stats().kv_allocated_slots == 0
     outputs = engine.step()  # the cancellation, and "next" admitted into the freed slots
     by_id = {out.request_id: out for out in outputs}
     assert by_id["victim"].finish_reason == "cancelled" and len(by_id["victim"].token_ids) == 2
-    assert not by_id["next"].finished and engine.slots.n_reserved == 35
+    assert not by_id["next"].finished and engine.stats().kv_allocated_slots == 35
     drain(engine)
 
 
-def test_an_iteration_that_raises_fails_only_its_requests(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+class FlakyExecutor(InProcessExecutor):
+    """The in-process executor, reporting a failure for the third iteration (as a worker does when its
+    forward raises: see test_a_worker_turns_an_exception_into_an_error_result)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.calls = 0
+
+    def collect(self) -> StepResult:
+        result = super().collect()
+        self.calls += 1
+        return StepResult(result.batch_id, error="RuntimeError: device fell over") if self.calls == 3 else result
+
+
+def test_a_worker_turns_an_exception_into_an_error_result() -> None:
+    worker = Worker(EngineConfig(model=str(tiny_checkpoint("gpt2")), n_slots=64, block_size=4))
+    worker.init_kv_pool(16)
+    spec = SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    good = PlannedRequest("a", (1, 2, 3), 0, (0,), spec, sample_step=0)
+    # The plan names a request the worker never saw: its forward cannot run.
+    result = worker.execute(StepPlan(0, (good, PlannedRequest("ghost", (4,), 7))))
+    assert result.batch_id == 0 and result.sampled == {}
+    assert result.error is not None and "ghost" in result.error
+    assert worker.num_requests == 0  # the failed plan's requests are dropped
+    result = worker.execute(StepPlan(1, (good,)))  # the worker carries on
+    assert result.error is None and list(result.sampled) == ["a"]
+
+
+def test_an_iteration_that_fails_fails_only_its_requests() -> None:
+    config = EngineConfig(model=str(tiny_checkpoint("gpt2")), n_slots=64, kv_admission="reserve", block_size=1)
+    engine = LLMEngine(config, executor=FlakyExecutor(config))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    calls = 0
-    execute = engine.runner.execute
-
-    def flaky(requests: list) -> list[int]:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
-            raise RuntimeError("device fell over")
-        return execute(requests)
-
-    monkeypatch.setattr(engine.runner, "execute", flaky)
     engine.add_request("a", [1, 2, 3], params)
     engine.add_request("b", [4, 5], params)
     engine.step()
@@ -253,7 +276,7 @@ def test_an_iteration_that_raises_fails_only_its_requests(engine: LLMEngine, mon
         assert out.error is not None and "RuntimeError" in out.error and "device fell over" in out.error
         assert out.new_token_ids == []
     assert len(outputs["a"].token_ids) == 2 and outputs["c"].token_ids == []
-    assert engine.slots.n_reserved == 0 and len(engine.runner.kv_cache) == 0
+    assert engine.stats().kv_allocated_slots == 0
     assert not engine.has_unfinished()
 
     # The engine serves the next requests normally.
@@ -261,4 +284,4 @@ def test_an_iteration_that_raises_fails_only_its_requests(engine: LLMEngine, mon
     out = drain(engine)["after"]
     assert out.finish_reason == "length"
     assert out.token_ids == hf_greedy(tiny_reference("gpt2"), [1, 2, 3], 8)
-    assert engine.slots.n_reserved == 0
+    assert engine.stats().kv_allocated_slots == 0
