@@ -98,8 +98,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
         """`executor` replaces the default in-process worker (it must serve this config's model)."""
         config = config or EngineConfig()
-        if config.n_workers != 1:
-            raise ValueError("n_workers > 1 needs pipeline parallelism, which this engine does not have yet")
+        if executor is None and config.n_workers != 1:
+            raise ValueError(
+                "n_workers > 1 keeps several batches in flight, one per pipeline stage; the in-process worker "
+                "has one stage: set n_workers 1"
+            )
         self.config = config
         self.checkpoint = resolve_checkpoint(config.model)
         self.model_config: ModelConfig = read_model_config(self.checkpoint)[0]
@@ -111,6 +114,11 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.executor: Executor = executor or InProcessExecutor(config)
+        if config.n_workers > self.executor.max_in_flight:
+            raise ValueError(
+                f"n_workers {config.n_workers} exceeds the {self.executor.max_in_flight} batches this executor "
+                f"can keep in flight"
+            )
         self.blocks = BlockManager(self.executor.num_blocks, config.block_size)
         self.scheduler = OrcaScheduler(
             config.max_bs, self.blocks, config.n_workers, config.kv_admission, config.max_num_batched_tokens

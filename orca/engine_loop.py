@@ -3,6 +3,9 @@
 Callers on other threads (Triton's execute) never block on generation: ``submit`` validates and enqueues,
 ``abort`` enqueues; the loop thread applies queued commands between iterations, runs one iteration, and
 hands every RequestOutput to ``on_output``. When there is nothing to run it sleeps on the command queue.
+
+Client cancellation is the caller's to notice (the Triton model asks each request's sender on its
+response thread, the one thread that sends): it calls ``abort``.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from orca.engine import EngineStats, IterationStats, LLMEngine, QueueFullError, RequestOutput
 from orca.request import FinishReason
@@ -40,20 +44,23 @@ class EngineLoop:
         self,
         engine: LLMEngine,
         on_output: Callable[[RequestOutput], None],
-        poll_cancelled: Callable[[], Iterable[str]] | None = None,
         on_iteration: Callable[[IterationStats], None] | None = None,
+        on_stats: Callable[[EngineStats], None] | None = None,
     ) -> None:
-        """on_output gets every output on the loop thread (keep it quick: hand it to another thread).
-        poll_cancelled, called before each iteration, returns ids the client has given up on.
-        on_iteration gets each iteration's stats."""
+        """Every callback runs on the loop thread (keep them quick: hand work to another thread).
+        on_output gets every output. on_iteration gets the stats of each iteration that ran, once.
+        on_stats gets the `stats` snapshot whenever it changed, before the outputs of the same step are
+        handed on: so its last call always describes the engine as it is, idle included (a request's
+        final output follows the snapshot without it)."""
         self.engine = engine
         self._on_output = on_output
-        self._poll_cancelled = poll_cancelled
         self._on_iteration = on_iteration
+        self._on_stats = on_stats
         self._commands: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._queued_adds = 0
         self._stats = engine.stats()
+        self._published: EngineStats | None = None
         self._thread = threading.Thread(target=self._run, name="orca-scheduler", daemon=True)
         self._stopping = False
 
@@ -98,19 +105,20 @@ class EngineLoop:
             idle = not self.engine.has_unfinished()
             if not self._apply_commands(block=idle):
                 break
-            if self._poll_cancelled is not None:
-                for request_id in self._safe_poll():
-                    self.engine.abort_request(request_id)
+            last = self.engine.last_iteration
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a scheduler bug must not silently kill the thread
                 logger.exception("engine step failed outside the model; failing every request")
                 outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
             self._refresh_stats()
-            if self._on_iteration is not None and self.engine.last_iteration.batch_size:
-                self._on_iteration(self.engine.last_iteration)
+            # A step with nothing to run (only cancellations to report) leaves last_iteration as it was.
+            if self.engine.last_iteration is not last and self._on_iteration is not None:
+                self._call(self._on_iteration, self.engine.last_iteration)
             self._emit(outputs)
-        self._emit(self._cancel_all())
+        outputs = self._cancel_all()
+        self._refresh_stats()
+        self._emit(outputs)
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies queued commands; returns False when asked to stop."""
@@ -133,17 +141,21 @@ class EngineLoop:
             elif isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
 
-    def _safe_poll(self) -> list[str]:
-        try:
-            return list(self._poll_cancelled()) if self._poll_cancelled else []
-        except Exception:  # noqa: BLE001
-            logger.exception("poll_cancelled failed")
-            return []
-
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
         with self._lock:
             self._stats = stats
+            snapshot = replace(stats, waiting=stats.waiting + self._queued_adds)
+        if self._on_stats is not None and snapshot != self._published:
+            self._published = snapshot
+            self._call(self._on_stats, snapshot)
+
+    @staticmethod
+    def _call(callback: Callable[[Any], None], arg: Any) -> None:
+        try:
+            callback(arg)
+        except Exception:  # noqa: BLE001 - a metrics callback must not stop the loop
+            logger.exception("%s failed", getattr(callback, "__name__", callback))
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -18,6 +18,7 @@ from orca.worker import Worker
 
 class Executor(Protocol):
     num_blocks: int  # K/V pool blocks every worker holds (the minimum over workers)
+    max_in_flight: int  # plans it can hold at once (pipeline stages): the most n_workers can be
 
     def submit(self, plan: StepPlan) -> None: ...
     def collect(self) -> StepResult: ...  # the oldest submitted plan's result
@@ -27,6 +28,8 @@ class Executor(Protocol):
 class InProcessExecutor:
     """One worker in the engine's own process: a submitted plan runs at once; collect returns results
     in submission order."""
+
+    max_in_flight = 1
 
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config)

@@ -5,11 +5,14 @@ seeded sampling does not depend on the batch; stop conditions and K/V buffers pe
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_engine, tiny_reference
 
-from orca import LLM, RequestOutput, SamplingParams
+from orca import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from orca.executor import InProcessExecutor
+from orca.plan import StepPlan, StepResult
 
 MAX_BS = 5
 N_SLOTS = 128  # a request needs up to 24 + 20 = 44 slots, 22 on average: about five fit at once
@@ -272,3 +275,39 @@ def test_an_unadmitted_request_that_cannot_fit_the_pool_is_refused() -> None:
     engine = tiny_engine("gpt2", block_size=4, n_slots=48, kv_admission="on_demand")
     with pytest.raises(ValueError, match=r"K/V cache of 48 slots: max_tokens must be in \[1, 38\]"):
         engine.add_request("big", [1] * 10, greedy(39))
+
+
+class TwoStageExecutor(InProcessExecutor):
+    """Holds up to two plans and runs each only when its result is collected, as a two-stage pipeline
+    returns them: the engine must build the second plan while the first is still out."""
+
+    max_in_flight = 2
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.plans: deque[StepPlan] = deque()
+        self.most_in_flight = 0
+
+    def submit(self, plan: StepPlan) -> None:
+        self.plans.append(plan)
+        self.most_in_flight = max(self.most_in_flight, len(self.plans))
+        flying = [r.request_id for p in self.plans for r in p.requests]
+        assert len(flying) == len(set(flying)), "a request is in two plans in flight"
+
+    def collect(self) -> StepResult:
+        return self.worker.execute(self.plans.popleft())
+
+
+def test_two_batches_in_flight_give_the_same_tokens(family: str, references: dict[str, list[list[int]]]) -> None:
+    config = EngineConfig(model=str(tiny_checkpoint(family)), n_workers=2, max_bs=3, block_size=4, n_slots=96,
+                          max_num_batched_tokens=10)
+    executor = TwoStageExecutor(config)
+    engine = LLMEngine(config, executor=executor)
+    specs = workload(0)
+    for i, (prompt, n) in enumerate(specs):
+        engine.add_request(f"r{i}", prompt, greedy(n))
+    outputs = drain(engine)
+    assert executor.most_in_flight == 2
+    assert [outputs[f"r{i}"].token_ids for i in range(len(specs))] == references[family]
+    with pytest.raises(ValueError, match="n_workers"):
+        LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), n_workers=2))
