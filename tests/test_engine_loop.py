@@ -1,6 +1,8 @@
 """The scheduler thread (orca.engine_loop.EngineLoop) that the Triton model drives: it never blocks the
 caller, reports every output through its callback, and gives every request exactly one final output —
-on completion, abort, client cancellation, and shutdown."""
+on completion, abort (how the Triton model passes on a client's cancellation), and shutdown. Its stats
+callbacks feed the model's metrics: one per iteration that ran, and the engine's snapshot whenever it
+changes, so the last one published always describes the engine as it is, idle included."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 from _fixtures import tiny_engine
 
 from orca import QueueFullError, RequestOutput, SamplingParams
+from orca.engine import EngineStats, IterationStats
 from orca.engine_loop import EngineLoop
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -36,11 +39,32 @@ class Collector:
                 return out
 
 
-def make_loop(**options: Any) -> tuple[EngineLoop, Collector]:
+class StatsRecorder:
+    """Records both stats callbacks, checking that they run on the loop thread."""
+
+    def __init__(self) -> None:
+        self.iterations: list[IterationStats] = []
+        self.snapshots: list[EngineStats] = []
+
+    def on_iteration(self, stats: IterationStats) -> None:
+        assert threading.current_thread().name == "orca-scheduler"
+        self.iterations.append(stats)
+
+    def on_stats(self, stats: EngineStats) -> None:
+        assert threading.current_thread().name == "orca-scheduler"
+        self.snapshots.append(stats)
+
+
+def make_loop(recorder: StatsRecorder | None = None, **options: Any) -> tuple[EngineLoop, Collector]:
     collector = Collector()
-    loop = EngineLoop(tiny_engine("gpt2", **options), on_output=collector)
+    callbacks = {} if recorder is None else {"on_iteration": recorder.on_iteration, "on_stats": recorder.on_stats}
+    loop = EngineLoop(tiny_engine("gpt2", **options), on_output=collector, **callbacks)
     loop.start()
     return loop, collector
+
+
+def is_idle(stats: EngineStats) -> bool:
+    return (stats.running, stats.waiting, stats.kv_allocated_blocks, stats.kv_used_tokens) == (0, 0, 0, 0)
 
 
 def test_outputs_stream_per_iteration_and_match_the_synchronous_engine() -> None:
@@ -69,27 +93,114 @@ def test_validation_errors_are_raised_in_the_callers_thread() -> None:
         loop.shutdown()
 
 
-def test_abort_and_client_cancellation_finish_once_and_free_slots() -> None:
-    cancelled: set[str] = set()
+def test_abort_of_running_and_waiting_requests_finishes_once_and_frees_blocks() -> None:
     col = Collector()
-    engine = tiny_engine("gpt2")
-    loop = EngineLoop(engine, on_output=col, poll_cancelled=lambda: list(cancelled))
+    first_output, aborted = threading.Event(), threading.Event()
+
+    def on_output(out: RequestOutput) -> None:
+        col(out)
+        if out.request_id == "running" and not first_output.is_set():
+            first_output.set()
+            assert aborted.wait(60)  # holds the loop thread: the aborts land before the next iteration
+
+    loop = EngineLoop(tiny_engine("gpt2", max_bs=1), on_output=on_output)
     loop.start()
     try:
-        long = SamplingParams(max_tokens=100, ignore_eos=True)
-        loop.submit("aborted", [1, 2], long)
-        loop.submit("client-gone", [3, 4], long)
-        loop.abort("aborted")
-        cancelled.add("client-gone")
-        assert col.wait_final("aborted").finish_reason == "cancelled"
-        assert col.wait_final("client-gone").finish_reason == "cancelled"
-        cancelled.clear()
+        long = SamplingParams(max_tokens=120, ignore_eos=True)  # the tiny model's context is 128
+        loop.submit("running", [1, 2], long)
+        loop.submit("waiting", [3, 4], long)  # max_bs 1: waits behind "running"
+        assert first_output.wait(60)
+        assert loop.stats.running == 1 and loop.stats.waiting == 1 and loop.stats.kv_allocated_blocks >= 1
+        loop.abort("waiting")
+        loop.abort("running")
+        aborted.set()
+        assert col.wait_final("waiting").finish_reason == "cancelled"
+        final = col.wait_final("running")
+        assert final.finish_reason == "cancelled" and 0 < len(final.token_ids) < 120
+        loop.abort("running")  # again, and an id never seen: both are no-ops
+        loop.abort("never-submitted")
         loop.submit("after", [5], GREEDY)  # the loop serves on
         assert col.wait_final("after").finish_reason == "length"
     finally:
         loop.shutdown()
     assert all(len(v) == 1 for v in col.finals.values()), col.finals
-    assert engine.slots.n_reserved == 0 and len(engine.runner.kv_cache) == 0
+    assert sorted(col.finals) == ["after", "running", "waiting"]
+    assert is_idle(loop.engine.stats()) and is_idle(loop.stats)
+
+
+def test_on_iteration_runs_once_per_iteration_that_ran() -> None:
+    rec = StatsRecorder()
+    loop, col = make_loop(rec)
+    try:
+        loop.submit("a", [1, 2, 3], GREEDY)  # no token budget: the prompt and the 8 tokens take 8 iterations
+        col.wait_final("a")
+        assert [it.batch_size for it in rec.iterations] == [1] * 8
+        assert rec.iterations[0].num_initiation == 1 and rec.iterations[0].num_tokens == 3
+        loop.abort("unknown")  # wakes the loop for a step with nothing to run: no iteration to report
+        loop.submit("b", [4], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        col.wait_final("b")
+        assert len(rec.iterations) == 10
+    finally:
+        loop.shutdown()
+
+
+def test_on_stats_publishes_each_change_and_the_idle_state_before_the_final_output() -> None:
+    rec = StatsRecorder()
+    loop, col = make_loop(rec, block_size=4)
+    try:
+        loop.submit("a", [1, 2, 3], GREEDY)
+        col.wait_final("a")
+        # Published before the final output was handed on: nothing else has to happen for it.
+        assert is_idle(rec.snapshots[-1]) and rec.snapshots[-1] == loop.stats
+        busy = [s for s in rec.snapshots if s.running]
+        used = max(s.kv_used_tokens for s in busy)
+        assert 3 <= used <= 3 + 8 and max(s.kv_allocated_blocks for s in busy) == -(-used // 4)
+        assert all(s.kv_allocated_slots == 4 * s.kv_allocated_blocks for s in rec.snapshots)
+        assert all(a != b for a, b in zip(rec.snapshots, rec.snapshots[1:]))  # changes only
+        assert {s.n_slots for s in rec.snapshots} == {loop.engine.n_slots}
+
+        loop.submit("long", [1, 2], SamplingParams(max_tokens=120, ignore_eos=True))
+        while col.outputs.get(timeout=60).request_id != "long":
+            pass
+        assert rec.snapshots[-1].running == 1
+        loop.abort("long")
+        col.wait_final("long")
+        assert is_idle(rec.snapshots[-1])
+    finally:
+        loop.shutdown()
+
+
+def test_preemptions_are_counted_in_the_stats() -> None:
+    rec = StatsRecorder()
+    # 8 blocks of 16 tokens: each request alone fits (2 + 100 tokens), any two at full length do not.
+    loop, col = make_loop(rec, n_slots=128, kv_admission="on_demand")
+    ids = [f"r{i}" for i in range(4)]
+    try:
+        for i, rid in enumerate(ids):
+            loop.submit(rid, [i + 1, i + 2], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+        finals = [col.wait_final(rid) for rid in ids]
+    finally:
+        loop.shutdown()
+    assert [(f.finish_reason, len(f.token_ids)) for f in finals] == [("length", 100)] * 4
+    preemptions = [s.preemptions for s in rec.snapshots]
+    assert preemptions == sorted(preemptions) and preemptions[-1] > 0
+    assert preemptions[-1] == loop.engine.stats().preemptions
+    assert all(s.kv_allocated_blocks <= 8 for s in rec.snapshots)
+    assert is_idle(rec.snapshots[-1])
+
+
+def test_a_failing_stats_callback_does_not_stop_the_loop() -> None:
+    def broken(_: Any) -> None:
+        raise RuntimeError("metrics are down")
+
+    col = Collector()
+    loop = EngineLoop(tiny_engine("gpt2"), on_output=col, on_iteration=broken, on_stats=broken)
+    loop.start()
+    try:
+        loop.submit("a", [1, 2, 3], GREEDY)
+        assert col.wait_final("a").finish_reason == "length" and len(col.finals["a"][0].token_ids) == 8
+    finally:
+        loop.shutdown()
 
 
 def test_shutdown_cancels_everything_in_flight_with_one_final_each() -> None:
@@ -103,8 +214,6 @@ def test_shutdown_cancels_everything_in_flight_with_one_final_each() -> None:
     assert {v[0].finish_reason for v in col.finals.values()} <= {"cancelled", "length"}
     with pytest.raises(QueueFullError, match="shutting down"):
         loop.submit("late", [1], GREEDY)
-
-
 
 
 def test_waiting_queue_bound_refuses_at_once() -> None:

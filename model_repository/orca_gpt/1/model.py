@@ -4,8 +4,11 @@ Thin by design: Triton tensors in, engine calls, Triton responses out. The sched
 (orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca.serving's.
 
 Threads: Triton calls execute(), which parses, submits and returns at once. The scheduler thread runs
-iterations and queues outputs. The response thread turns outputs into Triton responses and sends them,
-so sending never delays the next iteration. Every request gets exactly one FINAL.
+iterations, queues outputs and publishes the engine's gauges. The response thread turns outputs into
+Triton responses and sends them, so sending never delays the next iteration. It owns every sender, so it
+also notices client cancellation and aborts those requests: a request's sender is asked with each of its
+outputs, and any active request not asked for _CANCEL_POLL_S (one still waiting for admission, say) by a
+periodic sweep. Every request gets exactly one FINAL.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
 from orca import EngineConfig, LLMEngine, QueueFullError, RequestOutput
+from orca.engine import EngineStats, IterationStats
 from orca.engine_loop import EngineLoop
 from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
 
@@ -29,6 +34,11 @@ logger = logging.getLogger("orca_gpt")
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+_CANCEL_POLL_S = 0.1  # how often the response thread asks every active request's sender about cancellation
+_NO_OUTPUT = object()
+# The gauges, each named (in _Metrics' families) by the EngineStats field or property it shows.
+_GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
+           "n_slots")
 
 
 @dataclass
@@ -37,6 +47,8 @@ class _Active:
 
     sender: Any
     request: GenerateRequest
+    cancelled: bool = False  # the client cancelled and the engine was asked to abort it
+    asked_at: float = 0.0  # when the response thread last asked the sender about cancellation
 
 
 class _Metrics:
@@ -53,10 +65,14 @@ class _Metrics:
             "tpot": fam("orca_time_per_output_token_seconds", "Per-token time after the first", H),
             "e2e": fam("orca_request_latency_seconds", "Arrival to final response", H),
             "batch": fam("orca_iteration_batch_size", "Requests per iteration", H),
-            "running": fam("orca_running_requests", "Admitted requests (holding K/V slots)", G),
-            "waiting": fam("orca_waiting_requests", "Requests waiting for admission", G),
-            "reserved": fam("orca_kv_reserved_slots", "Reserved K/V slots", G),
-            "n_slots": fam("orca_kv_slots", "K/V slots in the budget (n_slots)", G),
+            "preemptions": fam("orca_preemptions_total", "Requests preempted (K/V blocks freed, recomputed later)", C),
+            "running": fam("orca_running_requests", "Admitted requests (holding K/V blocks)", G),
+            "waiting": fam("orca_waiting_requests", "Requests waiting for admission (new or preempted)", G),
+            "kv_total_blocks": fam("orca_kv_total_blocks", "K/V blocks in the pool", G),
+            "kv_allocated_blocks": fam("orca_kv_allocated_blocks", "K/V blocks held by requests", G),
+            "kv_used_tokens": fam("orca_kv_used_tokens", "Tokens whose keys and values the pool holds", G),
+            "kv_allocated_slots": fam("orca_kv_reserved_slots", "K/V slots in allocated blocks", G),
+            "n_slots": fam("orca_kv_slots", "K/V slots in the pool (n_slots)", G),
         }
         f = self._families
         self.prompt = f["prompt"].Metric(labels=labels)
@@ -67,10 +83,21 @@ class _Metrics:
         self.tpot = f["tpot"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
         self.e2e = f["e2e"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
         self.batch = f["batch"].Metric(labels=labels, buckets=_BATCH_BUCKETS)
-        self.running = f["running"].Metric(labels=labels)
-        self.waiting = f["waiting"].Metric(labels=labels)
-        self.reserved = f["reserved"].Metric(labels=labels)
-        self.n_slots = f["n_slots"].Metric(labels=labels)
+        self.preemptions = f["preemptions"].Metric(labels=labels)
+        self._gauges = {key: f[key].Metric(labels=labels) for key in _GAUGES}
+        self._shown: dict[str, int] = {}
+        self._preemptions = 0
+
+    def publish(self, stats: EngineStats) -> None:
+        """Sets the gauges that changed and counts new preemptions (scheduler thread only)."""
+        for key, gauge in self._gauges.items():
+            value = getattr(stats, key)
+            if self._shown.get(key) != value:
+                gauge.set(value)
+                self._shown[key] = value
+        if stats.preemptions > self._preemptions:
+            self.preemptions.increment(stats.preemptions - self._preemptions)
+        self._preemptions = stats.preemptions
 
     def finished(self, reason: str) -> Any:
         if reason not in self._finished:
@@ -87,18 +114,18 @@ class TritonPythonModel:
         self.engine = LLMEngine(_engine_config(model_config))
         self.has_tokenizer = self.engine.tokenizer is not None
         self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
-        self.metrics.n_slots.set(self.engine.n_slots)
+        self.metrics.publish(self.engine.stats())
         self._ids = itertools.count()
         self._id_prefix = f"{args['model_name']}-{args['model_instance_name']}-"
         self._active: dict[str, _Active] = {}
         self._active_lock = threading.Lock()
         self._responses: queue.Queue[RequestOutput | None] = queue.Queue()
+        self.loop = EngineLoop(
+            self.engine, on_output=self._responses.put, on_iteration=self._on_iteration,
+            on_stats=self.metrics.publish,
+        )
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
         self._response_thread.start()
-        self.loop = EngineLoop(
-            self.engine, on_output=self._responses.put, poll_cancelled=self._cancelled_ids,
-            on_iteration=self._on_iteration,
-        )
         self.loop.start()
         logger.info("orca_gpt ready: %s, n_slots=%d", self.engine.checkpoint, self.engine.n_slots)
 
@@ -140,33 +167,61 @@ class TritonPythonModel:
             logger.exception("could not submit a request")
             _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
 
-    # -- the scheduler thread's side -------------------------------------------------------------
-    def _cancelled_ids(self) -> list[str]:
-        # Under the lock: the response thread removes a request before sending its FINAL, and asking a
-        # sender whose FINAL is gone about cancellation crashes Triton (its response factory is freed).
-        with self._active_lock:
-            return [rid for rid, a in self._active.items() if a.sender.is_cancelled()]
-
-    def _on_iteration(self, stats: Any) -> None:
-        m, s = self.metrics, self.loop.stats
-        m.batch.observe(stats.batch_size)
-        m.running.set(s.running)
-        m.waiting.set(s.waiting)
-        m.reserved.set(s.reserved_slots)
+    # -- the scheduler thread's side (the gauges: self.metrics.publish) ---------------------------
+    def _on_iteration(self, stats: IterationStats) -> None:
+        self.metrics.batch.observe(stats.batch_size)
 
     # -- the response thread ---------------------------------------------------------------------
     def _send_responses(self) -> None:
-        while (out := self._responses.get()) is not None:
+        next_sweep = time.monotonic() + _CANCEL_POLL_S
+        while True:
             try:
-                self._respond(out)
-            except Exception:  # noqa: BLE001
-                logger.exception("sending a response for %s failed", out.request_id)
+                out = self._responses.get(timeout=_CANCEL_POLL_S)
+            except queue.Empty:
+                out = _NO_OUTPUT
+            if out is None:
+                return
+            if out is not _NO_OUTPUT:
+                try:
+                    self._respond(out)
+                except Exception:  # noqa: BLE001
+                    logger.exception("sending a response for %s failed", out.request_id)
+            if time.monotonic() >= next_sweep:  # also under load, when the queue is never empty
+                try:
+                    self._abort_cancelled()
+                except Exception:  # noqa: BLE001
+                    logger.exception("polling for cancelled requests failed")
+                next_sweep = time.monotonic() + _CANCEL_POLL_S
+
+    def _abort_cancelled(self) -> None:
+        """Asks the sender of every active request not asked for _CANCEL_POLL_S whether its client has
+        cancelled: this catches requests without outputs (waiting for admission, or preempted); running
+        ones are asked with each of their outputs, so the sweep seldom asks them again."""
+        stale = time.monotonic() - _CANCEL_POLL_S
+        # Under the lock: execute's thread sends the error FINAL of a request it could not submit after
+        # removing it, and asking a sender whose FINAL is gone about cancellation crashes Triton (its
+        # response factory is freed). Every other FINAL is this thread's own, sent after the removal.
+        with self._active_lock:
+            for request_id, active in self._active.items():
+                if active.asked_at <= stale:
+                    self._ask_cancelled(request_id, active)
+
+    def _ask_cancelled(self, request_id: str, active: _Active) -> None:
+        """Asks the sender whether the client cancelled (only before the request's FINAL is sent); on the
+        first yes, asks the engine to abort the request, whose FINAL ("cancelled") follows."""
+        if not active.cancelled:
+            active.asked_at = time.monotonic()
+            if active.sender.is_cancelled():
+                active.cancelled = True
+                self.loop.abort(request_id)
 
     def _respond(self, out: RequestOutput) -> None:
         with self._active_lock:
             active = self._active.pop(out.request_id, None) if out.finished else self._active.get(out.request_id)
         if active is None:
             return
+        if not out.finished:
+            self._ask_cancelled(out.request_id, active)
         if out.first_token_time is not None and len(out.token_ids) == len(out.new_token_ids) == 1:
             self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
             self.metrics.prompt.increment(out.num_prompt_tokens)
@@ -176,11 +231,11 @@ class TritonPythonModel:
             if out.finish_reason == "error":
                 _send_error(active.sender, f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
                 return
-            if out.finish_reason == "cancelled" and active.sender.is_cancelled():
+            if out.finish_reason == "cancelled" and (active.cancelled or active.sender.is_cancelled()):
                 _send_error(active.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
                 return
-        elif not active.request.stream or not out.new_token_ids:
-            return  # non-streaming requests answer once, at the end
+        elif active.cancelled or not active.request.stream or not out.new_token_ids:
+            return  # non-streaming requests answer once, at the end; a cancelled one only with its FINAL
         tensors = response_tensors(out, active.request, self.has_tokenizer)
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
         active.sender.send(response, flags=_FINAL if out.finished else 0)
