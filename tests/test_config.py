@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import fields
+from pathlib import Path
+
 import pytest
 
 from orca import EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_strings_become_typed_options_and_empty_means_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,3 +46,18 @@ def test_fixed_and_not_settable_options() -> None:
         EngineConfig.from_parameters({"max_queue": "3"}, not_settable={"max_queue": "why"})
     with pytest.raises(ValueError, match="unknown parameter 'max_bs'"):  # fixed by the caller
         EngineConfig.from_parameters({"max_bs": "3"}, fixed={"max_bs": 4})
+
+
+def shipped_parameters(model: str) -> dict[str, str]:
+    text = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
+    return dict(re.findall(r'^parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', text, re.M))
+
+
+def test_orca_gpt_ships_every_settable_option_at_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.pbtxt lists the options one would tune, each at EngineConfig's default, so that reading it
+    and the dataclass tell the same story."""
+    monkeypatch.delenv("ORCA_MODEL", raising=False)
+    raw = shipped_parameters("orca_gpt")
+    assert EngineConfig.from_parameters(raw) == EngineConfig()
+    not_shipped = {"n_workers", "seed"}  # no pipelining yet; sampling seeds are per request
+    assert set(raw) == {f.name for f in fields(EngineConfig)} - not_shipped
