@@ -19,8 +19,12 @@ SHIPPED_BASELINE = REPO_ROOT / "model_repository" / "request_level_gpt"
 TINY_MODELS = {
     # A long context so a request can run for seconds: room to act while it is in flight.
     "orca_tiny": {"max_bs": "8", "n_slots": "8192"},
-    # One request per iteration and a queue of two: the third waiting request is refused.
-    "orca_tiny_q": {"max_bs": "1", "max_queue": "2", "n_slots": "4096"},
+    # One request per iteration and a queue of two: the third waiting request is refused. Orca's admission
+    # (reserve): a running request holds the blocks for its whole max_tokens.
+    "orca_tiny_q": {"max_bs": "1", "max_queue": "2", "n_slots": "4096", "kv_admission": "reserve"},
+    # A pool of 8 blocks of 16 tokens, allocated on demand: one request of up to 128 tokens fits, two long
+    # ones do not, so a burst preempts (and recomputes) requests.
+    "orca_tiny_preempt": {"max_bs": "8", "n_slots": "128", "block_size": "16", "kv_admission": "on_demand"},
 }
 
 # The baseline serving the tiny checkpoint. Triton runs a batch as soon as it holds max_batch_size
@@ -32,14 +36,18 @@ REQUEST_LEVEL_TINY_DELAY_US = 30_000_000
 
 
 def _with_parameters(config: str, name: str, params: dict[str, str]) -> str:
-    lines = []
+    """The config renamed, with the values of params' keys replaced (each must be a shipped parameter)."""
+    lines, replaced = [], set()
     for line in config.splitlines():
         if line.startswith("name:"):
             line = f'name: "{name}"'
         for key, value in params.items():
             if line.startswith(f'parameters {{ key: "{key}"'):
                 line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+                replaced.add(key)
         lines.append(line)
+    if missing := set(params) - replaced:
+        raise RuntimeError(f"the shipped config.pbtxt has no parameter {', '.join(sorted(missing))}")
     return "\n".join(lines) + "\n"
 
 

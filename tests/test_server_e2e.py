@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import requests
 import torch
+import tritonclient.grpc as grpcclient
 from orca_client import OrcaClient, OrcaError
+from orca_client.client import build_inputs
 
 from orca import LLM, SamplingParams
 from orca.loader import default_model_path
@@ -60,9 +62,33 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) ->
         time.sleep(0.05)
 
 
+IDLE_GAUGES = ("orca_running_requests", "orca_waiting_requests", "orca_kv_allocated_blocks", "orca_kv_used_tokens",
+               "orca_kv_reserved_slots")
+
+
 def idle(server: Any, model: str) -> bool:
     m = metrics(server, model)
-    return m.get("orca_running_requests") == 0 and m.get("orca_kv_reserved_slots") == 0
+    return all(m.get(gauge) == 0 for gauge in IDLE_GAUGES)
+
+
+def assert_idle(m: dict[str, float]) -> None:
+    assert {gauge: m.get(gauge) for gauge in IDLE_GAUGES} == dict.fromkeys(IDLE_GAUGES, 0)
+
+
+def generate_concurrently(server: Any, model: str, requests_: list[dict[str, Any]]) -> list[list[Any]]:
+    """Sends each request on its own gRPC stream, all at once; returns each one's chunks."""
+    results: dict[int, list[Any]] = {}
+
+    def run(i: int) -> None:
+        results[i] = list(OrcaClient(server.grpc_url, model).generate(**requests_[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests_))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive()
+    return [results[i] for i in range(len(requests_))]
 
 
 @pytest.fixture(scope="module")
@@ -171,20 +197,10 @@ def test_served_greedy_tokens_equal_offline_generate(orca_server: Any, tiny_llm:
     expected = tiny_llm.generate(
         prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
     )
-    results: dict[int, list[int]] = {}
-
-    def run(i: int) -> None:
-        chunks = OrcaClient(orca_server.grpc_url, "orca_tiny").generate(
-            input_ids=prompts[i], max_tokens=max_tokens[i], temperature=0, ignore_eos=True
-        )
-        results[i] = [t for c in chunks for t in c.output_ids]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]  # concurrently
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [results[i] for i in range(len(prompts))] == [e.token_ids for e in expected]
+    chunks = generate_concurrently(orca_server, "orca_tiny", [
+        {"input_ids": p, "max_tokens": n, "temperature": 0, "ignore_eos": True} for p, n in zip(prompts, max_tokens)
+    ])
+    assert [[t for c in cs for t in c.output_ids] for cs in chunks] == [e.token_ids for e in expected]
 
 
 # -- iteration-level scheduling, cancellation, errors -------------------------------------------------
@@ -202,20 +218,48 @@ def test_short_request_joins_and_returns_before_a_running_long_one(orca_server: 
     assert sum(len(c.output_ids) for c in long_chunks) == 1900
 
 
-def test_client_cancellation_aborts_and_frees_kv_slots(orca_server: Any) -> None:
+def test_client_cancellation_aborts_and_frees_kv_blocks(orca_server: Any) -> None:
+    wait_for(lambda: idle(orca_server, "orca_tiny"), "idle")
     before = metrics(orca_server, "orca_tiny")
     stream = OrcaClient(orca_server.grpc_url, "orca_tiny").generate(
         input_ids=[7, 8, 9], max_tokens=1900, ignore_eos=True
     )
     for _, chunk in zip(range(5), stream):
         assert not chunk.final
-    assert metrics(orca_server, "orca_tiny")["orca_kv_reserved_slots"] == 3 + 1900
+    during = metrics(orca_server, "orca_tiny")
+    # on_demand admission: blocks for what the request holds so far, not for its max_tokens.
+    assert during["orca_running_requests"] == 1 and 1 <= during["orca_kv_allocated_blocks"] < -(-1903 // 16)
+    assert during["orca_kv_used_tokens"] >= 3 + 4
     stream.close()  # leaving early: stop_stream(cancel_requests=True)
     key = 'orca_requests_finished_total{reason="cancelled"}'
     wait_for(lambda: metrics(orca_server, "orca_tiny").get(key, 0) == before.get(key, 0) + 1, "cancellation")
-    wait_for(lambda: idle(orca_server, "orca_tiny"), "slots freed")
+    wait_for(lambda: idle(orca_server, "orca_tiny"), "blocks freed")
     generated = metrics(orca_server, "orca_tiny")["orca_generated_tokens_total"]
     assert generated - before["orca_generated_tokens_total"] < 1900  # it stopped early
+
+
+def test_cancelling_a_request_still_waiting_for_admission_removes_it(orca_server: Any) -> None:
+    """A waiting request produces no output; the model's periodic sweep of its senders finds it."""
+    model = "orca_tiny_q"
+    wait_for(lambda: idle(orca_server, model), "idle")
+    before = metrics(orca_server, model)
+    running = OrcaClient(orca_server.grpc_url, model).generate(input_ids=[1, 2], max_tokens=2000, ignore_eos=True)
+    next(running)  # admitted; max_bs 1 keeps the next request waiting behind it
+    client = grpcclient.InferenceServerClient(orca_server.grpc_url)
+    results: list[Any] = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    client.async_stream_infer(model, build_inputs(input_ids=[3], max_tokens=2, ignore_eos=True), request_id="w")
+    wait_for(lambda: metrics(orca_server, model).get("orca_waiting_requests") == 1, "one waiting")
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    key = 'orca_requests_finished_total{reason="cancelled"}'
+    wait_for(lambda: metrics(orca_server, model).get(key, 0) == before.get(key, 0) + 1, "the cancellation")
+    m = metrics(orca_server, model)
+    assert m["orca_waiting_requests"] == 0 and m["orca_running_requests"] == 1
+    assert not next(running).final  # the running one goes on
+    running.close()
+    wait_for(lambda: idle(orca_server, model), "idle")
+    assert metrics(orca_server, model).get(key, 0) == before.get(key, 0) + 2
 
 
 BAD_REQUESTS = [
@@ -259,6 +303,8 @@ def test_full_waiting_queue_answers_unavailable(orca_server: Any) -> None:
     client = OrcaClient(orca_server.grpc_url, "orca_tiny_q")
     running = client.generate(input_ids=[1, 2], max_tokens=2000, ignore_eos=True)
     next(running)  # admitted; max_bs 1 keeps every later request waiting behind it
+    # kv_admission reserve: the running request holds the blocks for its prompt and all of max_tokens.
+    assert metrics(orca_server, "orca_tiny_q")["orca_kv_allocated_blocks"] == -(-(2 + 2000) // 16)
     waiting = [client.generate(input_ids=[3], max_tokens=2, ignore_eos=True) for _ in range(2)]
     threads = [threading.Thread(target=lambda g=g: list(g)) for g in waiting]
     for t in threads:
@@ -277,6 +323,7 @@ def test_full_waiting_queue_answers_unavailable(orca_server: Any) -> None:
 def test_metrics_move_with_requests(orca_server: Any) -> None:
     before = metrics(orca_server, "orca_tiny")
     assert before["orca_kv_slots"] == 8192  # n_slots from config.pbtxt
+    assert before["orca_kv_total_blocks"] == 8192 // 16  # block_size 16
     status, body = generate(orca_server, "orca_tiny", {"input_ids": [1, 2, 3, 4], "max_tokens": 6, "ignore_eos": True})
     assert status == 200, body
     after = metrics(orca_server, "orca_tiny")
@@ -288,4 +335,47 @@ def test_metrics_move_with_requests(orca_server: Any) -> None:
                  "orca_time_per_output_token_seconds"):
         assert after[f"{hist}_count"] - before.get(f"{hist}_count", 0) == 1, hist
     assert after["orca_iteration_batch_size_count"] - before.get("orca_iteration_batch_size_count", 0) >= 6
-    assert after["orca_running_requests"] == 0 and after["orca_kv_reserved_slots"] == 0
+    assert_idle(after)  # published before the response went out
+
+
+def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
+    model = "orca_tiny"
+    wait_for(lambda: idle(orca_server, model), "idle")
+    before = metrics(orca_server, model)
+    client = OrcaClient(orca_server.grpc_url, model)
+    prompts = [[i + 1] * (i + 2) for i in range(8)]  # 2..9 tokens; max_bs 8 runs all of them at once
+    # 8 x (9 + 900) tokens fit the 8192-slot pool: nobody is preempted.
+    streams = [client.generate(input_ids=p, max_tokens=900, temperature=0, ignore_eos=True) for p in prompts]
+    tokens = [list(next(s).output_ids) for s in streams]  # each request is admitted and running
+    during = metrics(orca_server, model)
+    assert during["orca_running_requests"] == 8 and during["orca_waiting_requests"] == 0
+    assert during["orca_kv_allocated_blocks"] >= 8  # a block each at least
+    assert during["orca_kv_used_tokens"] >= sum(len(p) for p in prompts)
+    assert during["orca_kv_reserved_slots"] >= 8 * 16
+    for i, stream in enumerate(streams):
+        for chunk in stream:
+            tokens[i] += chunk.output_ids
+    assert [len(t) for t in tokens] == [900] * 8
+    after = metrics(orca_server, model)
+    assert_idle(after)  # the last FINAL went out after the idle state was published
+    assert after["orca_kv_total_blocks"] == before["orca_kv_total_blocks"] == 512
+    assert after["orca_preemptions_total"] == before["orca_preemptions_total"]
+
+
+def test_a_tiny_pool_preempts_under_a_burst_and_every_request_completes(orca_server: Any, tiny_llm: LLM) -> None:
+    model = "orca_tiny_preempt"  # 8 blocks of 16 tokens, on_demand
+    before = metrics(orca_server, model)
+    assert before["orca_kv_total_blocks"] == 8 and before["orca_kv_slots"] == 128
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(3 + i)] for i in range(8)]
+    results = generate_concurrently(orca_server, model, [
+        {"input_ids": p, "max_tokens": 100, "temperature": 0, "ignore_eos": True} for p in prompts
+    ])
+    for chunks in results:
+        assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 100
+    after = metrics(orca_server, model)
+    assert after["orca_preemptions_total"] > before.get("orca_preemptions_total", 0)
+    assert_idle(after)
+    # Preempted requests recompute their K/V: the tokens are those of the unhurried offline engine.
+    expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    assert [[t for c in chunks for t in c.output_ids] for chunks in results] == [e.token_ids for e in expected]
