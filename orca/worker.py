@@ -24,6 +24,8 @@ from orca.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__name__)
 
+PROFILE_TOKENS_WITHOUT_BUDGET = 8192
+
 
 @dataclass
 class _RequestState:
@@ -64,7 +66,12 @@ class Worker:
         cfg = self.config
         max_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                       self.model_config.max_position_embeddings)
-        num_tokens = min(cfg.max_num_batched_tokens or cfg.max_bs * max_len, cfg.max_bs * max_len)
+        # The largest iteration: the token budget; without one, max_bs whole prompts could in principle run
+        # at once, which is no useful bound (32 x 8192 tokens for SmolLM2), so the profile stops at
+        # PROFILE_TOKENS_WITHOUT_BUDGET (or one full-length prompt). Set max_num_batched_tokens on a GPU to
+        # bound every iteration by what was profiled.
+        unbounded = min(cfg.max_bs * max_len, max(max_len, PROFILE_TOKENS_WITHOUT_BUDGET))
+        num_tokens = min(cfg.max_num_batched_tokens or unbounded, cfg.max_bs * max_len)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         # A profiling iteration: `num_tokens` prompt tokens in sequences of max_len, on a scratch pool.
