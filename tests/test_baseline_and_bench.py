@@ -12,6 +12,7 @@ import json
 import math
 import queue
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,17 @@ from orca_client import bench as orca_bench
 from orca_client.client import parse_result
 from orca_client.trace import PRESETS, TraceSpec, make_trace
 
-from orca import LLMEngine, SamplingParams
-from orca.request_level import RequestLevelBatcher
+from orca import EngineConfig, IterationStats, LLMEngine, SamplingParams
+from orca.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
 
 
 # -- the baseline, offline -----------------------------------------------------------------------------
+def baseline_engine(family: str, **options: Any) -> LLMEngine:
+    """A tiny engine a RequestLevelBatcher accepts (reserve admission, no token budget: as FasterTransformer
+    runs). The iteration-level reference runs on the same engine: the policy does not change the tokens."""
+    return tiny_engine(family, **REQUEST_LEVEL_OPTIONS, **options)
+
+
 def iteration_level(engine: LLMEngine, batch: list[tuple[list[int], SamplingParams]]) -> list[Any]:
     """What orca_gpt's engine gives for the same requests (all submitted together)."""
     for i, (prompt, params) in enumerate(batch):
@@ -55,7 +62,7 @@ def mixed_batch(engine: LLMEngine) -> list[tuple[list[int], SamplingParams]]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_request_level_batch_gives_the_iteration_level_tokens(family: str) -> None:
-    engine = tiny_engine(family, max_bs=8)
+    engine = baseline_engine(family, max_bs=8)
     batch = mixed_batch(engine)
     expected = iteration_level(engine, batch)
     assert {o.finish_reason for o in expected} == {"length", "stop"}
@@ -72,7 +79,7 @@ def test_request_level_batch_gives_the_iteration_level_tokens(family: str) -> No
 
 
 def test_request_level_splits_a_batch_the_kv_budget_cannot_hold() -> None:
-    engine = tiny_engine("gpt2", max_bs=8, n_slots=100)
+    engine = baseline_engine("gpt2", max_bs=8, n_slots=100)
     batch = [([i + 1] * 10, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for i, n in
              enumerate((5, 30, 5, 5))]
     batcher = RequestLevelBatcher(engine)
@@ -85,7 +92,7 @@ def test_request_level_splits_a_batch_the_kv_budget_cannot_hold() -> None:
 
 
 def test_request_level_member_near_the_context_end_runs_what_its_context_holds() -> None:
-    engine = tiny_engine("gpt2", max_bs=8)  # context 128
+    engine = baseline_engine("gpt2", max_bs=8)  # context 128
     batch = [
         (list(range(1, 121)), SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
         ([1, 2, 3], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)),
@@ -97,7 +104,7 @@ def test_request_level_member_near_the_context_end_runs_what_its_context_holds()
 
 
 def test_request_level_rejects_an_invalid_member_before_any_work() -> None:
-    engine = tiny_engine("gpt2", max_bs=8)
+    engine = baseline_engine("gpt2", max_bs=8)
     batch = [([1, 2], SamplingParams(max_tokens=4)), ([1, 500], SamplingParams(max_tokens=4))]
     with pytest.raises(ValueError, match=r"batch member 1: .*out of range"):
         RequestLevelBatcher(engine).run(batch)
@@ -105,7 +112,8 @@ def test_request_level_rejects_an_invalid_member_before_any_work() -> None:
 
 
 def test_request_level_stop_strings_and_eos_match_the_engine_on_smollm2() -> None:
-    engine = smollm2().engine
+    # The session's shared SmolLM2 engine admits on demand; the baseline needs its own, reserving engine.
+    engine = LLMEngine(EngineConfig(model=smollm2().engine.config.model, **REQUEST_LEVEL_OPTIONS))
     tok = engine.tokenizer
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
     batch = [
@@ -306,7 +314,7 @@ def test_orca_bench_trace_runs_both_models(orca_server: Any, tmp_path: Path) -> 
     out, png = tmp_path / "trace.json", tmp_path / "trace.png"
     argv = ["trace", "--url", orca_server.grpc_url, "--models", f"orca_tiny,{REQUEST_LEVEL_TINY}",
             "--rates", "4,16", "--num-requests", "8", "--unloaded-requests", "0", *TINY_WORKLOAD,
-            "--json", str(out), "--plot", str(png)]
+            "--metrics-url", orca_server.metrics_url, "--json", str(out), "--plot", str(png)]
     assert orca_bench.main(argv) == 0
     result = json.loads(out.read_text())
     assert_png(png)
@@ -325,7 +333,28 @@ def test_orca_bench_trace_runs_both_models(orca_server: Any, tmp_path: Path) -> 
         sent = shape
         streamed = run["model"] == "orca_tiny"
         assert all((r["itl"] is not None) == (streamed and r["output_tokens"] > 1) for r in requests)
+        # K/V numbers from the metrics endpoint for orca_tiny only: the baseline exports no K/V gauges.
+        assert (run["kv"] is not None) == streamed
+        if streamed:
+            assert run["kv"]["preemptions"] == 0 and run["kv"]["samples"] >= 2
+    assert "no orca_kv_allocated_blocks" in result["kv_notes"][REQUEST_LEVEL_TINY]
+    assert result["model_parameters"]["orca_tiny"]["max_bs"] == "8"
     assert result["slo"]["slo"] > 0 and set(result["throughput_within_slo"]) == {"orca_tiny", REQUEST_LEVEL_TINY}
+
+
+def test_orca_bench_trace_reads_kv_utilization_from_the_metrics_endpoint(orca_server: Any, tmp_path: Path) -> None:
+    # Long requests all at once, so the samples (every 20 ms) find the pool in use for a while.
+    out = tmp_path / "trace.json"
+    argv = ["trace", "--url", orca_server.grpc_url, "--models", "orca_tiny", "--rates", "1000", "--num-requests", "8",
+            "--unloaded-requests", "0", "--no-progress", "--prompt-len", "20:40", "--max-new-tokens", "300:400",
+            "--token-ids", "1:200", "--metrics-url", orca_server.metrics_url, "--metrics-interval", "0.02",
+            "--json", str(out)]
+    assert orca_bench.main(argv) == 0
+    kv = json.loads(out.read_text())["runs"][0]["kv"]
+    assert kv["busy_samples"] > 0 and 0 < kv["utilization"] <= 1
+    assert kv["block_size"] == 16 and kv["total_blocks"] == 8192 // 16  # orca_tiny: n_slots 8192
+    assert 0 < kv["mean_allocated_blocks"] <= kv["peak_allocated_blocks"] <= kv["total_blocks"]
+    assert kv["preemptions"] == 0  # the pool holds every request
 
 
 def test_orca_bench_trace_unloaded_pass(orca_server: Any, tmp_path: Path) -> None:
@@ -339,26 +368,158 @@ def test_orca_bench_trace_unloaded_pass(orca_server: Any, tmp_path: Path) -> Non
     assert result["trace"]["prompt_len"] == [2, 16]  # explicit options override the --paper preset
 
 
-def test_orca_bench_offline_runs_orca_and_transformers(tmp_path: Path) -> None:
+OFFLINE_TINY = ["--num-requests", "5", "--prompt-len", "4:12", "--token-ids", "1:190", "--peak-seconds", "0.2"]
+
+
+def run_offline(tmp_path: Path, *options: str) -> dict[str, Any]:
     out = tmp_path / "offline.json"
-    argv = ["offline", "--model", str(tiny_checkpoint("llama")), "--num-requests", "5", "--prompt-len", "4:12",
-            "--max-new-tokens", "1:6", "--peak-seconds", "0.2", "--json", str(out)]
+    argv = ["offline", "--model", str(tiny_checkpoint("llama")), *OFFLINE_TINY, *options, "--json", str(out)]
     assert orca_bench.main(argv) == 0
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def expected_tokens(result: dict[str, Any]) -> int:
     spec = TraceSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in result["trace"].items()})
-    expected_tokens = sum(r.max_new_tokens for r in make_trace(spec, None))  # EOS ignored: exactly these
-    for name in ("orca", "transformers"):
-        run = result[name]
-        assert run["generated_tokens"] == expected_tokens and run["tokens_per_second"] > 0
-        assert run["mfu"] > 0 and run["model_flops"] == result["orca"]["model_flops"]
-    assert result["transformers"]["same_tokens_as_orca"] == 5  # greedy: the same tokens from both
-    assert result["ratio"] > 0 and result["peak_flops"] > 0
-    breakdown = result["breakdown"]
-    assert set(breakdown["seconds"]) == {"attention", "batched_ops", "sampling", "prepare", "scheduling"}
-    assert breakdown["attention_measured"] and breakdown["seconds"]["attention"] > 0
-    assert sum(breakdown["fraction"].values()) == pytest.approx(1.0)
+    return sum(r.max_new_tokens for r in make_trace(spec, None))  # EOS ignored: exactly these
 
 
+def test_orca_bench_offline_both_policies_against_transformers(tmp_path: Path) -> None:
+    # Requests that generate many blocks' worth of tokens (blocks of 4, 8-24 new tokens): reserve holds the
+    # blocks for prompt + max_tokens from admission, on_demand only those of the tokens computed so far.
+    result = run_offline(tmp_path, "--kv-admission", "both", "--block-size", "4", "--max-new-tokens", "8:24")
+    assert result["kv_admission"] == ["reserve", "on_demand"]
+    runs = result["orca_policies"]
+    assert list(runs) == ["reserve", "on_demand"] and result["orca"] == runs["on_demand"]
+    hf = result["transformers"]
+    assert hf["generated_tokens"] == expected_tokens(result) and hf["tokens_per_second"] > 0 and hf["mfu"] > 0
+    assert hf["same_tokens_as_orca"] == 5  # greedy in fp32: the same tokens from both
+    assert result["same_tokens_across_policies"] == 5 and result["ratio"] > 0 and result["peak_flops"] > 0
+    for policy, run in runs.items():
+        assert run["kv_admission"] == policy and run["max_num_batched_tokens"] is None
+        assert run["generated_tokens"] == expected_tokens(result) and run["tokens_per_second"] > 0
+        assert run["mfu"] > 0 and run["model_flops"] == hf["model_flops"]
+        assert run["same_tokens_as_transformers"] == 5 and run["ratio_to_transformers"] > 0
+        kv = run["kv"]
+        assert 0 < kv["utilization"] <= 1 and kv["block_size"] == 4 and kv["preemptions"] == 0
+        assert 0 < kv["mean_allocated_blocks"] <= kv["peak_allocated_blocks"] <= kv["total_blocks"]
+        assert run["iterations"] > 0 and run["mean_batch_size"] > 0
+        breakdown = run["breakdown"]
+        assert set(breakdown["seconds"]) == {"attention", "batched_ops", "sampling", "prepare", "scheduling"}
+        assert breakdown["attention_measured"] and breakdown["seconds"]["attention"] > 0
+        assert breakdown["profiled_iterations"] == breakdown["iterations"] == run["iterations"]
+        assert sum(breakdown["fraction"].values()) == pytest.approx(1.0)
+    # Every request runs to its max_tokens, and still reserve's blocks are partly empty until the end.
+    assert runs["on_demand"]["kv"]["utilization"] > runs["reserve"]["kv"]["utilization"]
+    assert runs["on_demand"]["kv"]["mean_allocated_blocks"] < runs["reserve"]["kv"]["mean_allocated_blocks"]
+
+
+def test_orca_bench_offline_small_pool_preempts_on_demand_only(tmp_path: Path) -> None:
+    # 12 blocks of 4 tokens for 5 requests of up to 12 + 24 tokens: reserve admits them a few at a time,
+    # on_demand admits more and preempts (recomputing later) when they outgrow the pool; a token budget of
+    # 6 splits prompts into chunks. The tokens do not change.
+    result = run_offline(tmp_path, "--kv-admission", "both", "--block-size", "4", "--max-new-tokens", "8:24",
+                         "--n-slots", "48", "--max-num-batched-tokens", "6", "--skip-transformers")
+    assert "transformers" not in result and "ratio" not in result
+    runs = result["orca_policies"]
+    assert result["same_tokens_across_policies"] == 5
+    assert runs["reserve"]["kv"]["preemptions"] == 0 and runs["on_demand"]["kv"]["preemptions"] > 0
+    for run in runs.values():
+        assert run["n_slots"] == 48 and run["kv"]["total_blocks"] == 12 and run["max_num_batched_tokens"] == 6
+        assert run["generated_tokens"] == expected_tokens(result)
+        assert 0 < run["kv"]["utilization"] <= 1 and run["kv"]["peak_allocated_blocks"] <= 12
+
+
+def test_kv_usage_weights_iterations_by_duration() -> None:
+    usage = orca_bench.KVUsage(block_size=4)
+    for duration, used, blocks, batch in ((1.0, 8, 4, 2), (3.0, 16, 4, 3), (5.0, 0, 0, 1)):
+        usage.add(IterationStats(batch_size=batch, duration=duration, kv_used_tokens=used, kv_allocated_blocks=blocks))
+    summary = usage.summary()
+    # 8/16 for 1 s, 16/16 for 3 s; the iteration with nothing allocated is left out.
+    assert summary["utilization"] == pytest.approx((0.5 * 1 + 1.0 * 3) / 4)
+    assert summary["mean_allocated_blocks"] == pytest.approx(4.0) and summary["peak_allocated_blocks"] == 4
+    assert usage.iterations == 3 and usage.mean_batch_size == pytest.approx(2.0)
+    assert orca_bench.KVUsage(block_size=16).summary()["utilization"] is None
+
+
+METRICS_TEXT = """# HELP orca_kv_allocated_blocks K/V blocks held by requests
+# TYPE orca_kv_allocated_blocks gauge
+orca_kv_allocated_blocks{{model="orca_gpt",version="1"}} {allocated}
+orca_kv_allocated_blocks{{model="other",version="1"}} 99
+orca_kv_used_tokens{{model="orca_gpt",version="1"}} {used}
+orca_kv_reserved_slots{{model="orca_gpt",version="1"}} {slots}
+orca_kv_total_blocks{{model="orca_gpt",version="1"}} 100
+orca_preemptions_total{{model="orca_gpt",version="1"}} {preemptions}
+nv_inference_count{{model="orca_gpt",version="1"}} 12
+"""
+
+
+def test_parse_metrics_keeps_one_models_samples() -> None:
+    text = METRICS_TEXT.format(allocated=3, used=40, slots=48, preemptions=2)
+    assert orca_bench.parse_metrics(text, "orca_gpt") == {
+        "orca_kv_allocated_blocks": 3, "orca_kv_used_tokens": 40, "orca_kv_reserved_slots": 48,
+        "orca_kv_total_blocks": 100, "orca_preemptions_total": 2, "nv_inference_count": 12,
+    }
+    assert orca_bench.parse_metrics(text, "other") == {"orca_kv_allocated_blocks": 99}
+    assert orca_bench.parse_metrics(text, "request_level_gpt") == {}
+
+
+@pytest.fixture
+def metrics_endpoint() -> Any:
+    """A local HTTP server answering each GET with the next of `texts` (the last one repeats)."""
+    import http.server
+    import threading
+
+    texts: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = (texts.pop(0) if len(texts) > 1 else texts[0]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics", texts
+    server.shutdown()
+    server.server_close()
+
+
+def test_kv_sampler_averages_the_busy_samples(metrics_endpoint: Any) -> None:
+    url, texts = metrics_endpoint
+    texts.extend([
+        METRICS_TEXT.format(allocated=0, used=0, slots=0, preemptions=5),  # idle: left out
+        METRICS_TEXT.format(allocated=2, used=16, slots=32, preemptions=5),  # 50%
+        METRICS_TEXT.format(allocated=4, used=64, slots=64, preemptions=7),  # 100%
+        METRICS_TEXT.format(allocated=0, used=0, slots=0, preemptions=8),
+    ])
+    with orca_bench.KVSampler(url, "orca_gpt", interval=0.01, block_size=99) as sampler:
+        deadline = time.monotonic() + 10
+        while len(sampler.samples) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    kv = sampler.summary()
+    assert kv is not None and kv["busy_samples"] == 2 and kv["samples"] >= 4
+    assert kv["utilization"] == pytest.approx(0.75) and kv["block_size"] == 16  # slots / blocks, not 99
+    assert kv["mean_allocated_blocks"] == pytest.approx(3.0) and kv["peak_allocated_blocks"] == 4
+    assert kv["preemptions"] == 3 and kv["total_blocks"] == 100
+
+
+def test_kv_sampler_reports_none_without_gauges_or_endpoint(metrics_endpoint: Any) -> None:
+    url, texts = metrics_endpoint
+    texts.append(METRICS_TEXT.format(allocated=1, used=1, slots=16, preemptions=0))
+    for sampler_url, model, note in (
+        (url, "request_level_gpt", "exports no orca_kv_allocated_blocks"),
+        ("http://127.0.0.1:9/metrics", "orca_gpt", "not reachable"),  # the discard port: nothing listens
+        ("", "orca_gpt", "no metrics URL"),
+    ):
+        with orca_bench.KVSampler(sampler_url, model, interval=0.01) as sampler:
+            pass
+        assert sampler.summary() is None and note in (sampler.note or "")
 
 
 def test_throughput_within_slo_reads_the_curve_up_to_its_first_crossing() -> None:

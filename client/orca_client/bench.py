@@ -4,12 +4,22 @@
 over tritonclient gRPC (streaming for decoupled models such as orca_gpt, one plain async infer per request
 for request_level_gpt), at a sweep of arrival rates. Per request: end-to-end latency, time to first token,
 inter-token latency and normalized latency (end-to-end / generated tokens); per rate: throughput and
-median / p90 / p99. Writes JSON and the paper's Figure 10 (median normalized latency against throughput)
-plus the throughput each model sustains within a latency SLO.
+median / p90 / p99, and the K/V pool's use read from Triton's metrics endpoint (--metrics-url, sampled
+every --metrics-interval seconds during the rate point): the mean of orca_kv_used_tokens /
+(orca_kv_allocated_blocks x block size) over the samples with a block allocated, and the
+orca_preemptions_total the point added (none for models without these gauges, such as
+request_level_gpt). Writes JSON and the paper's Figure 10 (median normalized latency against throughput)
+plus the throughput each model sustains within a latency SLO. The engine options (kv_admission,
+max_num_batched_tokens, ...) are the served model's config.pbtxt parameters, recorded in the JSON.
 
-``orca-bench offline``: the same requests through orca.LLM.generate and through transformers' continuous
-batching on the same weights, in one process, in turn: tokens/s, model FLOPs utilisation against a matmul
-peak measured in the same run, and where an Orca iteration spends its time.
+``orca-bench offline``: the same requests through orca's engine (stepped as orca.LLM.generate steps it)
+and through transformers' continuous batching on the same weights, in one process, in turn: tokens/s,
+model FLOPs utilisation against a matmul peak measured in the same run, whether the greedy tokens are
+identical, the K/V pool's use (utilization = used tokens / slots of allocated blocks, averaged over
+iterations weighted by their duration; mean and peak allocated blocks; preemptions), and where an
+iteration spends its time (a second run with the engine's profiling hook, engine.profile). Engine
+options: --kv-admission (reserve, on_demand, or both: one engine per policy on the same requests, side
+by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype.
 
 Benchmarks print numbers; they do not pass or fail.
 """
@@ -23,10 +33,12 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +52,9 @@ from orca_client.client import OrcaClient, parse_result
 from orca_client.trace import PRESETS, TraceRequest, TraceSpec, make_trace, parse_range
 
 DEFAULT_MODELS = ("orca_gpt", "request_level_gpt")
+DEFAULT_METRICS_URL = "http://localhost:8002/metrics"
+# The engine options of a served model that the trace table's header shows (from its config.pbtxt).
+ENGINE_OPTIONS_SHOWN = ("max_bs", "kv_admission", "block_size", "max_num_batched_tokens")
 # Rates (req/s) per preset: from well below to above what orca_gpt sustains with SmolLM2-135M on 2 CPU
 # cores (about 3 req/s on the default preset, 4x fewer with the paper's 4x longer requests).
 DEFAULT_RATES = {"default": (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0), "paper": (0.1, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0)}
@@ -125,6 +140,7 @@ class Driver:
 
     def __init__(self, url: str, model: str) -> None:
         self.url, self.model = url, model
+        self.parameters: dict[str, str] = {}
 
     def submit(self, req: TraceRequest, record: RequestRecord, done: Callable[[], None]) -> None:
         raise NotImplementedError
@@ -225,11 +241,17 @@ def make_driver(url: str, model: str) -> Driver:
         config = client.get_model_config(model, as_json=True)["config"]
     finally:
         client.close()
+    driver: Driver
     if config.get("model_transaction_policy", {}).get("decoupled", False):
-        return StreamingDriver(url, model)
-    if int(config.get("max_batch_size", 0)) < 1:
+        driver = StreamingDriver(url, model)
+    elif int(config.get("max_batch_size", 0)) < 1:
         raise ValueError(f"{model} is neither decoupled nor batching: orca-bench drives orca_gpt-style models")
-    return BatchingDriver(url, model)
+    else:
+        driver = BatchingDriver(url, model)
+    # The engine options the model runs with (config.pbtxt's parameters: kv_admission, block_size,
+    # max_num_batched_tokens, ...), for the record.
+    driver.parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    return driver
 
 
 class _Countdown:
@@ -288,6 +310,121 @@ def run_closed_loop(
     return records
 
 
+# -- K/V pool use from Triton's metrics endpoint -------------------------------------------------------------
+# orca_gpt's K/V gauges (model_repository/orca_gpt/1/model.py), labelled model="<name>", version="<n>".
+KV_GAUGES = {
+    "allocated": "orca_kv_allocated_blocks",
+    "used": "orca_kv_used_tokens",
+    "total": "orca_kv_total_blocks",
+    "slots": "orca_kv_reserved_slots",  # slots in allocated blocks: allocated x block_size
+    "preemptions": "orca_preemptions_total",
+}
+_SAMPLE_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?\s*$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str, model: str) -> dict[str, float]:
+    """The samples of one model (label model="<model>") in Prometheus' text format, by metric name; the
+    series of several versions of the model are added up."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE_LINE.match(line)
+        if m is None or dict(_LABEL.findall(m.group(2) or "")).get("model") != model:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out[m.group(1)] = out.get(m.group(1), 0.0) + value
+    return out
+
+
+def fetch_metrics(url: str, model: str, timeout: float = 5.0) -> dict[str, float] | None:
+    """One scrape of the metrics endpoint; None when it cannot be read."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode("utf-8", errors="replace")
+    except (OSError, ValueError):  # URLError and timeouts are OSErrors; ValueError: a malformed URL
+        return None
+    return parse_metrics(text, model)
+
+
+class KVSampler:
+    """Samples a model's K/V gauges from Triton's metrics endpoint every `interval` seconds on a background
+    thread, from __enter__ to __exit__ (one rate point). summary() is None when there is nothing to report:
+    no URL, the endpoint unreachable, or a model without the gauges (request_level_gpt)."""
+
+    def __init__(self, url: str | None, model: str, interval: float = 0.25, block_size: int = 16) -> None:
+        self.url, self.model, self.interval, self.block_size = url, model, interval, block_size
+        self.samples: list[dict[str, float]] = []
+        self.note: str | None = None
+        self._first: dict[str, float] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> KVSampler:
+        if not self.url:
+            self.note = "no metrics URL"
+            return self
+        first = fetch_metrics(self.url, self.model)
+        if first is None:
+            self.note = f"metrics endpoint {self.url} not reachable"
+        elif KV_GAUGES["allocated"] not in first:
+            self.note = f"{self.model} exports no {KV_GAUGES['allocated']}"
+        else:
+            self._first = first
+            self.samples.append(first)
+            self._thread = threading.Thread(target=self._run, name="orca-bench-metrics", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            sample = fetch_metrics(self.url or "", self.model)
+            if sample is not None:
+                self.samples.append(sample)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            last = fetch_metrics(self.url or "", self.model)
+            if last is not None:
+                self.samples.append(last)
+
+    def summary(self) -> dict[str, Any] | None:
+        """Mean utilization (used tokens / slots of allocated blocks) and mean allocated blocks over the
+        samples with a block allocated, their peak, and the preemptions counted during the point."""
+        if self._first is None:
+            return None
+        g = KV_GAUGES
+        busy = [s for s in self.samples if s.get(g["allocated"], 0) > 0]
+        utilization: list[float] = []
+        for s in busy:
+            allocated = s[g["allocated"]]
+            slots = s.get(g["slots"], 0.0)
+            block_size = slots / allocated if slots > 0 else self.block_size
+            utilization.append(s.get(g["used"], 0.0) / (allocated * block_size))
+        sizes = {round(s[g["slots"]] / s[g["allocated"]]) for s in busy if s.get(g["slots"], 0) > 0}
+        last = self.samples[-1]
+        preemptions = None
+        if g["preemptions"] in last and g["preemptions"] in self._first:
+            preemptions = int(last[g["preemptions"]] - self._first[g["preemptions"]])
+        return {
+            "utilization": sum(utilization) / len(utilization) if utilization else None,
+            "mean_allocated_blocks": sum(s[g["allocated"]] for s in busy) / len(busy) if busy else None,
+            "peak_allocated_blocks": int(max((s[g["allocated"]] for s in busy), default=0)),
+            "total_blocks": int(last[g["total"]]) if g["total"] in last else None,
+            "block_size": sizes.pop() if len(sizes) == 1 else self.block_size,
+            "preemptions": preemptions,
+            "samples": len(self.samples),
+            "busy_samples": len(busy),
+            "interval": self.interval,
+        }
+
+
 # -- SLO --------------------------------------------------------------------------------------------------
 def throughput_within_slo(runs: Sequence[dict[str, Any]], slo: float) -> float:
     """The highest throughput (req/s) the model sustains before its median normalized latency first
@@ -324,11 +461,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
         "command": sys.argv,
         "url": args.url,
         "trace": asdict(spec),
+        "metrics_url": args.metrics_url or None,
         "rates": rates,
         "models": models,
+        "model_parameters": {m: d.parameters for m, d in drivers.items()},
         "unloaded": {},
         "runs": [],
     }
+    notes: dict[str, str] = {}  # why a model has no K/V numbers
     try:
         with tqdm(total=total, unit="req", desc="orca-bench trace", disable=args.no_progress) as bar:
             lock = threading.Lock()
@@ -345,14 +485,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     }
                 for rate in rates:
                     bar.set_postfix_str(f"{model} {rate:g} req/s")
-                    records = run_open_loop(drivers[model], make_trace(spec, rate), args.timeout, tick)
+                    sampler = KVSampler(args.metrics_url, model, args.metrics_interval, args.block_size)
+                    with sampler:
+                        records = run_open_loop(drivers[model], make_trace(spec, rate), args.timeout, tick)
                     result["runs"].append({
                         "model": model, "rate": rate, "summary": summarize(records, rate),
-                        "requests": [r.to_json() for r in records],
+                        "kv": sampler.summary(), "requests": [r.to_json() for r in records],
                     })
+                    if sampler.note and model not in notes:
+                        notes[model] = sampler.note
     finally:
         for driver in drivers.values():
             driver.close()
+    result["kv_notes"] = notes
     add_slo(result, args.slo_multiple)
     print_trace(result)
     if args.json:
@@ -391,15 +536,25 @@ def add_slo(result: dict[str, Any], multiple: float) -> None:
 
 
 def print_trace(result: dict[str, Any]) -> None:
+    for model, params in result.get("model_parameters", {}).items():
+        shown = {k: params[k] or "(default)" for k in ENGINE_OPTIONS_SHOWN if k in params}
+        if shown:
+            print(f"{model}: " + ", ".join(f"{k}={v}" for k, v in shown.items()))
     header = (f"{'model':<22} {'rate':>6} {'done':>5} {'req/s':>7} {'tok/s':>8} {'norm p50':>9} {'norm p90':>9} "
-              f"{'e2e p50':>8} {'ttft p50':>8} {'itl p50':>8}")
+              f"{'e2e p50':>8} {'ttft p50':>8} {'itl p50':>8} {'kv util':>7} {'preempt':>7}")
     print(header)
     print("-" * len(header))
     for run in result["runs"]:
         s = run["summary"]
+        kv = run.get("kv") or {}
+        util = kv.get("utilization")
+        preempt = kv.get("preemptions")
         print(f"{run['model']:<22} {run['rate']:>6g} {s['completed']:>5} {_f(s['throughput_rps'], 7, 3)} "
               f"{_f(s['throughput_tps'], 8, 1)} {_f(s['normalized']['p50'], 9, 4)} {_f(s['normalized']['p90'], 9, 4)} "
-              f"{_f(s['e2e']['p50'], 8, 3)} {_f(s['ttft']['p50'], 8, 3)} {_f(s['itl']['p50'], 8, 4)}")
+              f"{_f(s['e2e']['p50'], 8, 3)} {_f(s['ttft']['p50'], 8, 3)} {_f(s['itl']['p50'], 8, 4)} "
+              f"{'-' if util is None else f'{100 * util:.1f}%':>7} {'-' if preempt is None else preempt:>7}")
+    for model, note in result.get("kv_notes", {}).items():
+        print(f"kv util / preempt of {model}: none ({note})")
     slo = result["slo"]
     if slo["slo"] is not None:
         print(f"\nSLO: {slo['multiple']:g} x {slo['per_token_latency']:.4f} s/token ({slo['source']}) = "
@@ -464,6 +619,16 @@ def plot_trace(result: dict[str, Any], path: str) -> None:
 
 
 # -- the offline command ----------------------------------------------------------------------------------
+KV_ADMISSION_CHOICES = ("reserve", "on_demand", "both")
+BREAKDOWN_PHASES = ("attention", "batched_ops", "sampling", "prepare", "scheduling")
+
+
+def offline_policies(choice: str) -> tuple[str, ...]:
+    """The K/V admission policies one offline run compares, in run order; the last is the primary one
+    (result["orca"], compared with transformers): on_demand, the engine's default, when both run."""
+    return ("reserve", "on_demand") if choice == "both" else (choice,)
+
+
 def cmd_offline(args: argparse.Namespace) -> int:
     import torch
 
@@ -477,144 +642,211 @@ def cmd_offline(args: argparse.Namespace) -> int:
     trace = make_trace(spec, None)
     prompts = [list(r.prompt_token_ids) for r in trace]
     max_new = [r.max_new_tokens for r in trace]
+    policies = offline_policies(args.kv_admission)
     result: dict[str, Any] = {
         "benchmark": "offline", "machine": machine_info(), "command": sys.argv, "checkpoint": str(checkpoint),
-        "trace": asdict(spec), "torch_threads": torch.get_num_threads(),
+        "trace": asdict(spec), "torch_threads": torch.get_num_threads(), "kv_admission": list(policies),
+        "orca_policies": {},
     }
-    orca_tokens = run_orca_offline(args, prompts, max_new, result)
+    tokens = {policy: run_orca_offline(args, policy, prompts, max_new, result) for policy in policies}
+    primary = policies[-1]
+    result["orca"] = result["orca_policies"][primary]
+    if len(policies) > 1:  # recomputation after a preemption must not change a greedy continuation
+        result["same_tokens_across_policies"] = sum(
+            all(tokens[p][i] == tokens[primary][i] for p in policies) for i in range(len(prompts))
+        )
     if not args.skip_transformers:
-        run_transformers_offline(checkpoint, prompts, max_new, orca_tokens, result)
+        hf_tokens = run_transformers_offline(checkpoint, prompts, max_new, result["orca"]["n_slots"], result)
+        result["transformers"]["same_tokens_as_orca"] = _same(hf_tokens, tokens[primary])
+        for policy in policies:
+            result["orca_policies"][policy]["same_tokens_as_transformers"] = _same(hf_tokens, tokens[policy])
     # In the same process, right after the runs: the peak of the machine the runs just had.
     result["peak_flops"] = measure_matmul_peak(result["dtype"], result["device"], args.peak_seconds)
-    for name in ("orca", "transformers"):
-        if name in result:
-            run = result[name]
-            run["mfu"] = run["model_flops"] / run["seconds"] / result["peak_flops"]
+    runs = [*result["orca_policies"].values(), *([result["transformers"]] if "transformers" in result else [])]
+    for run in runs:
+        run["mfu"] = run["model_flops"] / run["seconds"] / result["peak_flops"]
     if "transformers" in result:
-        result["ratio"] = result["orca"]["tokens_per_second"] / result["transformers"]["tokens_per_second"]
+        hf_tps = result["transformers"]["tokens_per_second"]
+        for run in result["orca_policies"].values():
+            run["ratio_to_transformers"] = run["tokens_per_second"] / hf_tps
+        result["ratio"] = result["orca"]["ratio_to_transformers"]
     print_offline(result)
     if args.json:
         write_json(args.json, result)
     return 0
 
 
+def _same(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> int:
+    """Requests whose token lists are identical."""
+    return sum(list(x) == list(y) for x, y in zip(a, b))
+
+
 def run_orca_offline(
-    args: argparse.Namespace, prompts: list[list[int]], max_new: list[int], result: dict[str, Any]
+    args: argparse.Namespace, policy: str, prompts: list[list[int]], max_new: list[int], result: dict[str, Any]
 ) -> list[list[int]]:
+    """One K/V admission policy on a fresh engine: warm-up, the timed run (tokens/s and the K/V pool's use,
+    from engine.last_iteration after every iteration), then the profiled run (iteration_breakdown).
+    Stores the record in result["orca_policies"][policy]; returns each request's tokens."""
     import torch
 
-    from orca import LLM, SamplingParams
+    from orca import EngineConfig, LLMEngine, SamplingParams
 
-    llm = LLM(args.model, max_bs=args.max_bs, dtype=args.dtype)
-    engine = llm.engine
-    result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
-    result["device"] = str(engine.device)
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    tokens = [o.token_ids for o in outputs]
-    result["model"] = model_shape(engine.runner.model, engine.model_config)
-    result["orca"] = {
-        **run_record(result["model"], prompts, tokens, seconds),
-        "max_bs": args.max_bs,
-        "n_slots": engine.n_slots,
-    }
-    result["breakdown"] = iteration_breakdown(engine, prompts, params)
-    del llm, engine
+    engine = LLMEngine(EngineConfig(
+        model=args.model, max_bs=args.max_bs, dtype=args.dtype, kv_admission=policy, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens or None, n_slots=args.n_slots,
+    ))
+    try:
+        result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
+        result["device"] = str(engine.config.torch_device)
+        result["model"] = model_shape(engine.model_config)
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
+        warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        drive(engine, prompts[:2], [warm] * len(prompts[:2]), "warmup")
+        kv = KVUsage(engine.block_size)
+        preemptions = engine.stats().preemptions
+        start = time.perf_counter()
+        tokens = drive(engine, prompts, params, "bench", lambda it, _: kv.add(it))
+        seconds = time.perf_counter() - start
+        stats = engine.stats()
+        result["orca_policies"][policy] = {
+            **run_record(result["model"], prompts, tokens, seconds),
+            "kv_admission": policy,
+            "max_bs": engine.config.max_bs,
+            "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            "n_slots": engine.n_slots,
+            "iterations": kv.iterations,
+            "mean_batch_size": kv.mean_batch_size,
+            "kv": {
+                **kv.summary(),
+                "total_blocks": stats.kv_total_blocks,
+                "block_size": engine.block_size,
+                "preemptions": stats.preemptions - preemptions,
+            },
+            "breakdown": iteration_breakdown(engine, prompts, params),
+        }
+    finally:
+        engine.shutdown()
+    del engine
     _free_memory(torch)
     return tokens
 
 
+def drive(
+    engine: Any,
+    prompts: Sequence[Sequence[int]],
+    params: Sequence[Any],
+    tag: str,
+    on_iteration: Callable[[Any, float], None] | None = None,
+) -> list[list[int]]:
+    """Runs the requests to completion on an LLMEngine the way orca.LLM.generate does (each request added
+    as soon as the waiting queue takes it, then step() until none is left), calling
+    ``on_iteration(engine.last_iteration, seconds of that step() call)`` after every step that completed an
+    iteration. Returns each request's generated tokens, in input order."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    index = {request_id: i for i, request_id in enumerate(ids)}
+    tokens: list[list[int]] = [[] for _ in ids]
+    pending = list(range(len(ids)))[::-1]  # a stack: the next request on top
+    while pending or engine.has_unfinished():
+        while pending and engine.stats().waiting < engine.config.max_queue:
+            i = pending.pop()
+            engine.add_request(ids[i], list(prompts[i]), params[i])
+        before = engine.last_iteration
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        for out in outputs:
+            if out.finished:
+                if out.error:
+                    raise RuntimeError(f"generation failed: {out.error}")
+                tokens[index[out.request_id]] = list(out.token_ids)
+        if on_iteration is not None and engine.last_iteration is not before:
+            on_iteration(engine.last_iteration, seconds)
+    return tokens
+
+
+@dataclass
+class KVUsage:
+    """The K/V pool's use over a run, from each iteration's engine.last_iteration (the moment after the
+    iteration, before finished requests free their blocks), every iteration weighted by its duration.
+    Utilization = used tokens / slots of the allocated blocks (kv_used_tokens / (kv_allocated_blocks x
+    block_size)): what paging leaves unused inside blocks, and what reserve admission holds for tokens not
+    generated yet. Iterations with no block allocated are left out."""
+
+    block_size: int
+    iterations: int = 0
+    batch_sizes: int = 0
+    peak_allocated_blocks: int = 0
+    _weight: float = 0.0
+    _utilization: float = 0.0
+    _allocated: float = 0.0
+
+    def add(self, it: Any) -> None:
+        self.iterations += 1
+        self.batch_sizes += it.batch_size
+        self.peak_allocated_blocks = max(self.peak_allocated_blocks, it.kv_allocated_blocks)
+        if it.kv_allocated_blocks > 0:
+            self._weight += it.duration
+            self._utilization += it.duration * it.kv_used_tokens / (it.kv_allocated_blocks * self.block_size)
+            self._allocated += it.duration * it.kv_allocated_blocks
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_sizes / self.iterations if self.iterations else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        w = self._weight
+        return {
+            "utilization": self._utilization / w if w > 0 else None,
+            "mean_allocated_blocks": self._allocated / w if w > 0 else None,
+            "peak_allocated_blocks": self.peak_allocated_blocks,
+        }
+
+
 def iteration_breakdown(engine: Any, prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
-    """Runs the same requests again, timing every iteration: attention (the per-request split), the batched
-    ops (every other op of the model, logits included), sampling, input preparation, and scheduling (the
-    rest of step(): selection, K/V allocation, stop checks, detokenisation, outputs)."""
-    totals = dict.fromkeys(("attention", "batched_ops", "sampling", "prepare", "scheduling"), 0.0)
-    iterations = 0
-    batch_sizes = 0
-    engine.runner.profile = True
-    with attention_timer(engine.runner.model, engine.device) as attention:
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            engine.add_request(f"breakdown-{i}", prompt, p)
-        while engine.has_unfinished():
-            attention.seconds = 0.0
-            start = time.perf_counter()
-            engine.step()
-            step = time.perf_counter() - start
-            t = engine.runner.last_timings
-            totals["attention"] += attention.seconds
-            totals["batched_ops"] += t.model - attention.seconds
-            totals["sampling"] += t.sample
-            totals["prepare"] += t.prepare
-            totals["scheduling"] += step - (t.prepare + t.model + t.sample)
-            iterations += 1
-            batch_sizes += engine.last_iteration.batch_size
-    engine.runner.profile = False
+    """Runs the same requests again with the engine's profiling on (engine.profile: each iteration's
+    timings, device-synced on a GPU): attention (the per-request split, timed inside selective_attention),
+    the batched ops (every other op of the model, logits included), sampling, input preparation, and
+    scheduling (the rest of step(): selection, K/V blocks, plan, stop checks, detokenisation, outputs)."""
+    totals = dict.fromkeys(BREAKDOWN_PHASES, 0.0)
+    counts = {"iterations": 0, "batch": 0, "timed": 0}
+
+    def on_iteration(it: Any, step: float) -> None:
+        t = it.timings
+        counts["iterations"] += 1
+        counts["batch"] += it.batch_size
+        if not t:
+            return
+        counts["timed"] += 1
+        totals["attention"] += t.get("attention", 0.0)
+        totals["batched_ops"] += t.get("model", 0.0) - t.get("attention", 0.0)
+        totals["sampling"] += t.get("sample", 0.0)
+        totals["prepare"] += t.get("prepare", 0.0)
+        totals["scheduling"] += step - (t.get("prepare", 0.0) + t.get("model", 0.0) + t.get("sample", 0.0))
+
+    engine.profile = True
+    try:
+        drive(engine, prompts, params, "breakdown", on_iteration)
+    finally:
+        engine.profile = False
     total = sum(totals.values())
+    iterations = counts["iterations"]
     return {
         "seconds": totals,
         "fraction": {k: v / total for k, v in totals.items()} if total > 0 else {},
         "total_seconds": total,
         "iterations": iterations,
-        "mean_batch_size": batch_sizes / iterations if iterations else 0.0,
-        "attention_measured": attention.hooked,
+        "mean_batch_size": counts["batch"] / iterations if iterations else 0.0,
+        "profiled_iterations": counts["timed"],
+        "attention_measured": totals["attention"] > 0,
     }
 
 
-class _AttentionClock:
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.hooked = False
-
-
-@contextlib.contextmanager
-def attention_timer(model: Any, device: Any) -> Iterator[_AttentionClock]:
-    """Times every call of the model module's selective_attention (the one op Orca does not batch), by
-    wrapping the name the model's module calls (on a GPU with a device sync on each side, as the runner's
-    profile flag does). If the model calls no such function, attention stays 0 and counts as batched ops."""
-    import importlib
-
-    import torch
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    module = importlib.import_module(type(model).__module__)
-    clock = _AttentionClock()
-    original = getattr(module, "selective_attention", None)
-    if original is None:
-        yield clock
-        return
-
-    def timed(*a: Any, **kw: Any) -> Any:
-        sync()
-        start = time.perf_counter()
-        try:
-            return original(*a, **kw)
-        finally:
-            sync()
-            clock.seconds += time.perf_counter() - start
-
-    module.selective_attention = timed
-    clock.hooked = True
-    try:
-        yield clock
-    finally:
-        module.selective_attention = original
-
-
 def run_transformers_offline(
-    checkpoint: Path,
-    prompts: list[list[int]],
-    max_new: list[int],
-    orca_tokens: list[list[int]],
-    result: dict[str, Any],
-) -> None:
+    checkpoint: Path, prompts: list[list[int]], max_new: list[int], n_slots: int, result: dict[str, Any]
+) -> list[list[int]]:
     """transformers' continuous batching (its paged-attention manager) with a per-request max_new_tokens,
-    EOS disabled and greedy decoding, on the same weights and dtype."""
+    EOS disabled and greedy decoding, on the same weights and dtype; its cache within orca's K/V pool of
+    n_slots tokens. Stores result["transformers"]; returns each request's tokens."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -631,7 +863,7 @@ def run_transformers_offline(
     page = ContinuousBatchingConfig().page_size
     pages = sum(math.ceil((len(p) + n) / page) for p, n in zip(prompts, max_new))
     cb_config = ContinuousBatchingConfig(
-        num_blocks=max(1, min(pages, result["orca"]["n_slots"] // page)),
+        num_blocks=max(1, min(pages, n_slots // page)),
         max_batch_tokens=sum(len(p) for p in prompts),
     )
     with model.continuous_batching_context_manager(
@@ -649,10 +881,10 @@ def run_transformers_offline(
         "max_batch_tokens": getattr(resolved, "max_batch_tokens", None),
         "num_blocks": getattr(resolved, "num_blocks", cb_config.num_blocks),
         "page_size": page,
-        "same_tokens_as_orca": sum(a == b for a, b in zip(tokens, orca_tokens)),
     }
     del model, cb
     _free_memory(torch)
+    return tokens
 
 
 def _cb_generate(manager: Any, prompts: list[list[int]], max_new: list[int], tag: str) -> list[list[int]]:
@@ -671,19 +903,21 @@ def _cb_generate(manager: Any, prompts: list[list[int]], max_new: list[int], tag
     return [list(finished[i].generated_tokens) for i in ids]
 
 
-def model_shape(model: Any, config: Any) -> dict[str, int]:
-    """What the FLOP count needs: the decoder's linear weights (every nn.Linear of orca's model but the LM
-    head; the same architecture as transformers' model) and the attention and head sizes."""
-    from torch import nn
-
-    linear = sum(
-        m.weight.numel() for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"
-    )
+def model_shape(config: Any) -> dict[str, int]:
+    """What the FLOP count needs, from the engine's ModelConfig (engine.model_config): the decoder's linear
+    weights (every projection of a layer, biases left out; the LM head is counted apart) and the attention
+    and head sizes. Per layer: Q, K, V (K and V with num_kv_heads) and the output projection, then the MLP:
+    up and down, plus the gate for the gated (llama) MLP."""
+    e, i = config.hidden_size, config.intermediate_size
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    mlp_matrices = 3 if config.architecture == "llama" else 2
+    per_layer = e * (q + 2 * kv) + q * e + mlp_matrices * e * i
     return {
-        "linear_params": linear,
+        "linear_params": config.num_layers * per_layer,
         "num_layers": config.num_layers,
-        "attention_width": config.num_heads * config.head_dim,
-        "hidden_size": config.hidden_size,
+        "attention_width": q,
+        "hidden_size": e,
         "vocab_size": config.vocab_size,
     }
 
@@ -745,23 +979,44 @@ def _free_memory(torch: Any) -> None:
 
 
 def print_offline(result: dict[str, Any]) -> None:
+    policies = result["orca_policies"]
+    first = next(iter(policies.values()))
+    budget = first["max_num_batched_tokens"]
     print(f"{result['trace']['num_requests']} requests, prompts "
           f"U{tuple(result['trace']['prompt_len'])}, new tokens U{tuple(result['trace']['max_new_tokens'])}, "
-          f"{result['dtype']} on {result['device']} ({result['torch_threads']} threads)")
+          f"{result['dtype']} on {result['device']} ({result['torch_threads']} threads); orca: max_bs "
+          f"{first['max_bs']}, {first['kv']['total_blocks']} K/V blocks of {first['kv']['block_size']} tokens, "
+          f"{'no token budget' if budget is None else f'{budget} tokens per iteration'}")
     print(f"matmul peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s")
-    for name in ("orca", "transformers"):
-        if name in result:
-            r = result[name]
-            print(f"{name:<13} {r['generated_tokens']:>6} tokens in {r['seconds']:7.2f} s = "
-                  f"{r['tokens_per_second']:8.1f} tok/s, MFU {100 * r['mfu']:5.1f}%")
-    if "ratio" in result:
-        same = result["transformers"]["same_tokens_as_orca"]
-        print(f"orca / transformers: {result['ratio']:.2f}x (identical greedy tokens for {same}/"
-              f"{result['trace']['num_requests']} requests)")
-    b = result["breakdown"]
-    print(f"orca iteration breakdown ({b['iterations']} iterations, mean batch {b['mean_batch_size']:.1f}):")
-    for k, v in b["seconds"].items():
-        print(f"  {k:<12} {v:8.3f} s  {100 * b['fraction'].get(k, 0):5.1f}%")
+    rows = [(f"orca {p}", r) for p, r in policies.items()]
+    if "transformers" in result:
+        rows.append(("transformers", result["transformers"]))
+    for name, r in rows:
+        line = (f"{name:<16} {r['generated_tokens']:>6} tokens in {r['seconds']:7.2f} s = "
+                f"{r['tokens_per_second']:8.1f} tok/s, MFU {100 * r['mfu']:5.1f}%")
+        if "ratio_to_transformers" in r:
+            line += (f", {r['ratio_to_transformers']:.2f}x transformers (identical greedy tokens for "
+                     f"{r['same_tokens_as_transformers']}/{result['trace']['num_requests']} requests)")
+        print(line)
+    if "same_tokens_across_policies" in result:
+        print(f"identical tokens under every policy: {result['same_tokens_across_policies']}/"
+              f"{result['trace']['num_requests']} requests")
+    print("K/V pool (time-weighted over iterations; utilization = used tokens / slots of allocated blocks):")
+    print(f"  {'policy':<10} {'util':>7} {'mean blocks':>11} {'peak blocks':>11} {'preempt':>8} {'iters':>6} "
+          f"{'mean batch':>10}")
+    for policy, r in policies.items():
+        kv = r["kv"]
+        util = "-" if kv["utilization"] is None else f"{100 * kv['utilization']:.1f}%"
+        mean = "-" if kv["mean_allocated_blocks"] is None else f"{kv['mean_allocated_blocks']:.1f}"
+        print(f"  {policy:<10} {util:>7} {mean:>11} {kv['peak_allocated_blocks']:>11} {kv['preemptions']:>8} "
+              f"{r['iterations']:>6} {r['mean_batch_size']:>10.1f}")
+    print("orca iteration breakdown (a second, profiled run):")
+    print(f"  {'':<12}" + "".join(f" {p + ' (' + str(r['breakdown']['iterations']) + ' it)':>24}"
+                                  for p, r in policies.items()))
+    for k in BREAKDOWN_PHASES:
+        cells = [f"{r['breakdown']['seconds'][k]:8.3f} s {100 * r['breakdown']['fraction'].get(k, 0):5.1f}%"
+                 for r in policies.values()]
+        print(f"  {k:<12}" + "".join(f" {c:>24}" for c in cells))
 
 
 # -- shared ---------------------------------------------------------------------------------------------------
@@ -810,6 +1065,33 @@ def _range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _number(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (strict and value == low) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_int = _number(int, 0, strict=True)
+_nonnegative_int = _number(int, 0, strict=False)
+_positive_float = _number(float, 0.0, strict=True)
+
+
+def _doc_paragraph(command: str) -> str:
+    """The module docstring's paragraph on one command (its --help description)."""
+    for paragraph in (__doc__ or "").split("\n\n"):
+        if paragraph.startswith(f"``orca-bench {command}``"):
+            return " ".join(paragraph.replace("``", "").split())
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orca-bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -826,7 +1108,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--seed", type=int, help="trace seed (default: 0)")
         sp.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
-    t = sub.add_parser("trace", help="the Orca workload against a running Triton server, at a sweep of rates")
+    t = sub.add_parser("trace", help="the Orca workload against a running Triton server, at a sweep of rates",
+                       description=_doc_paragraph("trace"))
     t.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default: %(default)s)")
     t.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated (default: %(default)s)")
     t.add_argument("--rates", help="arrival rates in req/s, comma-separated (default: "
@@ -839,15 +1122,34 @@ def build_parser() -> argparse.ArgumentParser:
                         " 0 uses the lowest rate instead)")
     t.add_argument("--slo-multiple", type=float, default=4.0,
                    help="SLO = this x the unloaded median normalized latency (default: %(default)s)")
+    t.add_argument("--metrics-url", default=DEFAULT_METRICS_URL,
+                   help="Triton's Prometheus metrics endpoint, sampled during each rate point for the K/V pool's "
+                        "use (orca_kv_* gauges; \"\" turns it off) (default: %(default)s)")
+    t.add_argument("--metrics-interval", type=_positive_float, default=0.25, metavar="SECONDS",
+                   help="seconds between two samples of the metrics endpoint (default: %(default)s)")
+    t.add_argument("--block-size", type=_positive_int, default=16,
+                   help="K/V block size assumed when the gauges do not give it (orca_kv_reserved_slots / "
+                        "orca_kv_allocated_blocks) (default: %(default)s)")
     t.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for a run's answers")
     t.add_argument("--plot", metavar="PATH", help="write the latency-throughput figure (PNG)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_trace)
 
-    o = sub.add_parser("offline", help="orca.LLM against transformers' continuous batching, in this process")
+    o = sub.add_parser("offline", help="orca's engine against transformers' continuous batching, in this process",
+                       description=_doc_paragraph("offline"))
     o.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     o.add_argument("--max-bs", type=int, default=32, help="orca's max_bs (default: %(default)s)")
     o.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
+    o.add_argument("--kv-admission", choices=KV_ADMISSION_CHOICES, default="on_demand",
+                   help="orca's K/V admission policy; both: reserve, then on_demand, on the same requests, side "
+                        "by side (default: %(default)s)")
+    o.add_argument("--block-size", type=_positive_int, default=16, help="orca's K/V block size in tokens "
+                   "(default: %(default)s)")
+    o.add_argument("--max-num-batched-tokens", type=_nonnegative_int, default=0, metavar="N",
+                   help="orca's token budget per iteration (chunked prefill); 0: no limit (default: %(default)s)")
+    o.add_argument("--n-slots", type=_positive_int, default=None, metavar="N",
+                   help="orca's K/V pool in tokens (whole blocks; also bounds transformers' cache) (default: the "
+                        "engine's: 1 GiB of K/V on a CPU, what gpu_memory_utilization leaves on a GPU)")
     o.add_argument("--skip-transformers", action="store_true", help="run orca only")
     o.add_argument("--peak-seconds", type=float, default=4.0, help="time spent measuring the matmul peak")
     workload(o, "offline")
