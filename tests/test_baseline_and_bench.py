@@ -3,7 +3,10 @@ generator and the orca-bench commands.
 
 The baseline is checked offline against the iteration-level engine (same tokens, same finish reasons)
 and end to end through the session's one Triton (request_level_tiny beside orca_tiny, tests/_server.py).
-The benchmarks only have to run to completion and write valid JSON and a PNG: no timing is asserted.
+The benchmarks only have to run to completion and write valid JSON and a PNG: no timing is asserted. What
+is asserted is what does not depend on the machine: tokens, K/V utilization in (0, 1] (higher under on_demand
+than under reserve admission), preemptions (on_demand only, on a small pool), the iteration breakdown's phases
+from the engine's profiling hook, and the K/V numbers orca-bench trace reads off Triton's metrics endpoint.
 """
 
 from __future__ import annotations
