@@ -164,29 +164,36 @@ class OrcaScheduler:
             batch.members.append(ScheduledRequest(req, 1, req.num_computed_tokens, new_blocks, True, True))
             chosen.add(req.request_id)
             budget -= 1
-        # 2. Prompt work (initiation chunks), admitting waiting requests in arrival order.
-        for req in candidates:
-            if req.request_id in chosen or req.in_increment:
-                continue
-            if len(batch.members) == self.max_bs or budget < 1 or req in batch.preempted:
-                break  # (a request preempted in this selection waits, and so does everything after it)
-            n = int(min(req.num_uncomputed_tokens, budget))
-            start = req.num_computed_tokens
-            if req.admitted:
-                new_blocks = self._grow(req, start + n, batch, chosen)
-                if new_blocks is None:
-                    break
-            else:
-                target = req.max_tokens if self.kv_admission == "reserve" else start + n
-                if not self.blocks.can_grow(req.request_id, target):
-                    break  # no queue jumping: later requests wait behind this one
-                new_blocks = self.blocks.grow(req.request_id, target)
-                req.admitted = True
-                batch.admitted.append(req)
-            sample = n == req.num_uncomputed_tokens
-            batch.members.append(ScheduledRequest(req, n, start, new_blocks, sample, False))
-            chosen.add(req.request_id)
-            budget -= n
+        # 2. Prompt work (initiation chunks): first admitted requests still in their prompt (a later chunk,
+        # or a recomputation after a preemption), then waiting requests, admitted here, in arrival order.
+        # Admitted work goes first so that a waiting request that does not fit can never hold up requests
+        # that already hold blocks: with nothing in flight, that would deadlock the pool.
+        for admitted_pass in (True, False):
+            for req in candidates:
+                if req.request_id in chosen or req.in_increment or req.admitted != admitted_pass:
+                    continue
+                if len(batch.members) == self.max_bs or budget < 1 or req in batch.preempted:
+                    return self._launch(batch)  # (a request preempted in this selection waits, and all after it)
+                n = int(min(req.num_uncomputed_tokens, budget))
+                start = req.num_computed_tokens
+                if req.admitted:
+                    new_blocks = self._grow(req, start + n, batch, chosen)
+                    if new_blocks is None:
+                        return self._launch(batch)
+                else:
+                    target = req.max_tokens if self.kv_admission == "reserve" else start + n
+                    if not self.blocks.can_grow(req.request_id, target):
+                        return self._launch(batch)  # no queue jumping: later requests wait behind this one
+                    new_blocks = self.blocks.grow(req.request_id, target)
+                    req.admitted = True
+                    batch.admitted.append(req)
+                sample = n == req.num_uncomputed_tokens
+                batch.members.append(ScheduledRequest(req, n, start, new_blocks, sample, False))
+                chosen.add(req.request_id)
+                budget -= n
+        return self._launch(batch)
+
+    def _launch(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         if not batch.members:  # (every preemption is for a member, so none happened)
             return None
         for m in batch.members:
