@@ -1,0 +1,121 @@
+"""The K/V block bookkeeping (orca.block_manager.BlockManager), in pure Python: block tables, the free
+heap (lowest id first), and the arithmetic the scheduler relies on."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orca.block_manager import BlockManager
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, None, "4"])
+@pytest.mark.parametrize("name", ["num_blocks", "block_size"])
+def test_rejects_bad_sizes(name: str, value: object) -> None:
+    kwargs: dict[str, object] = {"num_blocks": 4, "block_size": 2, name: value}
+    with pytest.raises(ValueError, match=name):
+        BlockManager(**kwargs)  # type: ignore[arg-type]
+
+
+def test_sizes_and_blocks_for() -> None:
+    bm = BlockManager(num_blocks=5, block_size=4)
+    assert bm.n_slots == 20
+    assert (bm.num_free_blocks, bm.num_allocated_blocks) == (5, 0)
+    assert [bm.blocks_for(n) for n in (0, 1, 3, 4, 5, 8, 9, 20)] == [0, 1, 1, 1, 2, 2, 3, 5]
+    assert BlockManager(3, 1).blocks_for(7) == 7
+
+
+def test_grow_hands_out_lowest_ids_first_and_only_what_is_missing() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.blocks_needed("a", 5) == 2 and bm.can_grow("a", 5)
+    assert bm.grow("a", 5) == [0, 1]
+    assert bm.table("a") == [0, 1] and bm.num_held("a") == 2
+    assert bm.grow("a", 8) == []  # 8 tokens still fit in 2 blocks
+    assert bm.blocks_needed("a", 8) == 0 and bm.blocks_needed("a", 3) == 0  # never negative
+    assert bm.grow("b", 1) == [2]
+    assert bm.grow("a", 9) == [3]  # a's table need not be contiguous
+    assert bm.table("a") == [0, 1, 3]
+    assert bm.owners() == {"a": [0, 1, 3], "b": [2]}
+    assert (bm.num_free_blocks, bm.num_allocated_blocks) == (4, 4)
+    assert bm.table("nobody") == [] and bm.num_held("nobody") == 0
+
+
+def test_grow_beyond_the_pool_raises_and_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=3, block_size=2)
+    bm.grow("a", 3)  # 2 blocks
+    assert not bm.can_grow("b", 3)  # 2 more blocks, 1 free
+    assert bm.can_grow("b", 2)
+    with pytest.raises(RuntimeError, match="needs 2 more blocks, 1 are free"):
+        bm.grow("b", 3)
+    assert bm.owners() == {"a": [0, 1]} and bm.num_free_blocks == 1
+
+
+def test_free_returns_blocks_once_and_they_are_reused_lowest_first() -> None:
+    bm = BlockManager(num_blocks=6, block_size=1)
+    bm.grow("a", 2)  # [0, 1]
+    bm.grow("b", 2)  # [2, 3]
+    bm.grow("c", 1)  # [4]
+    assert bm.free("b") == 2
+    assert bm.free("b") == 0  # idempotent: a second free must not return someone else's blocks
+    assert bm.free("never") == 0
+    assert bm.free("a") == 2
+    assert bm.num_free_blocks == 5
+    assert bm.grow("d", 3) == [0, 1, 2]  # the heap gives back the lowest free ids
+    assert bm.grow("e", 2) == [3, 5]
+    assert bm.owners() == {"c": [4], "d": [0, 1, 2], "e": [3, 5]}
+
+
+def test_table_and_owners_are_copies() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.grow("a", 3)
+    bm.table("a").append(99)
+    bm.owners()["a"].append(99)
+    bm.owners()["x"] = [3]
+    assert bm.owners() == {"a": [0, 1]} and bm.num_held("a") == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_blocks=st.integers(1, 16),
+    block_size=st.integers(1, 8),
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("grow"), st.integers(0, 4), st.integers(0, 40)),
+            st.tuples(st.just("free"), st.integers(0, 4)),
+        ),
+        max_size=40,
+    ),
+)
+def test_block_manager_against_a_model(num_blocks: int, block_size: int, ops: list) -> None:
+    bm = BlockManager(num_blocks, block_size)
+    model: dict[str, list[int]] = {}  # request -> its table
+    for op in ops:
+        rid = f"r{op[1]}"
+        free_before = sorted(set(range(num_blocks)) - {b for t in model.values() for b in t})
+        if op[0] == "grow":
+            tokens = op[2]
+            want = max(0, -(-tokens // block_size) - len(model.get(rid, [])))
+            assert bm.blocks_needed(rid, tokens) == want
+            assert bm.can_grow(rid, tokens) == (want <= len(free_before))
+            if want > len(free_before):
+                with pytest.raises(RuntimeError):
+                    bm.grow(rid, tokens)
+            else:
+                added = bm.grow(rid, tokens)
+                assert added == free_before[:want]  # lowest ids first
+                if want or rid in model:
+                    model.setdefault(rid, []).extend(added)
+        else:
+            assert bm.free(rid) == len(model.pop(rid, []))
+        owners = {r: t for r, t in bm.owners().items() if t}  # (a grow of 0 blocks may leave an empty table)
+        assert owners == {r: t for r, t in model.items() if t}
+        held = [b for t in owners.values() for b in t]
+        assert len(held) == len(set(held)), "a block is owned twice"
+        assert all(0 <= b < num_blocks for b in held)
+        assert bm.num_allocated_blocks == len(held) == num_blocks - bm.num_free_blocks
+        for r, t in model.items():
+            assert bm.table(r) == t and bm.num_held(r) == len(t)
+    for r in list(model):
+        bm.free(r)
+    assert bm.num_free_blocks == num_blocks and not any(bm.owners().values())
