@@ -1,4 +1,5 @@
-"""The paper's baseline: request-level batching (docs/design.md, "The problem Orca solves"), on the same engine model code.
+"""The paper's baseline: request-level batching (docs/design.md, "The problem Orca solves"), on the
+same engine model code.
 
 FasterTransformer behind Triton's dynamic batcher fixes a batch when it starts and runs it until its
 longest member is done. A member that finished early keeps its place in the batch (its rows are still
