@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -12,6 +13,12 @@ import torch
 from orca.scheduler import KV_ADMISSION_POLICIES
 
 ARCHITECTURES = ("gpt2", "llama")
+# Hugging Face model types served by the Llama-style decoder (orca/models/llama.py), with their options.
+LLAMA_STYLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+# Rotary variants whose frequencies do not depend on the sequence (transformers' "dynamic" and "longrope"
+# recompute them from the longest sequence of the batch, which would make one request's numbers depend on
+# the others' lengths under selective batching).
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 _INT_OPTIONS = (
@@ -39,8 +46,20 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     rope_theta: float = 10000.0  # llama only
-    attention_bias: bool = False  # llama only
+    attention_bias: bool = False  # llama only: bias on q, k, v (and on o_proj unless qkv_bias_only)
     mlp_bias: bool = False  # llama only
+    model_type: str = ""  # the checkpoint's own model_type (llama, mistral, qwen2, qwen3, gpt2)
+    rope_type: str = "default"  # llama only: one of ROPE_TYPES
+    rope_config: str = ""  # llama only, rope_type != default: the HF config.json (JSON) to build it from
+    qkv_bias_only: bool = False  # Qwen2: bias on q, k, v but not on o_proj
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before rotary
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: attend to the last N keys only (None: all)
+    # Mixture of experts (Mixtral, Qwen3-MoE): per layer whether its MLP is sparse; the experts' sizes.
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
     scale_attn_weights: bool = True  # gpt2 only: divide attention scores by sqrt(head_dim)
     scale_attn_by_inverse_layer_idx: bool = False  # gpt2 only
 
@@ -58,6 +77,7 @@ class ModelConfig:
                 raise ValueError(f"GPT-2 activation {act!r} is not supported (gelu_new only)")
             return cls(
                 architecture="gpt2",
+                model_type="gpt2",
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
                 num_layers=cfg["n_layer"],
@@ -73,36 +93,99 @@ class ModelConfig:
                 scale_attn_weights=cfg.get("scale_attn_weights", True),
                 scale_attn_by_inverse_layer_idx=cfg.get("scale_attn_by_inverse_layer_idx", False),
             )
-        if model_type == "llama":
-            act = cfg.get("hidden_act", "silu")
-            if act != "silu":
-                raise ValueError(f"Llama activation {act!r} is not supported (silu only)")
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
-                raise ValueError(f"rope type {rope_type!r} is not supported (default rotary only)")
-            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-            heads = cfg["num_attention_heads"]
-            return cls(
-                architecture="llama",
-                vocab_size=cfg["vocab_size"],
-                hidden_size=cfg["hidden_size"],
-                num_layers=cfg["num_hidden_layers"],
-                num_heads=heads,
-                num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                intermediate_size=cfg["intermediate_size"],
-                max_position_embeddings=cfg["max_position_embeddings"],
-                norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-                eos_token_ids=eos_ids,
-                bos_token_id=cfg.get("bos_token_id"),
-                rope_theta=float(theta),
-                attention_bias=cfg.get("attention_bias", False),
-                mlp_bias=cfg.get("mlp_bias", False),
-            )
+        if model_type in LLAMA_STYLE_MODEL_TYPES:
+            return cls._llama_style(model_type, cfg, eos_ids)
         raise ValueError(
-            f"model_type {model_type!r} is not supported; supported families: {', '.join(ARCHITECTURES)}"
+            f"model_type {model_type!r} is not supported; supported: gpt2, {', '.join(LLAMA_STYLE_MODEL_TYPES)}"
+        )
+
+    @classmethod
+    def _llama_style(cls, model_type: str, cfg: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
+        """Llama and the families that are Llama with options: Mistral (sliding window), Qwen2 (q/k/v bias,
+        per-layer sliding window), Qwen3 (q/k RMSNorm, head_dim of its own), and their mixture-of-experts
+        kin Mixtral (Mistral with sparse MLPs) and Qwen3-MoE (Qwen3 with sparse MLPs)."""
+        family = model_type.capitalize()
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{family} activation {act!r} is not supported (silu only)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}; dynamic and "
+                "longrope scale by the batch's longest sequence)"
+            )
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (1.0 only)")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+        windows: tuple[int | None, ...] = (None,) * layers
+        window = cfg.get("sliding_window")
+        if model_type in ("mistral", "mixtral") and window:
+            windows = (int(window),) * layers
+        elif model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window") and window:
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if i >= cfg.get("max_window_layers", layers) else "full_attention"
+                for i in range(layers)
+            ]
+            windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+        # Biases as transformers builds each family: Qwen2 always has them on q, k, v (never on o_proj);
+        # Mistral never; Llama and Qwen3 on q, k, v, o when attention_bias; an MLP bias is Llama's alone.
+        qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False}.get(
+            model_type, bool(cfg.get("attention_bias", False))
+        )
+        qkv_bias_only = model_type == "qwen2"
+        mlp_bias = model_type == "llama" and bool(cfg.get("mlp_bias", False))
+        moe: dict[str, Any] = {}
+        if model_type == "mixtral":
+            moe = dict(
+                moe_layers=(True,) * layers,
+                num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["intermediate_size"]),
+                norm_topk_prob=True,
+            )
+        elif model_type == "qwen3_moe":
+            # (Hub checkpoints say num_experts; transformers 5 writes num_local_experts)
+            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+            step = int(cfg.get("decoder_sparse_step") or 1)
+            dense = set(cfg.get("mlp_only_layers") or [])
+            moe = dict(
+                moe_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
+                num_experts=experts,
+                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            )
+        if moe and moe["num_experts"] and not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
+            raise ValueError(
+                f"num_experts_per_tok {moe['num_experts_per_tok']} must be in [1, {moe['num_experts']}]"
+            )
+        return cls(
+            architecture="llama",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            rope_theta=float(theta),
+            attention_bias=qkv_bias,
+            mlp_bias=mlp_bias,
+            model_type=model_type,
+            rope_type=rope_type,
+            rope_config="" if rope_type == "default" else json.dumps(cfg, sort_keys=True),
+            qkv_bias_only=qkv_bias_only,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            sliding_windows=windows,
+            **moe,
         )
 
 

@@ -172,7 +172,7 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> tu
     model = model.to_empty(device=device).to(dtype)
     if hasattr(model, "rotary"):
         # Buffers computed at construction were lost on the meta device; build them for real.
-        model.rotary = type(model.rotary)(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta).to(device)
+        model.rotary = type(model.rotary)(cfg).to(device)
     reader = _SafetensorsReader(checkpoint)
     params = dict(model.named_parameters())
     weight_map = cls.hf_weight_map(cfg)

@@ -53,3 +53,128 @@ def make_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
         model.lm_head.weight.mul_(8.0)  # with a tied head this scales the embeddings too: still fine
     model.save_pretrained(path)
     return path
+
+
+def _save_scaled(model: Any, path: Path) -> Path:
+    """Sharpens the random head (as make_llama does) and saves the checkpoint in two safetensors shards,
+    so the sharded-index path of the loader is exercised too."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path, max_shard_size="300KB")
+    return path
+
+
+_LLAMA_STYLE_SIZES: dict[str, Any] = {
+    "vocab_size": 197,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "eos_token_id": 196,
+    "bos_token_id": 1,
+}
+
+
+def make_mistral(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Mistral with a sliding window (8) shorter than most test prompts, GQA, head_dim 16 of its own."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    options = {**_LLAMA_STYLE_SIZES, "sliding_window": 8, "head_dim": 16, "tie_word_embeddings": False}
+    return _save_scaled(MistralForCausalLM(MistralConfig(**{**options, **overrides})).eval(), path)
+
+
+def make_qwen2(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Qwen2: bias on q, k, v (not o); a tied head; the sliding window (6) on the layers from
+    max_window_layers (1) on, as transformers lays them out."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    options = {
+        **_LLAMA_STYLE_SIZES,
+        "tie_word_embeddings": True,
+        "use_sliding_window": True,
+        "sliding_window": 6,
+        "max_window_layers": 1,
+    }
+    model = Qwen2ForCausalLM(Qwen2Config(**{**options, **overrides})).eval()
+    with torch.no_grad():  # random biases, so a model that drops them is caught
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return _save_scaled(model, path)
+
+
+def make_qwen3(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Qwen3: RMSNorm on each query and key head (random weights), head_dim 24 != hidden / heads (8)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    options = {**_LLAMA_STYLE_SIZES, "head_dim": 24, "tie_word_embeddings": False}
+    model = Qwen3ForCausalLM(Qwen3Config(**{**options, **overrides})).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    return _save_scaled(model, path)
+
+
+def make_llama3(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Llama 3.x rotary scaling ("llama3": factor 8, low/high frequency factors 1 and 4, original context
+    32), a tied head as in Llama 3.2 1B/3B; positions past 32 take the scaled frequencies."""
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 500000.0,
+    }
+    return make_llama(path, seed, **{"rope_parameters": rope, "tie_word_embeddings": True, **overrides})
+
+
+def make_mixtral(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Mixtral: 4 experts, top-2 routing (renormalised), a sliding window (8) as Mistral's."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    options = {
+        **_LLAMA_STYLE_SIZES,
+        "intermediate_size": 48,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+        "tie_word_embeddings": False,
+    }
+    model = MixtralForCausalLM(MixtralConfig(**{**options, **overrides})).eval()
+    with torch.no_grad():  # a sharper router, so the top-2 choice differs between tokens
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+    return _save_scaled(model, path)
+
+
+def make_qwen3_moe(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Qwen3-MoE: 4 experts, top-2 routing without renormalisation (norm_topk_prob False), layer 1 dense
+    (mlp_only_layers), q/k norms."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    options = {
+        **_LLAMA_STYLE_SIZES,
+        "moe_intermediate_size": 40,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "head_dim": 16,
+        "tie_word_embeddings": False,
+    }
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**options, **overrides})).eval()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            if i != 1:
+                layer.mlp.gate.weight.normal_(0.0, 1.0)
+    return _save_scaled(model, path)

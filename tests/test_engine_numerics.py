@@ -177,9 +177,9 @@ def test_gpt2_without_attention_scaling_is_served_right_or_refused(
     [
         ("gpt2", {"activation_function": "relu"}, "activation"),
         ("llama", {"hidden_act": "gelu"}, "activation"),
-        ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope"),
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope"),
     ],
-    ids=["gpt2-relu", "llama-gelu", "llama-linear-rope"],
+    ids=["gpt2-relu", "llama-gelu", "llama-dynamic-rope"],
 )
 def test_unsupported_variants_are_refused(family: str, overrides: dict, message: str, tmp_path: Path) -> None:
     path = BUILDERS[family](tmp_path / "ckpt", **overrides)

@@ -113,19 +113,22 @@ def selective_attention(
     meta: AttentionMetadata,
     layer: int,
     scale: float,
+    window: int | None = None,  # sliding window: a query sees its last `window` keys (itself included)
 ) -> torch.Tensor:  # (T, H * D)
     timer = meta.timer
     if timer is not None:
         timer.sync()
         t0 = time.perf_counter()
-    out = _attention(q, kv, meta, layer, scale)
+    out = _attention(q, kv, meta, layer, scale, window)
     if timer is not None:
         timer.sync()
         timer.add("attention", time.perf_counter() - t0)
     return out
 
 
-def _attention(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, layer: int, scale: float) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, layer: int, scale: float, window: int | None
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv.shape[2]
     group = num_heads // num_kv_heads  # query heads per K/V head (grouped-query attention)
@@ -149,14 +152,21 @@ def _attention(q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, layer
         # form takes PyTorch's fused CPU kernel.
         q_inc = q[:n_inc].view(n_inc, num_kv_heads, group, head_dim).split(1)  # n_inc x (1, KVH, G, D)
         for i in range(n_inc):
-            outputs.append(F.scaled_dot_product_attention(q_inc[i], *keys_values(i), scale=scale))
+            keys, values = keys_values(i)
+            if window is not None:  # the last `window` keys only
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
+            outputs.append(F.scaled_dot_product_attention(q_inc[i], keys, values, scale=scale))
         outputs = [torch.cat(outputs).view(n_inc, num_heads * head_dim)]  # (n_inc, H*D)
     start = n_inc
     for i in range(n_inc, len(meta.lengths)):
         n, past = meta.lengths[i], meta.context_lens[i]
         qi = q[start : start + n].transpose(0, 1)[None]  # (1, H, n, D)
         keys, values = keys_values(i)
-        if past == 0:
+        if window is not None and past + n > window:
+            # Query j (position past + j) sees keys (past + j - window, past + j].
+            mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(past).triu(past - window + 1)
+            oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+        elif past == 0:
             # A whole prompt (or its first chunk) attends causally to itself.
             oi = F.scaled_dot_product_attention(qi, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
         else:
