@@ -5,6 +5,7 @@ attention scaling, biases, a tied or untied head) with the same sizes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,49 @@ def make_qwen3_moe(path: Path, seed: int = 0, **overrides: Any) -> Path:
             if i != 1:
                 layer.mlp.gate.weight.normal_(0.0, 1.0)
     return _save_scaled(model, path)
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+    """Writes a Hugging Face checkpoint of `arch` (qwen2 or qwen3) as an F32 GGUF file the way llama.cpp
+    names things (gguf's own tensor-name map), with a small byte-pair tokenizer (letters and their pairs),
+    so that transformers' GGUF reader, which the engine's loader uses, can read it back."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    w = gguf.GGUFWriter(out, arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    vocab = cfg["vocab_size"]
+    alphabet = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = alphabet + [a + b for a in alphabet for b in alphabet][: vocab - len(alphabet)]
+    merges = [f"{t[0]} {t[1]}" for t in tokens[len(alphabet):]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        state.update(load_file(f))
+    for name, t in state.items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname, f"no GGUF name for {name}"
+        w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -19,10 +19,19 @@ from typing import Any
 import pytest
 import torch
 from _fixtures import _root, hf_greedy, hf_last_logits, record_logits
-from checkpoints import make_llama, make_llama3, make_mistral, make_mixtral, make_qwen2, make_qwen3, make_qwen3_moe
+from checkpoints import (
+    make_llama,
+    make_llama3,
+    make_mistral,
+    make_mixtral,
+    make_qwen2,
+    make_qwen3,
+    make_qwen3_moe,
+    write_gguf,
+)
 from transformers import AutoModelForCausalLM
 
-from orca import EngineConfig, LLMEngine, SamplingParams
+from orca import LLM, EngineConfig, LLMEngine, SamplingParams
 
 ATOL = 1e-4
 BUILDERS: dict[str, Any] = {
@@ -128,3 +137,30 @@ def test_unsupported_options_are_refused_by_name(builder: Any, overrides: dict, 
     path = builder(tmp_path / "ckpt", **overrides)
     with pytest.raises(ValueError, match=message):
         LLMEngine(EngineConfig(model=str(path)))
+
+
+@pytest.mark.parametrize(
+    ("arch", "builder", "overrides"),
+    [
+        ("qwen2", make_qwen2, {"use_sliding_window": False}),
+        # transformers' GGUF reader takes Qwen3's head_dim from its default (128), not from the file
+        ("qwen3", make_qwen3, {"head_dim": 128}),
+    ],
+    ids=["qwen2", "qwen3"],
+)
+def test_gguf_files_of_the_family_generate_what_transformers_generates_from_them(
+    arch: str, builder: Any, overrides: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    gguf_file = write_gguf(builder(tmp_path / "hf", **overrides), gguf_dir / f"tiny-{arch}.gguf", arch)
+    ref = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    llm = LLM(model=str(gguf_file), max_bs=4)
+    assert llm.engine.model_config.model_type == arch
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, n) for n in (3, 11, 7)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [out.token_ids for out in outputs] == [hf_greedy(ref, prompt, 10) for prompt in prompts]
+    assert llm.engine.tokenizer is not None  # the GGUF's own tokenizer came through the conversion
+
