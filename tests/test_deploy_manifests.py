@@ -1,0 +1,500 @@
+"""The Kubernetes manifests of deploy/, checked without a cluster and without the network.
+
+Every kustomization under deploy/ is rendered here in Python (the part of kustomize it uses: resources,
+configMapGenerator without name hashes, images; anything else fails the test) and, where kubectl is
+installed, compared with `kubectl kustomize`. Every rendered resource, and every other manifest under
+deploy/, is validated against the real schemas vendored in tests/schemas/ (README.md there: Kubernetes 1.36's
+OpenAPI definitions, the LeaderWorkerSet v0.10.0 CRD), with unknown fields refused as `kubectl apply`'s
+strict field validation refuses them. Then what the schemas cannot see: the ports the Services expose are
+the ones tritonserver is started with, the probes hit Triton's health endpoints, tensor_parallel_size x
+pipeline_parallel_size is the number of GPUs the pods hold, the followers reach the driver's control port
+with the leader's secret, and the config.pbtxt in each ConfigMap is the shipped orca_gpt model with engine
+parameters that orca.EngineConfig accepts.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+SHIPPED_CONFIG = ROOT / "model_repository" / "orca_gpt" / "config.pbtxt"
+KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+MODEL = "orca_gpt"
+TRITON_PORT_FLAGS = {"http": "--http-port", "grpc": "--grpc-port", "metrics": "--metrics-port"}
+DNS_LABEL = r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?"  # RFC 1035: Service names
+DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"  # RFC 1123: the other names
+DISTRIBUTED_PARAMETERS = (
+    "tensor_parallel_size", "pipeline_parallel_size", "n_workers", "worker_timeout", "control_address", "local_workers",
+    "distributed_backend",
+)
+
+
+# -- kustomize, the part deploy/ uses ------------------------------------------------------------------------------
+_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "configMapGenerator", "generatorOptions", "images"}
+
+
+def _inside(base: Path, relative: str) -> Path:
+    """kustomize's default load restrictor: a kustomization reads files under its own directory only."""
+    path = (base / relative).resolve()
+    assert path.is_relative_to(base.resolve()), f"{relative} is outside {base} (kustomize refuses it)"
+    assert path.is_file(), f"{base / relative} does not exist"
+    return path
+
+
+def _containers(node: Any) -> Iterator[dict[str, Any]]:
+    """Every container of a resource, wherever its pod templates are (kustomize's images transformer looks
+    for containers/initContainers lists anywhere, custom resources included)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("containers", "initContainers") and isinstance(value, list):
+                yield from (c for c in value if isinstance(c, dict))
+            else:
+                yield from _containers(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _containers(item)
+
+
+def render(kdir: Path) -> list[dict[str, Any]]:
+    """What `kubectl kustomize kdir` prints, for the features deploy/ uses (refusing the others)."""
+    k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
+    assert (k.get("apiVersion"), k.get("kind")) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+    assert not set(k) - _KUSTOMIZATION_KEYS, f"render() does not implement {sorted(set(k) - _KUSTOMIZATION_KEYS)}"
+    docs: list[dict[str, Any]] = []
+    for resource in k.get("resources", []):
+        docs += [d for d in yaml.safe_load_all(_inside(kdir, resource).read_text()) if d is not None]
+    if k.get("configMapGenerator"):
+        # kustomize would otherwise append a content hash to the names (not replicated here)
+        assert k.get("generatorOptions") == {"disableNameSuffixHash": True}
+    for gen in k.get("configMapGenerator", []):
+        assert set(gen) <= {"name", "files"}, f"render() does not implement {sorted(set(gen) - {'name', 'files'})}"
+        data = {}
+        for entry in gen["files"]:
+            key, _, source = entry.rpartition("=")
+            data[key or Path(source).name] = _inside(kdir, source).read_text()
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    for image in k.get("images", []):
+        assert set(image) <= {"name", "newName", "newTag"}
+        for doc in docs:
+            for container in _containers(doc):
+                name, tag = re.fullmatch(r"([^:@]+(?::\d+/[^:@]+)?)(?::([^:@/]+))?", container["image"]).groups()
+                if name == image["name"]:
+                    tag = image.get("newTag", tag)
+                    container["image"] = image.get("newName", name) + (f":{tag}" if tag else "")
+    return docs
+
+
+@functools.cache
+def rendered(kdir: Path) -> tuple[dict[str, Any], ...]:
+    return tuple(render(kdir))
+
+
+def _resource_files() -> set[Path]:
+    """The files some kustomization lists as resources."""
+    files = set()
+    for kdir in KUSTOMIZATIONS:
+        k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
+        files |= {(kdir / r).resolve() for r in k.get("resources", [])}
+    return files
+
+
+def standalone_manifests() -> list[Path]:
+    """YAML files under deploy/ that are neither kustomizations nor a kustomization's resources."""
+    listed = _resource_files()
+    return sorted(
+        p for p in DEPLOY.rglob("*.y*ml") if p.name != "kustomization.yaml" and p.resolve() not in listed
+    )
+
+
+def every_resource() -> list[tuple[str, dict[str, Any]]]:
+    out = [(f"{kdir.relative_to(ROOT)} ({d['kind']})", d) for kdir in KUSTOMIZATIONS for d in rendered(kdir)]
+    for path in standalone_manifests():
+        out += [(str(path.relative_to(ROOT)), d) for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return out
+
+
+# -- schemas -------------------------------------------------------------------------------------------------------
+def _strict(schema: Any) -> Any:
+    """Unknown fields refused: every object schema that lists its properties gets additionalProperties false
+    (as `kubectl apply`'s default --validate=strict does on the server), unless it keeps unknown fields."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "definitions", "patternProperties"):
+            out[key] = {name: _strict(sub) for name, sub in value.items()}
+        elif key in ("items", "additionalProperties", "not", "anyOf", "allOf", "oneOf"):
+            out[key] = _strict(value)
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out:
+        if not out.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
+    """(apiVersion, kind) -> a validator, for every kind the vendored schemas define."""
+    out: dict[tuple[str, str], jsonschema.Draft7Validator] = {}
+    definitions = json.loads((SCHEMAS / "kubernetes-1.36-subset.json").read_text())["definitions"]
+    # The OpenAPI v2 spec types these two "string" with a format; the API server also takes numbers for them
+    # (ports, "nvidia.com/gpu: 4"), and so do kubectl's and kubeconform's validations.
+    apimachinery = "io.k8s.apimachinery.pkg"
+    definitions[f"{apimachinery}.util.intstr.IntOrString"] = {"anyOf": [{"type": "string"}, {"type": "integer"}]}
+    definitions[f"{apimachinery}.api.resource.Quantity"] = {"anyOf": [{"type": "string"}, {"type": "number"}]}
+    definitions = _strict(definitions)
+    for name, definition in definitions.items():
+        for gvk in definition.get("x-kubernetes-group-version-kind", []):
+            api_version = f"{gvk['group']}/{gvk['version']}" if gvk["group"] else gvk["version"]
+            schema = {"$ref": f"#/definitions/{name}", "definitions": definitions}
+            out[(api_version, gvk["kind"])] = jsonschema.Draft7Validator(schema)
+    crd = json.loads((SCHEMAS / "leaderworkerset-v0.10.0.json").read_text())
+    out[(f"{crd['group']}/{crd['version']}", crd["kind"])] = jsonschema.Draft7Validator(_strict(crd["openAPIV3Schema"]))
+    return out
+
+
+def schema_errors(doc: dict[str, Any]) -> list[str]:
+    validator = validators().get((doc.get("apiVersion"), doc.get("kind")))
+    if validator is None:
+        return [f"no vendored schema for apiVersion {doc.get('apiVersion')!r} kind {doc.get('kind')!r}"]
+    return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+# -- reading the manifests -----------------------------------------------------------------------------------------
+def by_kind(docs: tuple[dict[str, Any], ...], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def pod_templates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """role -> pod template: "leader" (the pod that runs Triton) and, for a LeaderWorkerSet, "worker"."""
+    if doc["kind"] == "Deployment":
+        return {"leader": doc["spec"]["template"]}
+    if doc["kind"] == "LeaderWorkerSet":
+        lwt = doc["spec"]["leaderWorkerTemplate"]
+        return {"leader": lwt.get("leaderTemplate", lwt["workerTemplate"]), "worker": lwt["workerTemplate"]}
+    raise AssertionError(f"no pod template in a {doc['kind']}")
+
+
+def workload(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] in ("Deployment", "LeaderWorkerSet")]
+    return doc
+
+
+def only_container(template: dict[str, Any]) -> dict[str, Any]:
+    (container,) = template["spec"]["containers"]
+    return container
+
+
+def triton_flags(container: dict[str, Any]) -> dict[str, str]:
+    argv = container.get("command", []) + container.get("args", [])
+    assert argv and argv[0] == "tritonserver", f"the leader's container must start tritonserver, not {argv[:1]}"
+    return dict(arg.split("=", 1) for arg in argv[1:] if arg.startswith("--") and "=" in arg)
+
+
+def gpus(container: dict[str, Any]) -> int:
+    return int(str(container["resources"]["limits"]["nvidia.com/gpu"]))
+
+
+def env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def named_port(container: dict[str, Any], port: int | str) -> int:
+    """A container port by name (or a number, which must be one of the container's ports)."""
+    numbers = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    if isinstance(port, int):
+        assert port in numbers.values(), f"port {port} is not a containerPort of {container['name']}"
+        return port
+    assert port in numbers, f"{container['name']} has no port named {port!r}"
+    return numbers[port]
+
+
+_PARAMETER = re.compile(r'^parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}', re.M)
+
+
+def parameters(config: str) -> dict[str, str]:
+    found = dict(_PARAMETER.findall(config))
+    assert len(found) == len(re.findall(r"^\s*parameters\b", config, re.M)), "a parameters line the regex misses"
+    return found
+
+
+def interface(config: str) -> str:
+    """The model part of a config.pbtxt (name, backend, batching, inputs, outputs), without comments."""
+    text = re.sub(r"#[^\n]*", "", config[: config.index("instance_group")])
+    return " ".join(text.split())
+
+
+def model_config(kdir: Path) -> str:
+    """The config.pbtxt Triton reads for orca_gpt: the ConfigMap key mounted over it in the leader."""
+    docs = rendered(kdir)
+    leader = only_container(pod_templates(workload(docs))["leader"])
+    volumes = {v["name"]: v for v in pod_templates(workload(docs))["leader"]["spec"]["volumes"]}
+    target = f"{triton_flags(leader)['--model-repository']}/{MODEL}/config.pbtxt"
+    (mount,) = [m for m in leader["volumeMounts"] if m["mountPath"] == target]
+    config_map = volumes[mount["name"]]["configMap"]["name"]
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == config_map]
+    return cm["data"][mount["subPath"]]
+
+
+def world(params: dict[str, str]) -> tuple[int, int, int]:
+    """(tensor_parallel_size, pipeline_parallel_size, local_workers), empty values at their defaults."""
+    tp = int(params.get("tensor_parallel_size") or 1)
+    pp = int(params.get("pipeline_parallel_size") or 1)
+    return tp, pp, int(params.get("local_workers") or tp * pp)
+
+
+def _dirs_with(kind: str) -> list[Path]:
+    """The kustomizations with a resource of that kind. Read as text, without rendering: this runs when pytest
+    collects the tests, where a broken kustomization must fail its tests, not the collection."""
+    pattern = re.compile(rf"^kind: {kind}\s*$", re.M)
+    return [k for k in KUSTOMIZATIONS if any(pattern.search(p.read_text()) for p in k.glob("*.yaml"))]
+
+
+def lws_dirs() -> list[Path]:
+    return _dirs_with("LeaderWorkerSet")
+
+
+def deployment_dirs() -> list[Path]:
+    return _dirs_with("Deployment")
+
+
+# -- the tests -----------------------------------------------------------------------------------------------------
+def test_there_is_a_single_host_and_a_multi_node_example() -> None:
+    assert len(deployment_dirs()) >= 1 and len(lws_dirs()) >= 1, [str(k) for k in KUSTOMIZATIONS]
+
+
+def test_every_manifest_is_valid_against_its_schema() -> None:
+    problems = []
+    for where, doc in every_resource():
+        problems += [f"{where}: {error}" for error in schema_errors(doc)]
+        name = doc.get("metadata", {}).get("name", "")
+        # What the API server checks beyond the schema: names are DNS subdomains, Services' DNS labels.
+        if not re.fullmatch(DNS_LABEL if doc.get("kind") == "Service" else DNS_SUBDOMAIN, name):
+            problems.append(f"{where}: metadata.name {name!r} is not a valid {doc.get('kind')} name")
+        for container in _containers(doc):
+            for port in container.get("ports", []):
+                if "name" in port and not re.fullmatch(r"(?=.*[a-z])[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?", port["name"]):
+                    problems.append(f"{where}: port name {port['name']!r} is not an IANA_SVC_NAME")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_schemas_refuse_what_the_api_server_refuses() -> None:
+    """The validation has teeth: a misspelt field, a wrong type, a missing required field and an unknown
+    restartPolicy of a real manifest are each reported."""
+    docs = rendered(lws_dirs()[0])
+    lws = copy.deepcopy(workload(docs))
+    assert not schema_errors(lws)
+    lws["spec"]["leaderWorkerTemplate"]["size"] = "2"
+    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
+    leader = only_container(lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"])
+    leader["ports"][0]["contianerPort"] = leader["ports"][0].pop("containerPort")
+    errors = "\n".join(schema_errors(lws))
+    for expected in ("'2' is not of type 'integer'", "'Always' is not one of", "'containerPort' is a required",
+                     "'contianerPort' was unexpected"):
+        assert expected in errors, errors
+    service = copy.deepcopy(by_kind(docs, "Service")[0])
+    service["spec"]["ports"][0]["port"] = "http"
+    assert "'http' is not of type 'integer'" in "\n".join(schema_errors(service))
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_render_matches_kubectl_kustomize(kdir: Path) -> None:
+    out = subprocess.run(["kubectl", "kustomize", str(kdir)], capture_output=True, text=True, timeout=60, check=True)
+    theirs = [d for d in yaml.safe_load_all(out.stdout) if d is not None]
+
+    def key(d: dict[str, Any]) -> tuple[str, str]:
+        return d["kind"], d["metadata"]["name"]
+
+    assert sorted(theirs, key=key) == sorted(rendered(kdir), key=key)
+
+
+def test_every_manifest_of_a_kustomization_exists_and_standalone_ones_are_validated() -> None:
+    for kdir in KUSTOMIZATIONS:
+        assert rendered(kdir), f"{kdir} renders nothing"
+    # deploy/kubernetes/checkpoints-pvc.yaml is applied on its own, and validated with the rest
+    assert DEPLOY / "kubernetes" / "checkpoints-pvc.yaml" in standalone_manifests()
+
+
+@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_triton_is_started_on_the_ports_the_service_exposes(kdir: Path) -> None:
+    docs = rendered(kdir)
+    templates = pod_templates(workload(docs))
+    leader = only_container(templates["leader"])
+    flags = triton_flags(leader)
+    assert flags["--model-repository"] == "/models"  # where the Dockerfile copies model_repository/
+    assert re.search(r"^COPY model_repository /models$", (ROOT / "Dockerfile").read_text(), re.M)
+    # orca_gpt unloads itself when its engine fails (so that it reports not ready): explicit model control
+    assert flags["--model-control-mode"] == "explicit" and flags["--load-model"] in (MODEL, "*")
+    for name, flag in TRITON_PORT_FLAGS.items():
+        assert named_port(leader, name) == int(flags[flag]), f"containerPort {name} is not tritonserver's {flag}"
+    (service,) = by_kind(docs, "Service")
+    selector = service["spec"]["selector"]
+    labels = templates["leader"]["metadata"]["labels"]
+    assert selector.items() <= labels.items(), f"the Service selects {selector}, the Triton pods are {labels}"
+    if "worker" in templates and templates["worker"] is not templates["leader"]:
+        worker_labels = templates["worker"]["metadata"]["labels"]
+        assert not selector.items() <= worker_labels.items(), "the Service also selects the followers"
+    exposed = {p["name"]: named_port(leader, p["targetPort"]) for p in service["spec"]["ports"]}
+    assert exposed == {name: int(flags[flag]) for name, flag in TRITON_PORT_FLAGS.items()}
+    names = {d["metadata"]["name"] for d in docs if d["kind"] == "LeaderWorkerSet"}
+    assert service["metadata"]["name"] not in names, "LWS creates a headless Service of the LeaderWorkerSet's name"
+
+
+@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_probes_ask_triton_whether_orca_gpt_is_ready(kdir: Path) -> None:
+    leader = only_container(pod_templates(workload(rendered(kdir)))["leader"])
+    http = int(triton_flags(leader)["--http-port"])
+    paths = {}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = leader[probe]["httpGet"]
+        assert named_port(leader, get["port"]) == http, f"{probe} is not on Triton's HTTP port"
+        paths[probe] = get["path"]
+    assert paths == {
+        "startupProbe": "/v2/health/ready",  # Triton is up: it opens HTTP once the models are loaded
+        "readinessProbe": f"/v2/models/{MODEL}/ready",
+        "livenessProbe": f"/v2/models/{MODEL}/ready",  # not ready after start-up: the engine failed
+    }
+    # the start-up probe must allow for loading a checkpoint (and, multi-node, for the followers to join)
+    startup = leader["startupProbe"]
+    assert startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3) >= 600
+
+
+@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_every_pod_has_a_memory_backed_dev_shm_and_gpus(kdir: Path) -> None:
+    for role, template in pod_templates(workload(rendered(kdir))).items():
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        for container in template["spec"]["containers"]:
+            (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+            assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", f"{role}: /dev/shm is not in memory"
+            assert gpus(container) >= 1, f"{role}: no nvidia.com/gpu"
+
+
+@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_config_pbtxt_is_the_shipped_model_with_one_kind_model_instance(kdir: Path) -> None:
+    config, shipped = model_config(kdir), SHIPPED_CONFIG.read_text()
+    assert interface(config) == interface(shipped), "inputs/outputs differ from model_repository/orca_gpt"
+    groups = re.findall(r"instance_group\s*\[([^\]]*)\]", config)
+    assert len(groups) == 1 and " ".join(groups[0].split()) == "{ count: 1 kind: KIND_MODEL }", groups
+    # every shipped option, at a value of its own or the shipped one; besides them only the distributed ones
+    # (which the shipped config may not list yet: test_engine_config_accepts_the_parameters checks them)
+    ours, theirs = set(parameters(config)), set(parameters(shipped))
+    missing, extra = theirs - ours, ours - theirs - set(DISTRIBUTED_PARAMETERS)
+    assert not missing and not extra, f"parameters missing: {sorted(missing)}, unknown: {sorted(extra)}"
+    assert parameters(config)["model"].startswith("/"), "the model must be a path the pods mount"
+
+
+@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+def test_engine_config_accepts_the_parameters(kdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from orca.config import EngineConfig  # (imports torch: the slow part of this file)
+
+    if "tensor_parallel_size" not in {f.name for f in fields(EngineConfig)}:  # distributed execution not there yet
+        pytest.skip("orca.EngineConfig has no tensor_parallel_size yet")
+    params = parameters(model_config(kdir))
+    monkeypatch.delenv("ORCA_MODEL", raising=False)
+    config = EngineConfig.from_parameters(params)
+    tp, pp, local = world(params)
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (tp, pp)
+    assert (config.local_workers or tp * pp) == local
+
+
+@pytest.mark.parametrize("kdir", deployment_dirs(), ids=lambda p: p.name)
+def test_single_host_runs_every_rank_on_the_pods_gpus(kdir: Path) -> None:
+    docs = rendered(kdir)
+    deployment = workload(docs)
+    params = parameters(model_config(kdir))
+    tp, pp, local = world(params)
+    leader = only_container(pod_templates(deployment)["leader"])
+    assert tp * pp == local == gpus(leader), f"tp {tp} x pp {pp}, local_workers {local}, {gpus(leader)} GPUs"
+    host = (params.get("control_address") or "127.0.0.1:0").rpartition(":")[0]
+    assert host in ("127.0.0.1", "localhost"), "every rank is local: the control address stays on the loopback"
+    strategy = deployment["spec"]["strategy"]["type"]
+    assert strategy == "Recreate", "a rolling update would wait for the GPUs the old pod holds"
+
+
+@pytest.mark.parametrize("kdir", lws_dirs(), ids=lambda p: p.name)
+def test_lws_ranks_add_up_and_followers_reach_the_driver(kdir: Path) -> None:
+    docs = rendered(kdir)
+    lws = workload(docs)
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    templates = pod_templates(lws)
+    leader, worker = only_container(templates["leader"]), only_container(templates["worker"])
+    params = parameters(model_config(kdir))
+    tp, pp, local = world(params)
+    followers, worker_env = lwt["size"] - 1, env(worker)
+    ranks_per_follower = int(worker_env["ORCA_LOCAL_RANKS"]["value"])
+    assert local == gpus(leader), f"local_workers {local} but the leader has {gpus(leader)} GPUs"
+    assert ranks_per_follower == gpus(worker), f"ORCA_LOCAL_RANKS {ranks_per_follower}, {gpus(worker)} GPUs"
+    assert tp * pp == local + followers * ranks_per_follower, (
+        f"tp {tp} x pp {pp} != local_workers {local} + {followers} followers x {ranks_per_follower} ranks"
+    )
+    # the control port: where the driver listens, what the followers dial, what the leader declares
+    host, _, port = params["control_address"].rpartition(":")
+    assert host == "0.0.0.0", "the driver must listen on the pod's network, not on its loopback"
+    assert worker_env["ORCA_CONTROL_PORT"]["value"] == port != "0"
+    assert named_port(leader, "orca-control") == int(port)
+    # the followers run orca.worker with the driver from LWS's environment (LWS_LEADER_ADDRESS)
+    command = " ".join(worker.get("command", []) + worker.get("args", []))
+    assert re.search(r"\bpython3? -m orca\.worker\b", command) and "--driver" not in command, command
+    assert worker["image"] == leader["image"]
+    # one secret for the driver and its workers
+    secrets = [env(c)["ORCA_WORKER_AUTHKEY"]["valueFrom"]["secretKeyRef"] for c in (leader, worker)]
+    assert secrets[0] == secrets[1], secrets
+    # the checkpoint: the driver sends its path, so every pod mounts the same volume at the same place
+    model = params["model"]
+    mounts = []
+    for template, container in ((templates["leader"], leader), (templates["worker"], worker)):
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        (mount,) = [m for m in container["volumeMounts"] if model.startswith(m["mountPath"].rstrip("/") + "/")]
+        source = {k: v for k, v in volumes[mount["name"]].items() if k != "name"}
+        mounts.append((mount["mountPath"], json.dumps(source, sort_keys=True)))
+    assert mounts[0] == mounts[1], mounts
+    # a pod that fails takes its group down (an engine cannot go on without a rank); followers start with the
+    # leader, whose readiness needs them
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert lws["spec"].get("startupPolicy", "LeaderCreated") == "LeaderCreated"
+
+
+def test_the_checkpoint_volume_claim_is_the_one_the_pods_mount() -> None:
+    claims = {
+        d["metadata"]["name"] for path in standalone_manifests() for d in yaml.safe_load_all(path.read_text())
+        if d and d["kind"] == "PersistentVolumeClaim"
+    }
+    for kdir in KUSTOMIZATIONS:
+        for role, template in pod_templates(workload(rendered(kdir))).items():
+            for volume in template["spec"]["volumes"]:
+                if "persistentVolumeClaim" in volume:
+                    assert volume["persistentVolumeClaim"]["claimName"] in claims, f"{kdir.name} {role}"
+
+
+def test_readme_says_how_to_create_the_secret_and_what_has_been_run() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    for kdir in lws_dirs():
+        lws = workload(rendered(kdir))
+        ref = env(only_container(pod_templates(lws)["leader"]))["ORCA_WORKER_AUTHKEY"]["valueFrom"]["secretKeyRef"]
+        assert f"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
+        # the Secret that command creates (no secret value lives in the repository)
+        secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": ref["name"]},
+                  "data": {ref["key"]: "c2VjcmV0"}}
+        assert not schema_errors(secret) and re.fullmatch(r"[-._a-zA-Z0-9]+", ref["key"])
+    for kdir in KUSTOMIZATIONS:
+        assert f"kubectl apply -k {kdir.relative_to(ROOT)}" in readme
+    assert "## What has been run" in readme
