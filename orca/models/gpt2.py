@@ -1,5 +1,9 @@
 """GPT-2 family (the GPT-3 shape Orca served): learned positions, LayerNorm, tanh-GELU, fused QKV,
-tied LM head. Works on tokens flattened to [num_tokens, hidden]."""
+tied LM head. Works on tokens flattened to [num_tokens, hidden].
+
+Under tensor parallelism (orca/parallel.py) a rank holds H/tp heads of c_attn (a third of each of q, k, v)
+and I/tp rows of c_fc; c_proj and the MLP's projection are row-parallel. A pipeline stage holds its own
+layers; the first stage embeds, the last normalises and computes logits."""
 
 from __future__ import annotations
 
@@ -11,72 +15,101 @@ from torch import nn
 
 from orca.config import ModelConfig
 from orca.models.attention import AttentionMetadata, selective_attention
+from orca.models.layers import embedding, row_linear, vocab_logits
+from orca.parallel import COLUMN, REPLICATED, ROW, VOCAB, ParallelContext, Source, packed_qkv_shard, vocab_per_rank
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, par: ParallelContext) -> None:
         super().__init__()
-        hidden = cfg.hidden_size
-        self.layer = layer
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        hidden, tp = cfg.hidden_size, par.tp_size
+        self.layer, self.kv_layer = layer, layer - par.layers.start  # global; index in this stage's K/V pool
+        self.num_heads, self.head_dim = cfg.num_heads // tp, cfg.head_dim  # this rank's heads
+        q_size = self.num_heads * self.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim) if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             self.scale /= layer + 1
         self.ln_1 = nn.LayerNorm(hidden, eps=cfg.norm_eps)
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = nn.Linear(hidden, 3 * q_size)
+        self.c_proj = row_linear(q_size, hidden, True, par)
         self.ln_2 = nn.LayerNorm(hidden, eps=cfg.norm_eps)
-        self.c_fc = nn.Linear(hidden, cfg.intermediate_size)
-        self.mlp_proj = nn.Linear(cfg.intermediate_size, hidden)
+        self.c_fc = nn.Linear(hidden, cfg.intermediate_size // tp)
+        self.mlp_proj = row_linear(cfg.intermediate_size // tp, hidden, True, par)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens, hidden = x.shape  # (T, E)
-        qkv = self.c_attn(self.ln_1(x))  # (T, 3E): one matmul for every token of every request
-        q = qkv[:, :hidden].view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        kv = qkv[:, hidden:].view(num_tokens, 2, self.num_heads, self.head_dim)  # (T, 2, H, D)
-        x = x + self.c_proj(selective_attention(q, kv, meta, self.layer, self.scale))
+        num_tokens = x.shape[0]  # x: (T, E)
+        q_size = self.num_heads * self.head_dim
+        qkv = self.c_attn(self.ln_1(x))  # (T, 3 H D): one matmul for every token of every request
+        q = qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        kv = qkv[:, q_size:].view(num_tokens, 2, self.num_heads, self.head_dim)  # (T, 2, H, D)
+        x = x + self.c_proj(selective_attention(q, kv, meta, self.kv_layer, self.scale))
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext | None = None) -> None:
         super().__init__()
-        self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        par = par or ParallelContext.single(cfg.num_layers)
+        par.layout.validate(cfg)
+        self.config, self.par = cfg, par
+        first, last, tied = par.is_first_stage, par.is_last_stage, cfg.tie_word_embeddings
+        self.wte = embedding(cfg.vocab_size, cfg.hidden_size, par) if first or (last and tied) else None
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if first else None
+        self.h = nn.ModuleList(GPT2Block(cfg, i, par) for i in par.layers)
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if last else None
+        self.lm_head = None
+        if last and not tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab_per_rank(cfg.vocab_size, par.tp_size), bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)  # (T, E)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(T, E) before the final norm (compute_logits applies it to the rows it needs). The first stage
+        embeds input_ids; a later stage starts from `hidden`, the previous stage's output."""
+        if self.par.is_first_stage:
+            x = self.wte(input_ids) + self.wpe(positions)  # (T, E)
+        elif hidden is None:
+            raise ValueError(f"pipeline stage {self.par.stage} needs the previous stage's hidden states")
+        else:
+            x = hidden
         for block in self.h:
             x = block(x, meta)
-        return x  # (T, E), before the final norm: compute_logits applies it to the rows it needs
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # weight tying
-        return F.linear(self.ln_f(hidden), head).float()  # (B, V)
+        """(B, V) float32 logits of (B, E) hidden rows; last stage only."""
+        if self.ln_f is None:
+            raise RuntimeError(f"pipeline stage {self.par.stage} is not the last: it has no LM head")
+        head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # weight tying; (V/tp, E)
+        return vocab_logits(self.ln_f(hidden), head, self.config.vocab_size, self.par)
 
     @staticmethod
-    def hf_weight_map(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
-        """Our parameter name -> the Hugging Face tensors that make it, and whether each is a GPT-2
-        Conv1D weight stored [in, out] (transposed relative to nn.Linear)."""
-        m: dict[str, list[tuple[str, bool]]] = {
-            "wte.weight": [("transformer.wte.weight", False)],
-            "wpe.weight": [("transformer.wpe.weight", False)],
-            "ln_f.weight": [("transformer.ln_f.weight", False)],
-            "ln_f.bias": [("transformer.ln_f.bias", False)],
+    def hf_weight_map(cfg: ModelConfig, par: ParallelContext | None = None) -> dict[str, list[Source]]:
+        """Our parameter name -> the Hugging Face tensors that make it, with each one's shard rule and
+        whether it is a GPT-2 Conv1D weight stored [in, out] (transposed relative to nn.Linear)."""
+        par = par or ParallelContext.single(cfg.num_layers)
+        first, last, tied = par.is_first_stage, par.is_last_stage, cfg.tie_word_embeddings
+        m: dict[str, list[Source]] = {}
+        if first or (last and tied):
+            m["wte.weight"] = [Source("transformer.wte.weight", VOCAB)]
+        if first:
+            m["wpe.weight"] = [Source("transformer.wpe.weight")]
+        if last:
+            m["ln_f.weight"] = [Source("transformer.ln_f.weight")]
+            m["ln_f.bias"] = [Source("transformer.ln_f.bias")]
+            if not tied:
+                m["lm_head.weight"] = [Source("lm_head.weight", VOCAB)]
+        qkv = packed_qkv_shard(cfg.head_dim)
+        # ours: (HF name, weight rule, bias rule)
+        rules = {
+            "ln_1": ("ln_1", REPLICATED, REPLICATED), "ln_2": ("ln_2", REPLICATED, REPLICATED),
+            "c_attn": ("attn.c_attn", qkv, qkv), "c_proj": ("attn.c_proj", ROW, REPLICATED),
+            "c_fc": ("mlp.c_fc", COLUMN, COLUMN), "mlp_proj": ("mlp.c_proj", ROW, REPLICATED),
         }
-        if not cfg.tie_word_embeddings:
-            m["lm_head.weight"] = [("lm_head.weight", False)]
-        ours_to_hf = {
-            "ln_1": "ln_1", "ln_2": "ln_2", "c_attn": "attn.c_attn", "c_proj": "attn.c_proj",
-            "c_fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj",
-        }
-        for i in range(cfg.num_layers):
-            for ours, hf in ours_to_hf.items():
+        for local, i in enumerate(par.layers):
+            for ours, (hf, weight_rule, bias_rule) in rules.items():
                 conv1d = not ours.startswith("ln")
-                m[f"h.{i}.{ours}.weight"] = [(f"transformer.h.{i}.{hf}.weight", conv1d)]
-                m[f"h.{i}.{ours}.bias"] = [(f"transformer.h.{i}.{hf}.bias", False)]
+                m[f"h.{local}.{ours}.weight"] = [Source(f"transformer.h.{i}.{hf}.weight", weight_rule, conv1d)]
+                m[f"h.{local}.{ours}.bias"] = [Source(f"transformer.h.{i}.{hf}.bias", bias_rule)]
         return m

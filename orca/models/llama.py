@@ -4,7 +4,12 @@ Llama 3.x (llama3 / linear / yarn rotary scaling), Mistral (a sliding attention 
 q, k, v; per-layer sliding windows), Qwen3 (RMSNorm on each query and key head; its own head_dim), and
 the mixtures of experts Mixtral and Qwen3-MoE (sparse MLPs, orca/models/moe.py).
 Q, K and V are fused into one linear and gate/up into another at load time: fewer, larger matmuls over
-the flattened [num_tokens, hidden] batch."""
+the flattened [num_tokens, hidden] batch.
+
+Under tensor parallelism (orca/parallel.py) a rank holds H/tp query heads with their K/V heads (one
+replicated K/V head when tp > KVH), I/tp rows of gate/up (each expert's, for a mixture) and the matching
+columns of o_proj/down_proj, which are row-parallel. A pipeline stage holds its own layers; the first stage
+embeds, the last normalises and computes logits; rotary tables are on every stage."""
 
 from __future__ import annotations
 
@@ -17,7 +22,20 @@ from torch import nn
 
 from orca.config import ModelConfig
 from orca.models.attention import AttentionMetadata, selective_attention
+from orca.models.layers import embedding, row_linear, vocab_logits
 from orca.models.moe import SparseMoE
+from orca.parallel import (
+    COLUMN,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    ParallelContext,
+    Source,
+    head_shard,
+    kv_head_shard,
+    local_kv_heads,
+    vocab_per_rank,
+)
 
 
 class RMSNorm(nn.Module):
@@ -68,28 +86,31 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, par: ParallelContext) -> None:
         super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tp = par.tp_size
+        self.layer, self.kv_layer = layer, layer - par.layers.start  # global; index in this stage's K/V pool
+        # This rank's heads: H/tp queries and their K/V heads.
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp, local_kv_heads(cfg.num_kv_heads, tp)
+        self.head_dim = cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.window = cfg.sliding_windows[layer] if cfg.sliding_windows else None  # Mistral, Qwen2
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         if cfg.qk_norm:  # Qwen3: over head_dim, on each query and key head, before rotary
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias and not cfg.qkv_bias_only)
+        self.o_proj = row_linear(q_size, cfg.hidden_size, cfg.attention_bias and not cfg.qkv_bias_only, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         if is_moe_layer(cfg, layer):  # Mixtral, Qwen3-MoE
             self.moe = SparseMoE(
-                cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                cfg.norm_topk_prob,
+                cfg.hidden_size, cfg.moe_intermediate_size // tp, cfg.num_experts, cfg.num_experts_per_tok,
+                cfg.norm_topk_prob, par,
             )
         else:
-            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-            self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * (cfg.intermediate_size // tp), bias=cfg.mlp_bias)
+            self.down_proj = row_linear(cfg.intermediate_size // tp, cfg.hidden_size, cfg.mlp_bias, par)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -104,7 +125,7 @@ class LlamaBlock(nn.Module):
         q = qk[:, :heads]  # (T, H, D)
         kv = torch.cat((qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)), 1)
         kv = kv.view(num_tokens, 2, kv_heads, dim)  # (T, 2, KVH, D)
-        x = x + self.o_proj(selective_attention(q, kv, meta, self.layer, self.scale, self.window))
+        x = x + self.o_proj(selective_attention(q, kv, meta, self.kv_layer, self.scale, self.window))
         if hasattr(self, "moe"):
             return x + self.moe(self.post_attention_layernorm(x))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)  # (T, I) each
@@ -116,40 +137,65 @@ def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, par: ParallelContext | None = None) -> None:
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        par = par or ParallelContext.single(cfg.num_layers)
+        par.layout.validate(cfg)
+        self.config, self.par = cfg, par
+        first, last, tied = par.is_first_stage, par.is_last_stage, cfg.tie_word_embeddings
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, par) if first or (last and tied) else None
         self.rotary = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleList(LlamaBlock(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.layers = nn.ModuleList(LlamaBlock(cfg, i, par) for i in par.layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
+        self.lm_head = None
+        if last and not tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, vocab_per_rank(cfg.vocab_size, par.tp_size), bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (T, E)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(T, E) before the final norm. The first stage embeds input_ids; a later stage starts from
+        `hidden`, the previous stage's output."""
+        if self.par.is_first_stage:
+            x = self.embed_tokens(input_ids)  # (T, E)
+        elif hidden is None:
+            raise ValueError(f"pipeline stage {self.par.stage} needs the previous stage's hidden states")
+        else:
+            x = hidden
         rope = self.rotary.tables(positions, x.dtype)
         for block in self.layers:
             x = block(x, rope, meta)
-        return x  # (T, E), before the final norm
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), head).float()  # (B, V)
+        """(B, V) float32 logits of (B, E) hidden rows; last stage only."""
+        if self.norm is None:
+            raise RuntimeError(f"pipeline stage {self.par.stage} is not the last: it has no LM head")
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V/tp, E)
+        return vocab_logits(self.norm(hidden), head, self.config.vocab_size, self.par)
 
     @staticmethod
-    def hf_weight_map(cfg: ModelConfig) -> dict[str, list[tuple[str, bool]]]:
-        """Our parameter name -> the Hugging Face tensors concatenated (along the output dim) to make it."""
-        m: dict[str, list[tuple[str, bool]]] = {
-            "embed_tokens.weight": [("model.embed_tokens.weight", False)],
-            "norm.weight": [("model.norm.weight", False)],
-        }
-        if not cfg.tie_word_embeddings:
-            m["lm_head.weight"] = [("lm_head.weight", False)]
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}"
-            fused = {
-                "qkv_proj": [f"{p}.self_attn.q_proj", f"{p}.self_attn.k_proj", f"{p}.self_attn.v_proj"],
-                "o_proj": [f"{p}.self_attn.o_proj"],
+    def hf_weight_map(cfg: ModelConfig, par: ParallelContext | None = None) -> dict[str, list[Source]]:
+        """Our parameter name -> the Hugging Face tensors concatenated (along the output dim, each sharded
+        by its rule first) to make it."""
+        par = par or ParallelContext.single(cfg.num_layers)
+        first, last, tied = par.is_first_stage, par.is_last_stage, cfg.tie_word_embeddings
+        m: dict[str, list[Source]] = {}
+        if first or (last and tied):
+            m["embed_tokens.weight"] = [Source("model.embed_tokens.weight", VOCAB)]
+        if last:
+            m["norm.weight"] = [Source("model.norm.weight")]
+            if not tied:
+                m["lm_head.weight"] = [Source("lm_head.weight", VOCAB)]
+        q, kv = head_shard(cfg.head_dim), kv_head_shard(cfg.head_dim)
+        for local, i in enumerate(par.layers):
+            p, ours = f"model.layers.{i}", f"layers.{local}"
+            # ours: ([(HF linear, rule of its weight and of a column-parallel bias)], bias present)
+            linears = {
+                "qkv_proj": ([(f"{p}.self_attn.q_proj", q), (f"{p}.self_attn.k_proj", kv),
+                              (f"{p}.self_attn.v_proj", kv)], cfg.attention_bias),
+                "o_proj": ([(f"{p}.self_attn.o_proj", ROW)], cfg.attention_bias and not cfg.qkv_bias_only),
             }
             if is_moe_layer(cfg, i):
                 # Mixtral names its experts' matrices w1 (gate), w3 (up), w2 (down); Qwen3-MoE like Llama.
@@ -159,25 +205,20 @@ class LlamaModel(nn.Module):
                     else (f"{p}.mlp", ("gate_proj", "up_proj", "down_proj"))
                 )
                 experts = [f"{moe}.experts.{e}" for e in range(cfg.num_experts)]
-                m[f"layers.{i}.moe.gate.weight"] = [(f"{moe}.gate.weight", False)]
-                m[f"layers.{i}.moe.gate_up_proj"] = [(f"{x}.{w}.weight", False) for x in experts for w in (g, u)]
-                m[f"layers.{i}.moe.down_proj"] = [(f"{x}.{d}.weight", False) for x in experts]
+                m[f"{ours}.moe.gate.weight"] = [Source(f"{moe}.gate.weight")]  # the router: replicated
+                m[f"{ours}.moe.gate_up_proj"] = [Source(f"{x}.{w}.weight", COLUMN) for x in experts for w in (g, u)]
+                m[f"{ours}.moe.down_proj"] = [Source(f"{x}.{d}.weight", ROW) for x in experts]
             else:
-                fused["gate_up_proj"] = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-                fused["down_proj"] = [f"{p}.mlp.down_proj"]
-            for ours, parts in fused.items():
-                m[f"layers.{i}.{ours}.weight"] = [(f"{hf}.weight", False) for hf in parts]
-                bias = {
-                    "gate_up_proj": cfg.mlp_bias,
-                    "down_proj": cfg.mlp_bias,
-                    "qkv_proj": cfg.attention_bias,
-                    "o_proj": cfg.attention_bias and not cfg.qkv_bias_only,
-                }[ours]
-                if bias:
-                    m[f"layers.{i}.{ours}.bias"] = [(f"{hf}.bias", False) for hf in parts]
+                linears["gate_up_proj"] = ([(f"{p}.mlp.gate_proj", COLUMN), (f"{p}.mlp.up_proj", COLUMN)], cfg.mlp_bias)
+                linears["down_proj"] = ([(f"{p}.mlp.down_proj", ROW)], cfg.mlp_bias)
+            for name, (parts, bias) in linears.items():
+                m[f"{ours}.{name}.weight"] = [Source(f"{hf}.weight", rule) for hf, rule in parts]
+                if bias:  # a row-parallel layer's bias is added once, after the all-reduce: replicated
+                    m[f"{ours}.{name}.bias"] = [Source(f"{hf}.bias", REPLICATED if rule == ROW else rule)
+                                                for hf, rule in parts]
             if cfg.qk_norm:
-                m[f"layers.{i}.q_norm.weight"] = [(f"{p}.self_attn.q_norm.weight", False)]
-                m[f"layers.{i}.k_norm.weight"] = [(f"{p}.self_attn.k_norm.weight", False)]
-            m[f"layers.{i}.input_layernorm.weight"] = [(f"{p}.input_layernorm.weight", False)]
-            m[f"layers.{i}.post_attention_layernorm.weight"] = [(f"{p}.post_attention_layernorm.weight", False)]
+                m[f"{ours}.q_norm.weight"] = [Source(f"{p}.self_attn.q_norm.weight")]
+                m[f"{ours}.k_norm.weight"] = [Source(f"{p}.self_attn.k_norm.weight")]
+            m[f"{ours}.input_layernorm.weight"] = [Source(f"{p}.input_layernorm.weight")]
+            m[f"{ours}.post_attention_layernorm.weight"] = [Source(f"{p}.post_attention_layernorm.weight")]
         return m

@@ -1,7 +1,10 @@
 """Mixture of experts (Mixtral, Qwen3-MoE): selective batching's natural extension. The router scores the
 whole flattened [tokens, hidden] batch at once; each token goes to its top-k experts; the (token, expert)
 pairs are sorted by expert once, and each expert runs one SwiGLU matmul over every token routed to it,
-whatever request and phase the tokens belong to. One Python iteration per expert, never per token."""
+whatever request and phase the tokens belong to. One Python iteration per expert, never per token.
+
+Under tensor parallelism every rank routes the same way (the router is replicated) and holds I/tp of each
+expert (gate/up rows, down columns): its sum over the experts is a partial sum, all-reduced once."""
 
 from __future__ import annotations
 
@@ -9,13 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orca.parallel import ParallelContext
+
 
 class SparseMoE(nn.Module):
     """Top-k routing over `num_experts` SwiGLU experts. Expert weights are stacked at load time:
-    gate_up_proj is (E * 2I, H) (each expert's gate rows, then its up rows), down_proj (E * H, I)."""
+    gate_up_proj is (E * 2I, H) (each expert's gate rows, then its up rows), down_proj (E * H, I), where I is
+    this rank's share of an expert's intermediate size."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool,
+        par: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
+        self.par = par
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden, self.intermediate = hidden, intermediate
         self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router
@@ -46,4 +56,6 @@ class SparseMoE(nn.Module):
             y = F.linear(F.silu(g) * u, down[e]) * pair_weights[start:end]  # (n, H)
             out.index_add_(0, tokens[start:end], y)
             start = end
+        if self.par is not None:
+            self.par.all_reduce(out)  # each rank's experts held I/tp of their rows: partial sums
         return out

@@ -1,0 +1,61 @@
+"""The tensor-parallel pieces the model families share (orca/parallel.py says how weights split).
+
+With tp_size == 1 each factory returns the plain torch module, so a single-rank model runs exactly the
+code it always ran."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orca.parallel import ParallelContext, vocab_per_rank
+
+
+class RowParallelLinear(nn.Linear):
+    """y = sum over the group of x W_r^T, + b once. W_r: (out, in / tp), this rank's input columns; x: the
+    matching (T, in / tp) slice of the activations."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, par: ParallelContext) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.par = par
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.par.all_reduce(F.linear(x, self.weight))  # (T, out)
+        return y if self.bias is None else y + self.bias
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, par: ParallelContext) -> nn.Linear:
+    """A row-parallel linear; in_features is this rank's share."""
+    if par.tp_size == 1:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, par)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + V/tp) of the embedding; an id outside them gives zeros, and the group's sum
+    is every id's row."""
+
+    def __init__(self, vocab_size: int, hidden: int, par: ParallelContext) -> None:
+        super().__init__(vocab_per_rank(vocab_size, par.tp_size), hidden)
+        self.par, self.start = par, par.tp_rank * self.num_embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (T,)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(local.masked_fill(~inside, 0), self.weight).masked_fill_(~inside.unsqueeze(-1), 0)
+        return self.par.all_reduce(x)  # (T, E)
+
+
+def embedding(vocab_size: int, hidden: int, par: ParallelContext) -> nn.Embedding:
+    if par.tp_size == 1:
+        return nn.Embedding(vocab_size, hidden)
+    return VocabParallelEmbedding(vocab_size, hidden, par)
+
+
+def vocab_logits(hidden: torch.Tensor, head: torch.Tensor, vocab_size: int, par: ParallelContext) -> torch.Tensor:
+    """(B, V) float32 logits of normed hidden states (B, E) under this rank's head rows (V/tp, E)."""
+    logits = F.linear(hidden, head)  # (B, V / tp)
+    if par.tp_size > 1:
+        logits = par.all_gather(logits, dim=-1)[:, :vocab_size]  # (B, V): padding rows dropped
+    return logits.float()
