@@ -19,4 +19,7 @@ ENV ORCA_CACHE_DIR=/cache
 COPY model_repository /models
 
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/models", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"]
+# Explicit model control, every model loaded at startup: a model whose engine failed unloads itself and
+# reports not ready.
+CMD ["tritonserver", "--model-repository=/models", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002", \
+     "--model-control-mode=explicit", "--load-model=*"]

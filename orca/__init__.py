@@ -4,7 +4,7 @@ The engine package knows nothing of Triton: model_repository/orca_gpt/1/model.py
 """
 
 from orca.config import EngineConfig, ModelConfig
-from orca.engine import IterationStats, LLMEngine, QueueFullError, RequestOutput
+from orca.engine import EngineFailedError, IterationStats, LLMEngine, QueueFullError, RequestOutput
 from orca.llm import LLM, CompletionOutput
 from orca.sampling_params import SamplingParams
 
@@ -12,6 +12,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "EngineFailedError",
     "IterationStats",
     "LLMEngine",
     "ModelConfig",

@@ -23,9 +23,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 _INT_OPTIONS = (
     "max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed", "block_size",
-    "max_num_batched_tokens",
+    "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "local_workers",
 )
-_FLOAT_OPTIONS = ("gpu_memory_utilization",)
+_FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
+DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,19 @@ class EngineConfig:
     - max_num_batched_tokens: the token budget of one iteration (increments first, then prompt chunks);
       None = no limit (Orca: a prompt runs whole in its first iteration).
     - max_queue: at most this many requests may wait for admission; more are refused at once.
-    - n_workers: batches in flight (Orca's n_workers, one per pipeline stage; 1 without pipelining).
+    - tensor_parallel_size, pipeline_parallel_size: Megatron-style tensor parallelism inside each pipeline
+      stage, and stages of consecutive layers. Both 1: one worker in the engine's own process. Otherwise
+      one worker process per rank (rank = stage x tensor_parallel_size + tp rank; local rank i uses cuda:i
+      on a GPU host), on torch.distributed (orca/distributed.py).
+    - n_workers: batches in flight (Orca's n_workers); None = one per pipeline stage. At most the number of
+      stages.
+    - distributed_backend: torch.distributed backend of the data plane: auto (nccl on CUDA, gloo on CPU).
+    - worker_timeout: seconds a worker may take for one iteration (10x that to start) before the engine declares
+      it hung, fails every request and stops.
+    - control_address: host:port where the driver listens for its workers; port 0 picks a free one (the
+      default, for workers on this host only). Set a fixed port reachable from other nodes for remote ranks.
+    - local_workers: ranks the driver spawns on its own host (None: all); the others connect from other
+      nodes (python -m orca.worker), ranked by (node index, local index).
     - max_model_len: longest prompt + completion; None means the model's max_position_embeddings.
     - seed: seeds the draw of per-request seeds for requests that give none (None: from the OS).
     """
@@ -228,7 +241,13 @@ class EngineConfig:
     kv_admission: str = "on_demand"
     max_num_batched_tokens: int | None = None
     max_queue: int = 1024
-    n_workers: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    n_workers: int | None = None
+    distributed_backend: str = "auto"
+    worker_timeout: float = 120.0
+    control_address: str = "127.0.0.1:0"
+    local_workers: int | None = None
     max_model_len: int | None = None
     seed: int | None = None
 
@@ -242,9 +261,10 @@ class EngineConfig:
                 raise ValueError(
                     f"device {self.device!r} is not a torch device (e.g. auto, cpu, cuda, cuda:1)"
                 ) from None
-        for name, low in (("max_bs", 1), ("max_queue", 1), ("n_workers", 1), ("block_size", 1)):
+        for name, low in (("max_bs", 1), ("max_queue", 1), ("block_size", 1), ("tensor_parallel_size", 1),
+                          ("pipeline_parallel_size", 1)):
             _check_int(name, getattr(self, name), low)
-        for name in ("n_slots", "max_model_len", "kv_cache_bytes", "max_num_batched_tokens"):
+        for name in ("n_slots", "max_model_len", "kv_cache_bytes", "max_num_batched_tokens", "n_workers"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)
         if self.n_slots is not None and self.n_slots < self.block_size:
@@ -261,6 +281,26 @@ class EngineConfig:
             )
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
+        if self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(
+                f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
+                f"got {self.distributed_backend!r}"
+            )
+        t = self.worker_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"worker_timeout must be a number of seconds > 0, got {t!r}")
+        host, sep, port = self.control_address.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(
+                f"control_address must be host:port (port 0 picks a free one), got {self.control_address!r}"
+            )
+        if self.local_workers is not None:
+            _check_int("local_workers", self.local_workers, 0)
+            if self.local_workers > self.world_size:
+                raise ValueError(
+                    f"local_workers {self.local_workers} exceeds the {self.world_size} ranks "
+                    f"(tensor_parallel_size x pipeline_parallel_size): give at most {self.world_size}"
+                )
 
     @classmethod
     def from_parameters(
@@ -297,6 +337,19 @@ class EngineConfig:
             else:
                 options[key] = value
         return cls(**options)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def distributed(self) -> bool:
+        """Worker processes (tensor or pipeline parallelism) rather than the in-process worker."""
+        return self.world_size > 1
+
+    @property
+    def batches_in_flight(self) -> int:
+        return self.pipeline_parallel_size if self.n_workers is None else self.n_workers
 
     @property
     def torch_device(self) -> torch.device:

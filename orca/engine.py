@@ -25,7 +25,7 @@ from typing import Any
 from orca.block_manager import BlockManager
 from orca.config import EngineConfig, ModelConfig
 from orca.detokenizer import IncrementalDetokenizer
-from orca.executor import Executor, InProcessExecutor
+from orca.executor import Executor, InProcessExecutor, WorkerFailure
 from orca.loader import load_tokenizer, read_model_config, resolve_checkpoint
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.request import FinishReason, Request
@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (EngineConfig.max_queue): retry later."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine's workers failed (died, hung, or an iteration raised in a worker process): it serves no
+    more requests. Its message says what happened."""
 
 
 @dataclass
@@ -96,13 +101,9 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
-        """`executor` replaces the default in-process worker (it must serve this config's model)."""
+        """`executor` replaces the default worker(s) (it must serve this config's model): the in-process
+        worker, or worker processes when tensor or pipeline parallelism is on (orca/distributed.py)."""
         config = config or EngineConfig()
-        if executor is None and config.n_workers != 1:
-            raise ValueError(
-                "n_workers > 1 keeps several batches in flight, one per pipeline stage; the in-process worker "
-                "has one stage: set n_workers 1"
-            )
         self.config = config
         self.checkpoint = resolve_checkpoint(config.model)
         self.model_config: ModelConfig = read_model_config(self.checkpoint)[0]
@@ -113,16 +114,32 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.tokenizer = load_tokenizer(self.checkpoint)
-        self.executor: Executor = executor or InProcessExecutor(config)
-        if config.n_workers > self.executor.max_in_flight:
+        if executor is None:
+            pp = config.pipeline_parallel_size
+            if config.batches_in_flight > pp:
+                raise ValueError(
+                    f"n_workers {config.batches_in_flight} exceeds pipeline_parallel_size {pp}: a batch in flight "
+                    f"needs a pipeline stage of its own, so n_workers must be in [1, {pp}]"
+                )
+            if config.distributed:
+                from orca.distributed import DistributedExecutor
+
+                executor = DistributedExecutor(config)
+            else:
+                executor = InProcessExecutor(config)
+        self.executor: Executor = executor
+        n_workers = config.batches_in_flight
+        if n_workers > self.executor.max_in_flight:
+            self.executor.shutdown()
             raise ValueError(
-                f"n_workers {config.n_workers} exceeds the {self.executor.max_in_flight} batches this executor "
-                f"can keep in flight"
+                f"n_workers {n_workers} exceeds the {self.executor.max_in_flight} batches this executor "
+                f"can keep in flight (one per pipeline stage)"
             )
         self.blocks = BlockManager(self.executor.num_blocks, config.block_size)
         self.scheduler = OrcaScheduler(
-            config.max_bs, self.blocks, config.n_workers, config.kv_admission, config.max_num_batched_tokens
+            config.max_bs, self.blocks, n_workers, config.kv_admission, config.max_num_batched_tokens
         )
+        self.failed: str | None = None  # why the workers failed (EngineFailedError), once they have
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -147,8 +164,10 @@ class LLMEngine:
         return self.blocks.block_size
 
     def validate(self, prompt_token_ids: Any, params: SamplingParams) -> None:
-        """Raises ValueError naming what is wrong with a request and the allowed range. Reads only
-        immutable configuration, so any thread may call it."""
+        """Raises ValueError naming what is wrong with a request and the allowed range (EngineFailedError
+        once the engine has failed). Reads only immutable configuration, so any thread may call it."""
+        if self.failed is not None:
+            raise EngineFailedError(f"the engine has failed and serves no more requests: {self.failed}")
         vocab = self.model_config.vocab_size
         if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
@@ -234,22 +253,40 @@ class LLMEngine:
         """Runs one iteration. Returns an output for every request in it, and for requests cancelled
         since the last step. A failed iteration fails its own requests only."""
         outputs, self._pending = self._pending, []
-        while self.scheduler.can_schedule():
-            batch = self.scheduler.schedule()
-            if batch is None:
-                break
-            for req in batch.preempted:
-                self._release_worker_state(req.request_id)
-            plan = self._plan(batch)
-            self._in_flight.append((batch, time.monotonic()))
-            self.executor.submit(plan)
-        if not self._in_flight:
+        if self.failed is not None:
             return outputs
-        result = self.executor.collect()
+        try:
+            while self.scheduler.can_schedule():
+                batch = self.scheduler.schedule()
+                if batch is None:
+                    break
+                for req in batch.preempted:
+                    self._release_worker_state(req.request_id)
+                plan = self._plan(batch)
+                self._in_flight.append((batch, time.monotonic()))
+                self.executor.submit(plan)
+            if not self._in_flight:
+                return outputs
+            result = self.executor.collect()
+        except WorkerFailure as exc:
+            return outputs + self._fail(str(exc))
         batch, start = self._in_flight.popleft()
         if result.batch_id != batch.batch_id:
             raise RuntimeError(f"the executor returned batch {result.batch_id}, expected {batch.batch_id}")
         outputs.extend(self._complete(batch, result, start))
+        return outputs
+
+    def _fail(self, message: str) -> list[RequestOutput]:
+        """The workers are gone: every unfinished request ends with an error; later requests are refused."""
+        logger.error("the engine failed: %s", message)
+        self.failed = message
+        self._in_flight.clear()
+        now = time.monotonic()
+        outputs = []
+        for req in self.scheduler.drop_all():
+            req.finish_reason, req.error = FinishReason.ERROR, f"the engine failed: {message}"
+            self._finish(req, now)
+            outputs.append(self._output(req, [], ""))
         return outputs
 
     def _plan(self, batch: ScheduledBatch) -> StepPlan:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orca.engine import EngineStats, IterationStats, LLMEngine, QueueFullError, RequestOutput
+from orca.engine import EngineFailedError, EngineStats, IterationStats, LLMEngine, QueueFullError, RequestOutput
 from orca.request import FinishReason
 from orca.sampling_params import SamplingParams
 
@@ -46,16 +46,20 @@ class EngineLoop:
         on_output: Callable[[RequestOutput], None],
         on_iteration: Callable[[IterationStats], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         """Every callback runs on the loop thread (keep them quick: hand work to another thread).
         on_output gets every output. on_iteration gets the stats of each iteration that ran, once.
         on_stats gets the `stats` snapshot whenever it changed, before the outputs of the same step are
         handed on: so its last call always describes the engine as it is, idle included (a request's
-        final output follows the snapshot without it)."""
+        final output follows the snapshot without it). on_failure gets the reason, once, when the engine
+        fails (its workers died or hung): every request it held has its error output by then."""
         self.engine = engine
         self._on_output = on_output
         self._on_iteration = on_iteration
         self._on_stats = on_stats
+        self._on_failure = on_failure
+        self._failure_reported = False
         self._commands: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._queued_adds = 0
@@ -116,6 +120,10 @@ class EngineLoop:
             if self.engine.last_iteration is not last and self._on_iteration is not None:
                 self._call(self._on_iteration, self.engine.last_iteration)
             self._emit(outputs)
+            if self.engine.failed is not None and not self._failure_reported:
+                self._failure_reported = True
+                if self._on_failure is not None:
+                    self._call(self._on_failure, self.engine.failed)
         outputs = self._cancel_all()
         self._refresh_stats()
         self._emit(outputs)
@@ -135,7 +143,7 @@ class EngineLoop:
                     self._queued_adds -= 1
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
-                except (ValueError, QueueFullError) as exc:
+                except (ValueError, QueueFullError, EngineFailedError) as exc:
                     self._emit([_failed(cmd.request_id, len(cmd.prompt_token_ids), str(exc))])
                 self._refresh_stats()
             elif isinstance(cmd, _Abort):

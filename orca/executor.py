@@ -16,12 +16,17 @@ from orca.plan import StepPlan, StepResult
 from orca.worker import Worker
 
 
+class WorkerFailure(RuntimeError):
+    """The workers cannot go on (one died, hung, or failed in a way that leaves the others stuck): the
+    engine fails every request and stops serving."""
+
+
 class Executor(Protocol):
     num_blocks: int  # K/V pool blocks every worker holds (the minimum over workers)
     max_in_flight: int  # plans it can hold at once (pipeline stages): the most n_workers can be
 
-    def submit(self, plan: StepPlan) -> None: ...
-    def collect(self) -> StepResult: ...  # the oldest submitted plan's result
+    def submit(self, plan: StepPlan) -> None: ...  # may raise WorkerFailure
+    def collect(self) -> StepResult: ...  # the oldest submitted plan's result; may raise WorkerFailure
     def shutdown(self) -> None: ...
 
 

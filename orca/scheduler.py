@@ -264,6 +264,16 @@ class OrcaScheduler:
         self._remove(req)
         return req
 
+    def drop_all(self) -> list[Request]:
+        """Forgets every request and batch in flight (the workers failed); returns the requests that were
+        unfinished, in arrival order, their blocks freed."""
+        dropped = list(self._pool.values())
+        self._in_flight.clear()
+        for req in dropped:
+            req.running = False
+            self._remove(req)
+        return dropped
+
     def _remove(self, req: Request) -> None:
         del self._pool[req.request_id]
         self.blocks.free(req.request_id)

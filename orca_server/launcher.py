@@ -246,9 +246,9 @@ def build_command(
 ) -> list[str]:
     """The ``tritonserver`` argv.
 
-    With ``models`` the server uses explicit model control and loads only those
-    (a repository may hold more models than one test wants); otherwise it loads
-    every model at startup (``--model-control-mode=none``).  ``address`` binds
+    The server uses explicit model control (so a failed model can unload itself
+    and report not ready) and loads ``models`` (a repository may hold more models
+    than one test wants), or every model at startup (``--load-model=*``).  ``address`` binds
     HTTP, gRPC and metrics to one interface (tests use 127.0.0.1).  Without a
     GPU (``gpu=None`` detects one), GPU metrics and the pinned-memory pool are
     turned off: both need CUDA and only log errors otherwise.  ``extra_args``
@@ -272,11 +272,10 @@ def build_command(
             f"--grpc-address={address}",
             f"--metrics-address={address}",
         ]
-    if models:
-        cmd.append("--model-control-mode=explicit")
-        cmd += [f"--load-model={name}" for name in models]
-    else:
-        cmd.append("--model-control-mode=none")
+    # Explicit model control in both cases: a model whose engine failed unloads itself, so Triton reports
+    # it not ready (orca_gpt's model.py); --load-model=* loads every model at startup.
+    cmd.append("--model-control-mode=explicit")
+    cmd += [f"--load-model={name}" for name in models] if models else ["--load-model=*"]
     cmd += list(extra_args)
     return cmd
 

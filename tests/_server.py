@@ -25,6 +25,10 @@ TINY_MODELS = {
     # A pool of 8 blocks of 16 tokens, allocated on demand: one request of up to 128 tokens fits, two long
     # ones do not, so a burst preempts (and recomputes) requests.
     "orca_tiny_preempt": {"max_bs": "8", "n_slots": "128", "block_size": "16", "kv_admission": "on_demand"},
+    # Tensor parallelism over two CPU worker processes (gloo); the failure test kills one of them, so no
+    # other test may use this model.
+    "orca_tiny_tp2": {"max_bs": "8", "n_slots": "2048", "tensor_parallel_size": "2", "device": "cpu",
+                      "worker_timeout": "20"},
 }
 
 # The baseline serving the tiny checkpoint. Triton runs a batch as soon as it holds max_batch_size

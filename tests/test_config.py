@@ -59,5 +59,5 @@ def test_orca_gpt_ships_every_settable_option_at_its_default(monkeypatch: pytest
     monkeypatch.delenv("ORCA_MODEL", raising=False)
     raw = shipped_parameters("orca_gpt")
     assert EngineConfig.from_parameters(raw) == EngineConfig()
-    not_shipped = {"n_workers", "seed"}  # no pipelining yet; sampling seeds are per request
+    not_shipped = {"seed"}  # sampling seeds are per request
     assert set(raw) == {f.name for f in fields(EngineConfig)} - not_shipped

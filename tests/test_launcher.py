@@ -188,9 +188,9 @@ def test_build_command_modes_and_ports(tmp_path: Path) -> None:
         assert arg in cmd
     assert cmd[-1] == "--log-verbose=1", "extra args must come last so they override"
     plain = build_command(tmp_path, 1, 2, 3, tmp_path, gpu=False)
-    assert "--model-control-mode=none" in plain and "--pinned-memory-pool-byte-size=0" in plain
+    assert "--model-control-mode=explicit" in plain and "--pinned-memory-pool-byte-size=0" in plain
     assert "--pinned-memory-pool-byte-size=0" not in build_command(tmp_path, 1, 2, 3, tmp_path, gpu=True)
-    assert not [a for a in plain if a.startswith(("--load-model", "--http-address"))]
+    assert [a for a in plain if a.startswith(("--load-model", "--http-address"))] == ["--load-model=*"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

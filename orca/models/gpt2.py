@@ -15,7 +15,7 @@ from torch import nn
 
 from orca.config import ModelConfig
 from orca.models.attention import AttentionMetadata, selective_attention
-from orca.models.layers import embedding, row_linear, vocab_logits
+from orca.models.layers import embedding, plain_embedding, row_linear, vocab_logits
 from orca.parallel import COLUMN, REPLICATED, ROW, VOCAB, ParallelContext, Source, packed_qkv_shard, vocab_per_rank
 
 
@@ -54,7 +54,7 @@ class GPT2Model(nn.Module):
         self.config, self.par = cfg, par
         first, last, tied = par.is_first_stage, par.is_last_stage, cfg.tie_word_embeddings
         self.wte = embedding(cfg.vocab_size, cfg.hidden_size, par) if first or (last and tied) else None
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if first else None
+        self.wpe = plain_embedding(cfg.max_position_embeddings, cfg.hidden_size) if first else None
         self.h = nn.ModuleList(GPT2Block(cfg, i, par) for i in par.layers)
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if last else None
         self.lm_head = None

@@ -37,7 +37,8 @@ class VocabParallelEmbedding(nn.Embedding):
     is every id's row."""
 
     def __init__(self, vocab_size: int, hidden: int, par: ParallelContext) -> None:
-        super().__init__(vocab_per_rank(vocab_size, par.tp_size), hidden)
+        rows = vocab_per_rank(vocab_size, par.tp_size)
+        super().__init__(rows, hidden, _weight=torch.empty(rows, hidden))
         self.par, self.start = par, par.tp_rank * self.num_embeddings
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: (T,)
@@ -49,8 +50,14 @@ class VocabParallelEmbedding(nn.Embedding):
 
 def embedding(vocab_size: int, hidden: int, par: ParallelContext) -> nn.Embedding:
     if par.tp_size == 1:
-        return nn.Embedding(vocab_size, hidden)
+        return plain_embedding(vocab_size, hidden)
     return VocabParallelEmbedding(vocab_size, hidden, par)
+
+
+def plain_embedding(num: int, hidden: int) -> nn.Embedding:
+    """nn.Embedding without its random init: the loader copies every weight in, and on the meta device
+    the first init costs torch about 2 s of one-time set-up per process (each worker process pays it)."""
+    return nn.Embedding(num, hidden, _weight=torch.empty(num, hidden))
 
 
 def vocab_logits(hidden: torch.Tensor, head: torch.Tensor, vocab_size: int, par: ParallelContext) -> torch.Tensor:

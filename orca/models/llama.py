@@ -58,18 +58,19 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         dim = cfg.head_dim
-        if cfg.rope_type == "default":
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-            scaling = 1.0
-        else:
-            from transformers import AutoConfig
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        with torch.device("cpu"):  # also under the loader's meta-device context: the tables are data
+            if cfg.rope_type == "default":
+                inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+                scaling = 1.0
+            else:
+                from transformers import AutoConfig
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            raw = json.loads(cfg.rope_config)
-            hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope_type](hf_config)
-            inv_freq = inv_freq.float()
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)  # (P, D/2)
+                raw = json.loads(cfg.rope_config)
+                hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope_type](hf_config)
+                inv_freq = inv_freq.float()
+            freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D): the rotate-half layout of the HF checkpoint
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)

@@ -24,7 +24,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from orca import EngineConfig, LLMEngine, QueueFullError, RequestOutput
+from orca import EngineConfig, EngineFailedError, LLMEngine, QueueFullError, RequestOutput
 from orca.engine import EngineStats, IterationStats
 from orca.engine_loop import EngineLoop
 from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
@@ -122,8 +122,9 @@ class TritonPythonModel:
         self._responses: queue.Queue[RequestOutput | None] = queue.Queue()
         self.loop = EngineLoop(
             self.engine, on_output=self._responses.put, on_iteration=self._on_iteration,
-            on_stats=self.metrics.publish,
+            on_stats=self.metrics.publish, on_failure=self._on_engine_failure,
         )
+        self._model_name = args["model_name"]
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
         self._response_thread.start()
         self.loop.start()
@@ -161,7 +162,7 @@ class TritonPythonModel:
                 raise
         except ValueError as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-        except QueueFullError as exc:
+        except (QueueFullError, EngineFailedError) as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
         except Exception as exc:  # noqa: BLE001 - answer the request whatever went wrong
             logger.exception("could not submit a request")
@@ -170,6 +171,22 @@ class TritonPythonModel:
     # -- the scheduler thread's side (the gauges: self.metrics.publish) ---------------------------
     def _on_iteration(self, stats: IterationStats) -> None:
         self.metrics.batch.observe(stats.batch_size)
+
+    def _on_engine_failure(self, reason: str) -> None:
+        """The engine's workers failed: every request has its error; new ones are refused (UNAVAILABLE).
+        The model unloads itself so that Triton reports it not ready (/v2/models/NAME/ready), which needs
+        explicit model control (orca-serve and `make serve` start Triton so); under
+        --model-control-mode=none it stays listed as ready and refuses every request."""
+        logger.error("%s failed: %s", self._model_name, reason)
+        try:
+            pb_utils.unload_model(model_name=self._model_name)
+            logger.error("%s unloads itself: it reports not ready until it is loaded again", self._model_name)
+        except Exception as exc:  # noqa: BLE001 - model control is off: say so, keep refusing requests
+            logger.error(
+                "%s cannot unload itself (%s): it keeps refusing requests; start tritonserver with "
+                "--model-control-mode=explicit --load-model=* so a failed model reports not ready",
+                self._model_name, exc,
+            )
 
     # -- the response thread ---------------------------------------------------------------------
     def _send_responses(self) -> None:

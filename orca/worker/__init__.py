@@ -4,6 +4,11 @@ For each plan it drops the state of the requests the plan frees, extends block t
 flat tensors (every token of every request in one [T] row vector, positions, pool slots) plus an explicit
 AttentionMetadata, runs the model once, computes logits only for the rows that sample, and samples one
 token for each. It never sees a Request and never decides anything: the driver's scheduler did.
+
+With parallelism (orca/distributed.py runs one Worker per rank) a worker holds its pipeline stage's layers
+and its tensor-parallel share of their heads, and of their K/V: every rank of every stage prepares the
+same metadata from the same plan; a stage after the first receives the previous stage's [T, hidden]
+activations and the last stage's first tensor-parallel rank samples.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from orca.config import EngineConfig, ModelConfig
 from orca.kv_cache import KVLayout, blocks_from_gpu_memory
 from orca.loader import load_model, resolve_checkpoint
 from orca.models.attention import AttentionMetadata, PhaseTimer
+from orca.parallel import ParallelContext, local_kv_heads
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.sampler import SamplingTensors, sample
 
@@ -39,16 +45,21 @@ class Worker:
     """One device's share of the engine. In-process today (orca/executor.py); the same class serves as the
     body of a worker process."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, par: ParallelContext | None = None, device: torch.device | None = None
+    ) -> None:
         self.config = config
-        self.device = config.torch_device
+        self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.checkpoint = resolve_checkpoint(config.model)
-        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device)
+        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par)
         mc: ModelConfig = self.model_config
-        self.kv_layout = KVLayout(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, config.block_size)
+        self.par = par or ParallelContext.single(mc.num_layers)
+        kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
+        self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, self.dtype, config.block_size)
         self.kv_pool: torch.Tensor | None = None
         self._requests: dict[str, _RequestState] = {}
+        self._sends: list[tuple[object, torch.Tensor]] = []  # activations on their way to the next stage
 
     # -- the K/V pool ----------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -130,18 +141,24 @@ class Worker:
         ordered = _execution_order(plan.requests)
         ids, pos, meta, sample_rows = self._prepare(ordered, timer)
         t1 = time.perf_counter()
-        hidden = self.model(ids, pos, meta)  # (T, E)
+        par = self.par
+        received = None if par.is_first_stage else self._receive_activations(ids.shape[0])
+        hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)
         result = StepResult(plan.batch_id)
+        if not par.is_last_stage:
+            self._send_activations(hidden)
+            return result
         if sample_rows is not None:
             rows, specs, steps, sampled_ids = sample_rows
             logits = self.model.compute_logits(hidden[rows])  # (B, V): no logits for other prompt rows
             if timer is not None:
                 timer.sync()
             t2 = time.perf_counter()
-            tokens = sample(logits, SamplingTensors.from_specs(specs, steps, self.device)).tolist()  # host sync
-            result.sampled = dict(zip(sampled_ids, tokens))
-            if plan.return_logits:
-                result.logits = dict(zip(sampled_ids, logits.detach().cpu().unbind(0)))
+            if par.tp_rank == 0:  # the full logits are on every rank of the stage; one of them samples
+                tokens = sample(logits, SamplingTensors.from_specs(specs, steps, self.device)).tolist()  # host sync
+                result.sampled = dict(zip(sampled_ids, tokens))
+                if plan.return_logits:
+                    result.logits = dict(zip(sampled_ids, logits.detach().cpu().unbind(0)))
         else:
             if timer is not None:
                 timer.sync()
@@ -151,6 +168,26 @@ class Worker:
             attention = timer.seconds.get("attention", 0.0)
             result.timings = {"prepare": t1 - t0, "model": t2 - t1, "attention": attention, "sample": t3 - t2}
         return result
+
+    # -- pipeline stages -------------------------------------------------------------------------
+    def _receive_activations(self, num_tokens: int) -> torch.Tensor:
+        """The previous stage's (T, E) output for this plan, from the same tensor-parallel rank there."""
+        import torch.distributed as dist
+
+        hidden = torch.empty(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        dist.recv(hidden, src=self.par.layout.rank(self.par.stage - 1, self.par.tp_rank))
+        return hidden
+
+    def _send_activations(self, hidden: torch.Tensor) -> None:
+        """Sends (T, E) to the next stage without waiting for it to receive: this stage goes on with the
+        next plan in flight. The previous send is completed first (its buffer must outlive it)."""
+        import torch.distributed as dist
+
+        for handle, _ in self._sends:
+            handle.wait()
+        hidden = hidden.contiguous()
+        handle = dist.isend(hidden, dst=self.par.layout.rank(self.par.stage + 1, self.par.tp_rank))
+        self._sends = [(handle, hidden)]
 
     def _prepare(
         self, ordered: list[PlannedRequest], timer: PhaseTimer | None

@@ -1,0 +1,268 @@
+"""Distributed Orca on CPU processes and gloo: tensor parallelism, pipeline stages with batches in flight,
+and workers that fail loudly (orca/distributed.py).
+
+Parity: tp 2, pp 2 and tp 2 x pp 2 give the tokens of one process (and transformers' greedy tokens) for
+GPT-2 and Llama with grouped-query attention, on a workload that mixes whole and chunked prompts with
+increments and preempts requests; seeded sampling draws the same tokens too. With two stages two plans
+are in flight at once, as the workers' own clocks show. Failures (a killed worker, a hung one, an
+exception in a worker, a dead driver) end every request with an error within a bound, refuse new ones,
+and leave no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from _fixtures import hf_greedy, tiny_checkpoint, tiny_reference
+
+from orca import EngineConfig, EngineFailedError, LLMEngine, RequestOutput, SamplingParams
+
+pytestmark = pytest.mark.timeout(240)
+
+# A small pool (block 4, 64 slots) and a token budget: prompts run whole and in chunks, and the pool
+# runs out (on_demand preempts the latest arrivals).
+COMMON = dict(block_size=4, n_slots=64, max_num_batched_tokens=24, max_bs=8, kv_admission="on_demand")
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    join_step: int
+
+
+def workload(vocab: int) -> list[Job]:
+    rng = random.Random(7)
+    jobs = []
+    for i in range(10):
+        prompt = [rng.randrange(0, vocab - 1) for _ in range(rng.choice((3, 9, 17, 30)))]
+        if i % 3 == 2:  # seeded sampling
+            params = SamplingParams(temperature=0.9, top_k=20, seed=100 + i, max_tokens=10, ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True)
+        jobs.append(Job(f"r{i}", prompt, params, join_step=(i // 3) * 2))
+    return jobs
+
+
+def run(engine: LLMEngine, jobs: list[Job], max_steps: int = 2000) -> dict[str, RequestOutput]:
+    pending = sorted(jobs, key=lambda j: j.join_step)
+    final: dict[str, RequestOutput] = {}
+    for step in range(max_steps):
+        while pending and pending[0].join_step <= step:
+            job = pending.pop(0)
+            engine.add_request(job.request_id, job.prompt, job.params)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in final
+                final[out.request_id] = out
+        if not pending and not engine.has_unfinished():
+            return final
+    raise AssertionError("the engine did not finish")
+
+
+def engine(family: str, **options) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), device="cpu", **{**COMMON, **options}))
+
+
+_reference_runs: dict[str, tuple[dict[str, RequestOutput], int]] = {}
+
+
+def reference_run(family: str) -> dict[str, RequestOutput]:
+    """One process, one batch in flight: the outputs every layout must reproduce."""
+    if family not in _reference_runs:
+        e = engine(family)
+        outputs = run(e, workload(e.model_config.vocab_size))
+        _reference_runs[family] = (outputs, e.stats().preemptions)
+    return _reference_runs[family][0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_parallel_layouts_generate_what_one_process_generates(family: str, tp: int, pp: int) -> None:
+    expected = reference_run(family)
+    assert _reference_runs[family][1] > 0, "the workload must preempt requests"
+    e = engine(family, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        assert e.config.batches_in_flight == pp  # n_workers defaults to one batch per stage
+        jobs = workload(e.model_config.vocab_size)
+        e.profile = pp > 1  # the workers report when they ran each plan
+        outputs = run(e, jobs)
+        for job in jobs:
+            assert outputs[job.request_id].error is None
+            assert outputs[job.request_id].token_ids == expected[job.request_id].token_ids, job.request_id
+        ref = tiny_reference(family)
+        for job in jobs:
+            if job.params.temperature == 0:
+                assert outputs[job.request_id].token_ids == hf_greedy(ref, job.prompt, job.params.max_tokens)
+        if pp > 1:
+            # Batches in flight, observed: the first stage started some plan before the last stage had
+            # finished the plan before it.
+            timings = e.executor.stage_timings
+            first = {t.batch_id: t for t in timings if t.rank == 0}
+            last = {t.batch_id: t for t in timings if t.rank == e.executor.output_rank}
+            overlapped = [b for b in first if b - 1 in last and first[b].start < last[b - 1].end]
+            assert overlapped, "two plans were never in flight at once"
+    finally:
+        e.shutdown()
+
+
+def test_two_tensor_parallel_engines_at_once() -> None:
+    """Two engines with tp 2 in one process tree (as two Triton models would be): ports and processes
+    of one never meet the other's."""
+    expected = reference_run("llama")
+    a, b = engine("llama", tensor_parallel_size=2), engine("gpt2", tensor_parallel_size=2)
+    try:
+        jobs_a = workload(a.model_config.vocab_size)
+        jobs_b = workload(b.model_config.vocab_size)
+        for job in jobs_a:
+            a.add_request(job.request_id, job.prompt, job.params)
+        for job in jobs_b:
+            b.add_request(job.request_id, job.prompt, job.params)
+        done_a: dict[str, RequestOutput] = {}
+        done_b: dict[str, RequestOutput] = {}
+        while a.has_unfinished() or b.has_unfinished():  # interleaved iterations
+            done_a.update({o.request_id: o for o in a.step() if o.finished})
+            done_b.update({o.request_id: o for o in b.step() if o.finished})
+        assert {k: v.token_ids for k, v in done_a.items()} == {k: v.token_ids for k, v in expected.items()}
+        assert {k: v.token_ids for k, v in done_b.items()} == {
+            k: v.token_ids for k, v in reference_run("gpt2").items()
+        }
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+# -- refused layouts -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        ({"tensor_parallel_size": 3}, "use one of"),  # 8 heads
+        ({"pipeline_parallel_size": 4}, "layers"),  # 3 layers
+        ({"pipeline_parallel_size": 2, "n_workers": 3}, "n_workers must be in [1, 2]"),
+        ({"tensor_parallel_size": 2, "device": "cuda"}, "GPUs"),
+        ({"tensor_parallel_size": 2, "local_workers": 1}, "ORCA_WORKER_AUTHKEY"),
+    ],
+)
+def test_invalid_layouts_are_refused_at_load(options: dict, message: str, monkeypatch) -> None:
+    monkeypatch.delenv("ORCA_WORKER_AUTHKEY", raising=False)
+    if options.get("device") == "cuda":
+        import torch
+
+        if torch.cuda.device_count() >= 2:
+            pytest.skip("this host has 2 GPUs")
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), **{**COMMON, "device": "cpu", **options}))
+
+
+# -- failures ---------------------------------------------------------------------------------------------
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def _start_failing_engine(**options) -> tuple[LLMEngine, list[int]]:
+    e = engine("llama", tensor_parallel_size=2, **options)
+    pids = e.executor.worker_pids
+    rng = random.Random(3)
+    for i in range(12):  # more than max_bs: some wait
+        prompt = [rng.randrange(0, 190) for _ in range(9)]
+        e.add_request(f"f{i}", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    return e, pids
+
+
+def _finish_with_errors(e: LLMEngine, bound_s: float) -> tuple[dict[str, RequestOutput], float]:
+    start = time.monotonic()
+    final: dict[str, RequestOutput] = {}
+    while e.has_unfinished():
+        assert time.monotonic() - start < bound_s, "the failure was not noticed in time"
+        for out in e.step():
+            if out.finished:
+                assert out.request_id not in final, "two final outputs"
+                final[out.request_id] = out
+    return final, time.monotonic() - start
+
+
+def _assert_failed_cleanly(e: LLMEngine, final: dict[str, RequestOutput], pids: list[int], words: str) -> None:
+    unfinished_before = {f"f{i}" for i in range(12)} - {k for k, v in final.items() if v.finish_reason != "error"}
+    assert unfinished_before, "some request must have been unfinished when the worker failed"
+    errors = [o for o in final.values() if o.finish_reason == "error"]
+    assert errors and all(words in o.error for o in errors), [o.error for o in errors][:2]
+    assert e.failed is not None
+    with pytest.raises(EngineFailedError, match="failed"):
+        e.add_request("late", [1, 2, 3], SamplingParams(max_tokens=2))
+    deadline = time.monotonic() + 10
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, "a worker process was left behind"
+        time.sleep(0.1)
+    e.shutdown()  # idempotent after a failure
+
+
+def test_killed_worker_fails_every_request() -> None:
+    e, pids = _start_failing_engine()
+    os.kill(pids[1], signal.SIGKILL)
+    final, took = _finish_with_errors(e, bound_s=20)
+    assert len(final) == 12
+    _assert_failed_cleanly(e, final, pids, "worker rank")
+
+
+def test_hung_worker_misses_its_deadline() -> None:
+    e, pids = _start_failing_engine(worker_timeout=3)
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        final, took = _finish_with_errors(e, bound_s=30)
+    finally:
+        for p in pids:
+            if not _gone(p):
+                os.kill(p, signal.SIGCONT)
+    assert took < 15
+    assert len(final) == 12
+    _assert_failed_cleanly(e, final, pids, "hung")
+
+
+def test_exception_in_a_worker_fails_the_engine(monkeypatch) -> None:
+    monkeypatch.setenv("ORCA_WORKER_FAULT", "1:5:raise")  # rank 1 raises in iteration 5
+    e, pids = _start_failing_engine()
+    final, _ = _finish_with_errors(e, bound_s=20)
+    assert len(final) == 12
+    _assert_failed_cleanly(e, final, pids, "fault injected")
+
+
+def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        import json, sys, time
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from orca import EngineConfig, LLMEngine
+        e = LLMEngine(EngineConfig(model={str(tiny_checkpoint("llama"))!r}, device="cpu", pipeline_parallel_size=2,
+                                   n_slots=64, block_size=4))
+        print(json.dumps(e.executor.worker_pids), flush=True)
+        time.sleep(600)
+        """
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(driver.stdout.readline())
+        assert len(pids) == 2 and not any(_gone(p) for p in pids)
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 15
+        while not all(_gone(p) for p in pids):
+            assert time.monotonic() < deadline, "workers outlived their driver"
+            time.sleep(0.1)
+    finally:
+        driver.kill()

@@ -1,0 +1,76 @@
+"""Distributed execution through the real tritonserver: orca_tiny_tp2 (tests/_server.py) serves the tiny
+GPT-2 with tensor parallelism over two CPU worker processes that its Triton stub started. It generates
+what the offline engine generates; when one of its workers is killed, the request in flight ends with an
+error, new requests are refused, the model unloads itself (not ready) and no worker process is left.
+Only this module uses orca_tiny_tp2: the failure test leaves it unloaded."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from orca_client import OrcaClient, OrcaError
+from test_server_e2e import generate_concurrently, wait_for
+
+from orca import LLM, SamplingParams
+
+MODEL = "orca_tiny_tp2"
+
+
+def worker_pids() -> list[int]:
+    """Processes running `python -m orca.worker` whose parent is not this test process (the ones the
+    Triton stub of orca_tiny_tp2 started: no other model of the test server is distributed)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        zombie = any(line.startswith("State:") and "Z" in line for line in status.splitlines())
+        if b"orca.worker" in cmdline and ppid != os.getpid() and not zombie:
+            pids.append(int(entry.name))
+    return pids
+
+
+def ready(server: Any) -> bool:
+    return requests.get(f"{server.http_url}/v2/models/{MODEL}/ready", timeout=10).status_code == 200
+
+
+def test_tensor_parallel_model_serves_what_the_offline_engine_generates(orca_server: Any) -> None:
+    assert ready(orca_server)
+    assert len(worker_pids()) == 2
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(10, 40))]
+    max_tokens = [7, 20, 12]
+    expected = LLM(str(orca_server.tiny_checkpoint), device="cpu").generate(
+        prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    )
+    chunks = generate_concurrently(orca_server, MODEL, [
+        {"input_ids": p, "max_tokens": n, "temperature": 0, "ignore_eos": True} for p, n in zip(prompts, max_tokens)
+    ])
+    assert [[t for c in cs for t in c.output_ids] for cs in chunks] == [e.token_ids for e in expected]
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_errors_requests_and_unloads_the_model(orca_server: Any) -> None:
+    pids = worker_pids()
+    assert len(pids) == 2
+    client = OrcaClient(orca_server.grpc_url, MODEL)
+    stream = client.generate(input_ids=[1, 2, 3], max_tokens=1900, ignore_eos=True, temperature=0)
+    first = next(stream)
+    assert first.output_ids and not first.final  # running
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(OrcaError, match="failed"):
+        for _ in stream:  # the request in flight ends with an error, not a hang
+            pass
+    wait_for(lambda: not ready(orca_server), "the failed model to report not ready", timeout=60)
+    wait_for(lambda: not worker_pids(), "the workers to be gone", timeout=30)
+    with pytest.raises(OrcaError):  # refused: failed (UNAVAILABLE) or unloaded
+        list(OrcaClient(orca_server.grpc_url, MODEL).generate(input_ids=[1, 2], max_tokens=2))
