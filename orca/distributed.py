@@ -180,6 +180,7 @@ class DistributedExecutor:
                     logger.warning("a connection to the control port sent no Hello: closed")
                     conn.close()
                     continue
+                _no_delay(conn)
                 accepted.put((conn, hello))
                 joined += 1
 
@@ -318,6 +319,16 @@ class DistributedExecutor:
         return [p.pid for p in self._procs]
 
 
+def _no_delay(conn: Connection) -> None:
+    """Small messages go out at once: with Nagle's algorithm a message written right after another waits
+    for the peer's delayed ACK (40 ms on Linux)."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()
+
+
 def _injected_fault(rank: int) -> tuple[int, str] | None:
     """Fault injection for the failure tests: $ORCA_WORKER_FAULT = "RANK:ITERATION:KIND" makes that rank
     raise (KIND raise), exit at once (exit) or stop answering (hang) when it gets that iteration's plan."""
@@ -377,6 +388,7 @@ def run_worker(
     while True:  # the driver may not listen yet (a LeaderWorkerSet starts followers with the leader)
         try:
             conn = Client((host, port), authkey=authkey)
+            _no_delay(conn)
             break
         except AuthenticationError:
             print(f"[orca.worker] the driver at {host}:{port} refused ${AUTHKEY_ENV}", file=sys.stderr, flush=True)

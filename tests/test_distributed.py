@@ -14,9 +14,11 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ import pytest
 from _fixtures import hf_greedy, tiny_checkpoint, tiny_reference
 
 from orca import EngineConfig, EngineFailedError, LLMEngine, RequestOutput, SamplingParams
+from orca_server.launcher import free_ports
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -266,3 +269,38 @@ def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:
             time.sleep(0.1)
     finally:
         driver.kill()
+
+
+def test_a_rank_on_another_node_joins_with_the_leaderworkerset_environment(monkeypatch) -> None:
+    """local_workers 1 of tp 2: the driver starts rank 0 and waits for the other rank, which runs
+    `python -m orca.worker` with nothing but LeaderWorkerSet's environment (started first: it retries
+    until the driver listens). A stray connection to the control port (a port scan, a TCP probe) before
+    it joins is refused without harm."""
+    (port,) = free_ports(1)
+    secret = "test-secret-" + os.urandom(8).hex()
+    monkeypatch.setenv("ORCA_WORKER_AUTHKEY", secret)
+    env = {**os.environ, "LWS_LEADER_ADDRESS": "127.0.0.1", "ORCA_CONTROL_PORT": str(port), "LWS_WORKER_INDEX": "1",
+           "ORCA_LOCAL_RANKS": "1", "ORCA_WORKER_AUTHKEY": secret}
+    remote = subprocess.Popen([sys.executable, "-m", "orca.worker"], env=env)
+
+    def stray() -> None:  # connects and says nothing, while the driver waits for its workers
+        for _ in range(100):
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+
+    threading.Thread(target=stray, daemon=True).start()
+    try:
+        e = engine("llama", tensor_parallel_size=2, local_workers=1, control_address=f"127.0.0.1:{port}")
+        try:
+            jobs = workload(e.model_config.vocab_size)
+            outputs = run(e, jobs)
+            expected = reference_run("llama")
+            assert {k: v.token_ids for k, v in outputs.items()} == {k: v.token_ids for k, v in expected.items()}
+        finally:
+            e.shutdown()
+        assert remote.wait(timeout=30) == 0  # the remote rank exits when the driver stops the engine
+    finally:
+        remote.kill()
