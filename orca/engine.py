@@ -68,6 +68,7 @@ class RequestOutput:
 class IterationStats:
     """What the last completed iteration did, for metrics and benchmarks."""
 
+    batch_id: int = -1  # the plan's id (StepPlan.batch_id)
     batch_size: int = 0
     num_tokens: int = 0
     num_initiation: int = 0  # members feeding prompt tokens (a whole prompt, a chunk, or a recomputation)
@@ -343,6 +344,7 @@ class LLMEngine:
             out.logits = logits
             outputs.append(out)
         self.last_iteration = IterationStats(
+            batch_id=batch.batch_id,
             batch_size=len(batch.members),
             num_tokens=batch.num_tokens,
             num_initiation=sum(1 for m in batch.members if not m.increment),

@@ -432,6 +432,23 @@ def test_orca_bench_offline_small_pool_preempts_on_demand_only(tmp_path: Path) -
         assert 0 < run["kv"]["utilization"] <= 1 and run["kv"]["peak_allocated_blocks"] <= 12
 
 
+def test_orca_bench_distributed_measures_the_control_plane(tmp_path: Path) -> None:
+    out = tmp_path / "distributed.json"
+    argv = ["distributed", "--model", str(tiny_checkpoint("llama")), "--layouts", "1x1,2x1", "--batch", "3",
+            "--context-lens", "8,40", "--decode-steps", "5", "--json", str(out)]
+    assert orca_bench.main(argv) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["tensor_parallel_size"], r["context_len"]) for r in runs] == [(1, 8), (1, 40), (2, 8), (2, 40)]
+    for r in runs:
+        assert r["iterations"] == 4 and r["iteration_ms_median"] > 0  # decode iterations of the whole batch
+    in_process, parallel = runs[:2], runs[2:]
+    assert all(r["plan_bytes_median"] is None and r["overhead_ms_median"] is None for r in in_process)
+    for r in parallel:
+        assert 0 < r["plan_bytes_median"] < 1000 and 0 <= r["overhead_ms_median"] < r["iteration_ms_median"]
+    # What is sent per iteration does not grow with the tokens held (only integer widths may).
+    assert abs(parallel[1]["plan_bytes_median"] - parallel[0]["plan_bytes_median"]) <= 32
+
+
 def test_kv_usage_weights_iterations_by_duration() -> None:
     usage = orca_bench.KVUsage(block_size=4)
     for duration, used, blocks, batch in ((1.0, 8, 4, 2), (3.0, 16, 4, 3), (5.0, 0, 0, 1)):
