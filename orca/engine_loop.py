@@ -6,13 +6,20 @@ hands every RequestOutput to ``on_output``. When there is nothing to run it slee
 
 Client cancellation is the caller's to notice (the Triton model asks each request's sender on its
 response thread, the one thread that sends): it calls ``abort``.
+
+The loop fails loudly: when the engine's workers fail, when the loop thread dies, or when one iteration
+runs longer than worker_timeout (a hung device: a watchdog thread notices; worker processes have their own
+deadline), ``failed`` says why, ``submit`` refuses new requests (EngineFailedError) and ``on_failure``
+is called once; the caller answers what the engine can no longer answer.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -47,19 +54,26 @@ class EngineLoop:
         on_iteration: Callable[[IterationStats], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
+        fault: tuple[int, str] | None = None,
     ) -> None:
         """Every callback runs on the loop thread (keep them quick: hand work to another thread).
         on_output gets every output. on_iteration gets the stats of each iteration that ran, once.
         on_stats gets the `stats` snapshot whenever it changed, before the outputs of the same step are
         handed on: so its last call always describes the engine as it is, idle included (a request's
         final output follows the snapshot without it). on_failure gets the reason, once, when the engine
-        fails (its workers died or hung): every request it held has its error output by then."""
+        fails: its workers died or hung (every request it held has its error output by then), the loop
+        thread died or an iteration hung (then on the watchdog's thread; outputs may never come: the
+        caller must answer its requests itself). `fault` = (iteration, "hang" | "crash") injects a
+        failure for the tests (see fault_from_env)."""
         self.engine = engine
         self._on_output = on_output
         self._on_iteration = on_iteration
         self._on_stats = on_stats
         self._on_failure = on_failure
-        self._failure_reported = False
+        self._failed: str | None = None
+        self._fault = fault
+        self._iterations = 0
+        self._busy_since: float | None = None  # when the running step() began (the watchdog reads it)
         self._commands: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._queued_adds = 0
@@ -67,6 +81,15 @@ class EngineLoop:
         self._published: EngineStats | None = None
         self._thread = threading.Thread(target=self._run, name="orca-scheduler", daemon=True)
         self._stopping = False
+        # Worker processes have their own per-iteration deadline (orca/distributed.py).
+        self._watchdog = None if engine.config.distributed else threading.Thread(
+            target=self._watch, name="orca-watchdog", daemon=True
+        )
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine stopped serving, once it has."""
+        return self._failed
 
     @property
     def stats(self) -> EngineStats:
@@ -77,10 +100,14 @@ class EngineLoop:
 
     def start(self) -> None:
         self._thread.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Validates (ValueError) and enqueues a request; QueueFullError when the waiting queue is full.
         Never waits for an iteration."""
+        if self._failed is not None:
+            raise EngineFailedError(f"the engine has failed and serves no more requests: {self._failed}")
         self.engine.validate(prompt_token_ids, params)
         with self._lock:
             if self._stopping:
@@ -105,28 +132,59 @@ class EngineLoop:
 
     # -- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the thread dies: say so, never silently
+            logger.exception("the scheduler thread died")
+            self._fail(f"the scheduler thread died: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
         while True:
             idle = not self.engine.has_unfinished()
             if not self._apply_commands(block=idle):
                 break
             last = self.engine.last_iteration
+            self._iterations += 1
+            self._busy_since = time.monotonic()
+            if self._fault is not None and self._iterations == self._fault[0]:
+                _inject(self._fault[1])  # a hang counts as the iteration's (the watchdog sees it)
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a scheduler bug must not silently kill the thread
                 logger.exception("engine step failed outside the model; failing every request")
                 outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
+            finally:
+                self._busy_since = None
+            if self._failed is not None:
+                return  # the watchdog gave up on this iteration: its requests were answered already
             self._refresh_stats()
             # A step with nothing to run (only cancellations to report) leaves last_iteration as it was.
             if self.engine.last_iteration is not last and self._on_iteration is not None:
                 self._call(self._on_iteration, self.engine.last_iteration)
             self._emit(outputs)
-            if self.engine.failed is not None and not self._failure_reported:
-                self._failure_reported = True
-                if self._on_failure is not None:
-                    self._call(self._on_failure, self.engine.failed)
+            if self.engine.failed is not None:
+                self._fail(self.engine.failed)
         outputs = self._cancel_all()
         self._refresh_stats()
         self._emit(outputs)
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self._failed is not None:
+                return
+            self._failed = reason
+        logger.error("the engine failed: %s", reason)
+        if self._on_failure is not None:
+            self._call(self._on_failure, reason)
+
+    def _watch(self) -> None:
+        """The watchdog: an iteration that runs longer than worker_timeout means a hung device."""
+        limit = float(self.engine.config.worker_timeout)
+        while self._failed is None and not self._stopping:
+            time.sleep(min(1.0, limit / 4))
+            started = self._busy_since
+            if started is not None and time.monotonic() - started > limit:
+                self._fail(f"an iteration has run for more than worker_timeout ({limit:g} s): the device is hung")
 
     def _apply_commands(self, block: bool) -> bool:
         """Applies queued commands; returns False when asked to stop."""
@@ -182,6 +240,30 @@ class EngineLoop:
         for out in outputs:
             out.finish_reason, out.error = FinishReason.ERROR.value, message
         return outputs
+
+
+def fault_from_env(model_name: str) -> tuple[int, str] | None:
+    """Fault injection for the failure tests: $ORCA_ENGINE_FAULT = "MODEL:ITERATION:KIND" makes that
+    model's loop hang inside (KIND hang) or die before (crash) that iteration."""
+    spec = os.environ.get("ORCA_ENGINE_FAULT", "")
+    for item in filter(None, spec.split(",")):
+        name, iteration, kind = item.split(":")
+        if name == model_name:
+            return int(iteration), kind
+    return None
+
+
+class _InjectedCrash(BaseException):
+    """Escapes every handler of the loop, as a bug in it would."""
+
+
+def _inject(kind: str) -> None:
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    if kind == "crash":
+        raise _InjectedCrash("fault injected by $ORCA_ENGINE_FAULT")
+    raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {kind!r} (hang, crash)")
 
 
 def _failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:

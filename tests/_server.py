@@ -29,7 +29,15 @@ TINY_MODELS = {
     # other test may use this model.
     "orca_tiny_tp2": {"max_bs": "8", "n_slots": "2048", "tensor_parallel_size": "2", "device": "cpu",
                       "worker_timeout": "20"},
+    # Their loops fail at their 3rd iteration (ENGINE_FAULTS, set in the server's environment): one hangs
+    # inside it (a hung device: the watchdog gives up after worker_timeout), one's thread dies before it.
+    "orca_tiny_hang": {"n_slots": "2048", "worker_timeout": "2"},
+    "orca_tiny_crash": {"n_slots": "2048"},
 }
+# Models the failure tests make fail (they unload themselves): no other test may rely on them.
+FAILING_MODELS = ("orca_tiny_tp2", "orca_tiny_hang", "orca_tiny_crash")
+# $ORCA_ENGINE_FAULT for the test server (orca.engine_loop.fault_from_env): only these models fail.
+ENGINE_FAULTS = "orca_tiny_hang:3:hang,orca_tiny_crash:3:crash"
 
 # The baseline serving the tiny checkpoint. Triton runs a batch as soon as it holds max_batch_size
 # requests; the long queue delay means a batch of exactly REQUEST_LEVEL_TINY_BATCH requests sent together

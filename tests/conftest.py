@@ -26,11 +26,13 @@ def orca_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServ
     """The end-to-end test repository (tests/_server.py: the shipped models, tiny orca_gpt variants and
     the tiny request-level baseline) on one Triton for every test module that asks for it. The yielded
     server also has ``tiny_checkpoint``, the tiny GPT-2 directory the tiny models serve."""
-    from _server import build_test_repository
+    from _server import ENGINE_FAULTS, build_test_repository
 
     root = tmp_path_factory.mktemp("e2e")
     repo, tiny = build_test_repository(root)
-    with TritonServer(repo, log_path=root / "tritonserver.log", startup_timeout=_startup_timeout()) as server:
+    env = {**os.environ, "ORCA_ENGINE_FAULT": ENGINE_FAULTS}
+    with TritonServer(repo, log_path=root / "tritonserver.log", startup_timeout=_startup_timeout(),
+                      env=env) as server:
         server.tiny_checkpoint = tiny
         yield server
 

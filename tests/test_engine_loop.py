@@ -228,3 +228,27 @@ def test_waiting_queue_bound_refuses_at_once() -> None:
     assert col.wait_final("a").finish_reason == "length"
     assert col.wait_final("b").finish_reason == "length"
     loop.shutdown()
+
+
+@pytest.mark.parametrize("kind,words", [("hang", "hung"), ("crash", "scheduler thread died")])
+def test_a_hung_iteration_or_a_dead_thread_fails_the_loop_loudly(kind: str, words: str) -> None:
+    """An iteration that runs past worker_timeout (the watchdog) or a loop thread that dies: on_failure
+    gets the reason once, `failed` says it, and submit refuses new requests with it."""
+    import time
+
+    from orca import EngineFailedError
+
+    failures: queue.Queue[str] = queue.Queue()
+    collector = Collector()
+    engine = tiny_engine("gpt2", worker_timeout=1)
+    loop = EngineLoop(engine, on_output=collector, on_failure=failures.put, fault=(3, kind))
+    loop.start()
+    start = time.monotonic()
+    loop.submit("a", [1, 2, 3], GREEDY)
+    reason = failures.get(timeout=30)
+    assert words in reason and loop.failed == reason
+    if kind == "hang":
+        assert time.monotonic() - start >= 1  # not before worker_timeout
+    with pytest.raises(EngineFailedError, match=words):
+        loop.submit("b", [1, 2], GREEDY)
+    assert failures.empty()  # once

@@ -440,7 +440,9 @@ def test_model_repository_serves_every_model(triton_server: TritonServer) -> Non
         index = {m["name"]: m.get("state") for m in json.load(response)}
     # The session server's repository holds every shipped model as is, beside the tests' tiny ones.
     assert {name: index.get(name) for name in names} == dict.fromkeys(names, "READY")
-    assert all(state == "READY" for state in index.values()), index
+    from _server import FAILING_MODELS  # the failure tests unload these, whatever the order of the tests
+
+    assert all(state == "READY" for name, state in index.items() if name not in FAILING_MODELS), index
     for name in names:
         with urllib.request.urlopen(f"{triton_server.http_url}/v2/models/{name}/ready", timeout=30) as response:
             assert response.status == 200

@@ -1,8 +1,10 @@
-"""Distributed execution through the real tritonserver: orca_tiny_tp2 (tests/_server.py) serves the tiny
-GPT-2 with tensor parallelism over two CPU worker processes that its Triton stub started. It generates
-what the offline engine generates; when one of its workers is killed, the request in flight ends with an
-error, new requests are refused, the model unloads itself (not ready) and no worker process is left.
-Only this module uses orca_tiny_tp2: the failure test leaves it unloaded."""
+"""Failures through the real tritonserver, and readiness that tells the truth. orca_tiny_tp2
+(tests/_server.py) serves the tiny GPT-2 with tensor parallelism over two CPU worker processes that its
+Triton stub started: it generates what the offline engine generates; when one of its workers is killed,
+the request in flight ends with an error, new requests are refused, the model unloads itself (not ready)
+and no worker process is left. orca_tiny_hang and orca_tiny_crash (in-process engines) fail the same way
+when an iteration hangs or the scheduler thread dies. Only this module uses these models: the failure
+tests leave them unloaded."""
 
 from __future__ import annotations
 
@@ -58,7 +60,6 @@ def test_tensor_parallel_model_serves_what_the_offline_engine_generates(orca_ser
     assert [[t for c in cs for t in c.output_ids] for cs in chunks] == [e.token_ids for e in expected]
 
 
-@pytest.mark.timeout(120)
 def test_killed_worker_errors_requests_and_unloads_the_model(orca_server: Any) -> None:
     pids = worker_pids()
     assert len(pids) == 2
@@ -74,3 +75,22 @@ def test_killed_worker_errors_requests_and_unloads_the_model(orca_server: Any) -
     wait_for(lambda: not worker_pids(), "the workers to be gone", timeout=30)
     with pytest.raises(OrcaError):  # refused: failed (UNAVAILABLE) or unloaded
         list(OrcaClient(orca_server.grpc_url, MODEL).generate(input_ids=[1, 2], max_tokens=2))
+
+
+# -- readiness that tells the truth (in-process engines) ------------------------------------------------
+@pytest.mark.parametrize("model,words", [("orca_tiny_hang", "hung"), ("orca_tiny_crash", "scheduler thread died")])
+def test_a_hung_iteration_or_a_dead_scheduler_thread_makes_the_model_not_ready(
+    orca_server: Any, model: str, words: str
+) -> None:
+    """tests/_server.py makes orca_tiny_hang's 3rd iteration hang (past its worker_timeout of 2 s) and
+    orca_tiny_crash's scheduler thread die before its 3rd: the request in flight ends with an error
+    naming why, the model reports not ready, new requests are refused."""
+    url = f"{orca_server.http_url}/v2/models/{model}/ready"
+    assert requests.get(url, timeout=10).status_code == 200
+    stream = OrcaClient(orca_server.grpc_url, model).generate(input_ids=[1, 2, 3], max_tokens=50, ignore_eos=True)
+    with pytest.raises(OrcaError, match=words):
+        for _ in stream:
+            pass
+    wait_for(lambda: requests.get(url, timeout=10).status_code != 200, f"{model} to report not ready", timeout=60)
+    with pytest.raises(OrcaError):
+        list(OrcaClient(orca_server.grpc_url, model).generate(input_ids=[1, 2], max_tokens=2))

@@ -26,7 +26,7 @@ import triton_python_backend_utils as pb_utils
 
 from orca import EngineConfig, EngineFailedError, LLMEngine, QueueFullError, RequestOutput
 from orca.engine import EngineStats, IterationStats
-from orca.engine_loop import EngineLoop
+from orca.engine_loop import EngineLoop, fault_from_env
 from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
 
 logger = logging.getLogger("orca_gpt")
@@ -39,6 +39,13 @@ _NO_OUTPUT = object()
 # The gauges, each named (in _Metrics' families) by the EngineStats field or property it shows.
 _GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
            "n_slots")
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Queued for the response thread when the engine fails."""
+
+    reason: str
 
 
 @dataclass
@@ -123,6 +130,7 @@ class TritonPythonModel:
         self.loop = EngineLoop(
             self.engine, on_output=self._responses.put, on_iteration=self._on_iteration,
             on_stats=self.metrics.publish, on_failure=self._on_engine_failure,
+            fault=fault_from_env(args["model_name"]),
         )
         self._model_name = args["model_name"]
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
@@ -173,11 +181,24 @@ class TritonPythonModel:
         self.metrics.batch.observe(stats.batch_size)
 
     def _on_engine_failure(self, reason: str) -> None:
-        """The engine's workers failed: every request has its error; new ones are refused (UNAVAILABLE).
-        The model unloads itself so that Triton reports it not ready (/v2/models/NAME/ready), which needs
-        explicit model control (orca-serve and `make serve` start Triton so); under
-        --model-control-mode=none it stays listed as ready and refuses every request."""
+        """The engine failed (workers died or hung, the scheduler thread died, an iteration hung): hands
+        it to the response thread, behind every output already queued."""
+        self._responses.put(_Failure(reason))
+
+    def _fail_active(self, reason: str) -> None:
+        """On the response thread: every request without its FINAL gets an error now (the engine may never
+        answer them); new ones are refused (EngineLoop.submit). Then the model unloads itself so that
+        Triton reports it not ready (/v2/models/NAME/ready), which needs explicit model control (as
+        `make serve`, the launcher and the container start Triton); under --model-control-mode=none it
+        stays listed as ready and refuses every request."""
         logger.error("%s failed: %s", self._model_name, reason)
+        with self._active_lock:
+            failed, self._active = self._active, {}
+        for active in failed.values():
+            try:
+                _send_error(active.sender, f"the engine failed: {reason}", pb_utils.TritonError.UNAVAILABLE)
+            except Exception:  # noqa: BLE001
+                logger.exception("answering a request of the failed engine failed")
         try:
             pb_utils.unload_model(model_name=self._model_name)
             logger.error("%s unloads itself: it reports not ready until it is loaded again", self._model_name)
@@ -198,7 +219,9 @@ class TritonPythonModel:
                 out = _NO_OUTPUT
             if out is None:
                 return
-            if out is not _NO_OUTPUT:
+            if isinstance(out, _Failure):
+                self._fail_active(out.reason)
+            elif out is not _NO_OUTPUT:
                 try:
                     self._respond(out)
                 except Exception:  # noqa: BLE001
