@@ -1,7 +1,7 @@
 # Developer and CI entry points. Everything runs from the project venv that `make venv`
 # creates (scripts/setup_venv.sh: idempotent, returns at once when nothing changed).
 #
-#   make serve HTTP_PORT=9000   # serve model_repository with Triton
+#   make serve HTTP_PORT=9000   # serve model_repository with Triton (and the OpenAI API on :9000)
 #   make test PYTEST_ARGS='-k launcher -x'
 
 PYTHON ?= python3
@@ -10,6 +10,8 @@ MODEL_REPOSITORY ?= model_repository
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# The OpenAI-compatible API (orca-openai) beside Triton; OPENAI_PORT=0 starts none.
+OPENAI_PORT ?= $(or $(ORCA_OPENAI_PORT),9000)
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -22,7 +24,8 @@ venv:
 
 serve: venv
 	$(VPY) -m orca_server.launcher --model-repository $(MODEL_REPOSITORY) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(SERVE_ARGS)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--openai-port $(OPENAI_PORT) $(SERVE_ARGS)
 
 # Any non-zero pytest exit fails the target: 1 for failures, 5 when no test was collected.
 test: venv

@@ -583,8 +583,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "Arguments after '--' are passed to tritonserver unchanged."
         ),
         epilog=(
-            "Environment: ORCA_HTTP_PORT, ORCA_GRPC_PORT and ORCA_METRICS_PORT set the "
-            "default ports. Example: python -m orca_server.launcher --model-repository "
+            "Environment: ORCA_HTTP_PORT, ORCA_GRPC_PORT, ORCA_METRICS_PORT and ORCA_OPENAI_PORT set the "
+            "default ports; ORCA_OPENAI_API_KEY makes the OpenAI API ask for that key. "
+            "Example: python -m orca_server.launcher --model-repository "
             "model_repository --model orca_gpt -- --log-verbose=1"
         ),
     )
@@ -611,6 +612,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=_env_port("ORCA_METRICS_PORT", 8002),
         help="Prometheus metrics port (default: $ORCA_METRICS_PORT or 8002; now %(default)s)",
+    )
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=_env_port("ORCA_OPENAI_PORT", 9000),
+        help="port of the OpenAI-compatible API (orca-openai) started beside Triton; 0 = none "
+        "(default: $ORCA_OPENAI_PORT or 9000; now %(default)s)",
+    )
+    parser.add_argument(
+        "--no-openai",
+        action="store_true",
+        help="do not start the OpenAI-compatible API (same as --openai-port 0)",
     )
     parser.add_argument(
         "--address",
@@ -676,7 +689,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     env = server_env(paths=paths)
     host = args.address if args.address not in (None, "0.0.0.0") else "localhost"
+    openai = None if args.no_openai or not args.openai_port else openai_command(args)
     if args.dry_run:
+        if openai:  # first: the last line stays tritonserver's command
+            print(" ".join(openai))
         for key in ("PATH", "LD_LIBRARY_PATH"):
             print(f"{key}={env[key]}")
         print(" ".join(cmd))
@@ -688,8 +704,70 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"  curl -s http://{host}:{args.metrics_port}/metrics",
         flush=True,
     )
-    os.execve(cmd[0], cmd, env)
-    return 1  # pragma: no cover - execve does not return
+    if openai is None:
+        os.execve(cmd[0], cmd, env)
+        return 1  # pragma: no cover - execve does not return
+    print(" ".join(openai), flush=True)
+    print(f"  curl -s http://{host}:{args.openai_port}/v1/models   (the OpenAI-compatible API)", flush=True)
+    return run_beside(cmd, env, openai)
+
+
+def openai_command(args: argparse.Namespace) -> list[str]:
+    """The argv of orca-openai (orca_openai/) fronting the Triton that :func:`main` starts."""
+    triton_host = args.address if args.address not in (None, "0.0.0.0") else "127.0.0.1"
+    return [
+        sys.executable, "-m", "orca_openai",
+        "--host", args.address or "0.0.0.0",
+        "--port", str(args.openai_port),
+        "--triton-url", f"{triton_host}:{args.grpc_port}",
+        "--metrics-url", f"http://{triton_host}:{args.metrics_port}/metrics",
+    ]
+
+
+def run_beside(triton_cmd: list[str], env: Mapping[str, str], openai_cmd: list[str]) -> int:
+    """Runs tritonserver and orca-openai as children until Triton exits; SIGINT/SIGTERM go to both, and
+    orca-openai is stopped when Triton is gone. Returns Triton's exit status."""
+    triton = subprocess.Popen(triton_cmd, env=dict(env))
+    try:
+        openai = subprocess.Popen(openai_cmd)
+    except OSError:
+        triton.send_signal(signal.SIGINT)
+        triton.wait()
+        raise
+    children = (triton, openai)
+
+    def forward(signum: int, frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while triton.poll() is None:
+            if openai.poll() is not None and openai.returncode not in (0, -signal.SIGINT, -signal.SIGTERM):
+                print(f"orca-openai exited with status {openai.returncode}; Triton keeps running", flush=True)
+                openai.returncode = 0  # said once
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                triton.wait(timeout=0.5)
+    finally:
+        if openai.poll() is None:
+            openai.terminate()
+            try:
+                openai.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                openai.kill()
+                openai.wait()
+        if triton.poll() is None:  # only on an exception in this process
+            triton.send_signal(signal.SIGINT)
+            try:
+                triton.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                triton.kill()
+                triton.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return triton.returncode
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+import sys
+
+from orca_openai.cli import main
+
+sys.exit(main())

@@ -1,0 +1,288 @@
+"""The ASGI app: OpenAI's /v1/models, /v1/completions and /v1/chat/completions over orca models served by Triton."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orca_openai import protocol
+from orca_openai.triton import APIError, Chunk, Triton, build_inputs
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+@dataclass
+class Settings:
+    triton_url: str = "localhost:8001"
+    metrics_url: str = "http://localhost:8002/metrics"
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    required_models: tuple[str, ...] = ()  # /health is 503 unless these are ready (always: Triton, one orca model)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class Guard:
+    """Pure ASGI middleware (it leaves streaming and disconnects alone): with an API key, /v1/ wants
+    ``Authorization: Bearer KEY`` (401 otherwise); a request body over ``limit`` bytes is answered 413
+    before the app reads it."""
+
+    def __init__(self, app: Any, limit: int, api_key: str | None = None) -> None:
+        self.app, self.limit, self.api_key = app, limit, api_key
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and scope.get("path", "").startswith("/v1/"):
+            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                unauthorized = APIError(401, "Incorrect API key provided", "invalid_request_error",
+                                        code="invalid_api_key")
+                await error_response(unauthorized)(scope, receive, send)
+                return
+        too_large = APIError(413, f"the request body is larger than {self.limit} bytes", "invalid_request_error",
+                             code="request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await error_response(too_large)(scope, receive, send)
+            return
+        messages, size = [], 0
+        while True:  # buffered (bounded) so a chunked body is counted too
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await error_response(too_large)(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+
+        async def replay() -> Any:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    state: dict[str, Triton] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state["triton"] = Triton(settings.triton_url)  # its gRPC channel belongs to this event loop
+        yield
+        await state["triton"].close()
+
+    app = FastAPI(title="orca-openai", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def triton() -> Triton:
+        return state["triton"]
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, why = await triton().ready(settings.required_models)
+        return PlainTextResponse(why, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        def fetch() -> tuple[int, bytes, str]:
+            try:
+                with urllib.request.urlopen(settings.metrics_url, timeout=10) as r:
+                    return r.status, r.read(), r.headers.get("content-type", "text/plain")
+            except urllib.error.HTTPError as err:
+                return err.code, err.read(), "text/plain"
+            except OSError as err:
+                return 503, f"Triton's metrics at {settings.metrics_url} are unreachable: {err}".encode(), "text/plain"
+
+        status, content, media = await asyncio.to_thread(fetch)
+        return Response(content, status_code=status, media_type=media)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        models = await triton().models(refresh=True)
+        return {"object": "list", "data": [_model_card(m.name, m.created) for m in models.values()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict[str, Any]:
+        info = await triton().model(name)
+        return _model_card(info.name, info.created)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = protocol.completion_request(await body_of(request))
+        return await _serve(request, req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = protocol.chat_request(await body_of(request))
+        return await _serve(request, req, chat=True)
+
+    async def _serve(request: Request, req: protocol.Request, chat: bool) -> Response:
+        info = await triton().model(req.model)
+        if req.logprobs is not None:
+            if not info.has_logprobs:
+                raise APIError(400, f"logprobs are not supported by this model ({info.name} has no logprobs output)",
+                               "invalid_request_error", "logprobs", "logprobs_not_supported")
+            req.sampling["logprobs"] = req.logprobs
+        inputs = build_inputs(req.prompt, req.sampling, return_logprobs=req.logprobs is not None)
+        kind = "chatcmpl" if chat else "cmpl"
+        ident = f"{kind}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gen = triton().generate(req.model, inputs)
+        if not req.stream:
+            try:
+                chunks = await _collect_unless_disconnected(request, gen)
+            finally:
+                await gen.aclose()
+            return JSONResponse(_full_response(req, chat, ident, created, chunks))
+        try:
+            first = await gen.__anext__()  # an error before the first token is an HTTP status, not an event
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await gen.aclose()
+            raise
+        return StreamingResponse(_events(req, chat, ident, created, first, gen), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    app.add_middleware(Guard, limit=settings.max_body_bytes, api_key=settings.api_key)
+    return app
+
+
+def _model_card(name: str, created: int) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "orca"}
+
+
+async def _collect_unless_disconnected(request: Request, gen: AsyncIterator[Chunk]) -> list[Chunk]:
+    """All responses of a non-streaming request; a client that hangs up first cancels it."""
+
+    async def collect() -> list[Chunk]:
+        return [chunk async for chunk in gen]
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise APIError(499, "the client closed the request", "invalid_request_error")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def _choice_logprobs(req: protocol.Request, chat: bool, chunk: Chunk, offset: int) -> dict[str, Any] | None:
+    if req.logprobs is None or chunk.logprobs is None:
+        return None
+    if chat:
+        return protocol.chat_logprobs(chunk, req.logprobs)
+    return protocol.completion_logprobs(chunk, req.logprobs, offset)
+
+
+def _full_response(req: protocol.Request, chat: bool, ident: str, created: int, chunks: list[Chunk]) -> dict[str, Any]:
+    text, parts, offset = req.echo, [], len(req.echo)
+    for chunk in chunks:
+        part = _choice_logprobs(req, chat, chunk, offset)
+        if part is not None:
+            parts.append(part)
+        text += chunk.text or ""
+        offset += len(chunk.text or "")
+    last = chunks[-1] if chunks else Chunk([], None, True)
+    logprobs = protocol.merge_logprobs(parts)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": logprobs}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+    else:
+        choice["text"] = text
+    return {
+        "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+        "model": req.model, "choices": [choice], "system_fingerprint": None,
+        "usage": protocol.usage(last.num_input_tokens or 0, last.num_output_tokens or 0),
+    }
+
+
+async def _events(
+    req: protocol.Request, chat: bool, ident: str, created: int, first: Chunk | None, gen: Any
+) -> AsyncIterator[bytes]:
+    """Server-sent events in OpenAI's chunk format; leaving early (the client hung up) cancels the request."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    base = {"id": ident, "object": obj, "created": created, "model": req.model, "system_fingerprint": None}
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        payload = {**base, "choices": choices, **extra}
+        if req.include_usage and "usage" not in extra:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    def choice(text: str, reason: str | None, logprobs: Any, role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
+            if text and not role:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    last: Chunk | None = None
+    offset = len(req.echo)
+    try:
+        if chat:
+            yield event([choice("", None, None, role=True)])
+        elif req.echo:
+            yield event([choice(req.echo, None, None)])
+        chunk = first
+        while chunk is not None:
+            last = chunk
+            logprobs = _choice_logprobs(req, chat, chunk, offset)
+            offset += len(chunk.text or "")
+            if chunk.text or logprobs is not None or chunk.final or chunk.output_ids:
+                yield event([choice(chunk.text or "", chunk.finish_reason if chunk.final else None, logprobs)])
+            try:
+                chunk = await gen.__anext__()
+            except StopAsyncIteration:
+                chunk = None
+        if req.include_usage and last is not None:
+            yield event([], usage=protocol.usage(last.num_input_tokens or 0, last.num_output_tokens or 0))
+    except APIError as err:  # after the 200: OpenAI's clients raise on an event with an "error" key
+        yield f"data: {json.dumps(err.body())}\n\n".encode()
+    finally:
+        await gen.aclose()
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,63 @@
+"""``orca-openai``: serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+from orca_openai.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="orca-openai",
+        description="An OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, /health, "
+        "/metrics) in front of a Triton serving orca models.",
+        epilog="Environment: ORCA_OPENAI_API_KEY sets --api-key. Example: orca-openai --port 9000 "
+        "--triton-url localhost:8001",
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=9000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC host:port (default: %(default)s)")
+    parser.add_argument(
+        "--metrics-url",
+        default=None,
+        help="Triton's metrics URL served at /metrics (default: http://<triton host>:8002/metrics)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("ORCA_OPENAI_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' on /v1/ (default: $ORCA_OPENAI_API_KEY; none: open)",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are answered 413 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--require-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="/health answers 503 unless this model is ready (repeatable; default: Triton ready with at least "
+        "one orca model, all of them ready)",
+    )
+    parser.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import uvicorn
+
+    args = parse_args(argv)
+    metrics_url = args.metrics_url
+    if metrics_url is None:
+        host = args.triton_url.rsplit(":", 1)[0] or "localhost"
+        metrics_url = f"http://{host}:8002/metrics"
+    settings = Settings(triton_url=args.triton_url, metrics_url=metrics_url, api_key=args.api_key,
+                        max_body_bytes=args.max_body_bytes, required_models=tuple(args.require_model))
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,234 @@
+"""Triton's side of orca-openai: one gRPC channel (tritonclient.grpc.aio), one bidirectional stream per request.
+
+Triton's gRPC stream hands errors over as a message without a status code, so :func:`classify` maps the
+messages orca_gpt and Triton write to HTTP statuses (docs/openai.md lists them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aiogrpc
+from tritonclient.utils import InferenceServerException
+
+ORCA_INPUTS = frozenset({"input_ids", "text_input", "messages", "stream", "sampling_parameters"})
+"""A model is served here when it is decoupled and takes (at least) these inputs of orca_gpt's."""
+
+_IDS = itertools.count()
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object with an HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def classify(message: str) -> APIError:
+    """The HTTP status of an error message from orca_gpt (INVALID_ARG, UNAVAILABLE, INTERNAL) or Triton."""
+    low = message.lower()
+    if "waiting queue is full" in low:
+        return APIError(429, message, "rate_limit_error", code="queue_full")
+    if any(s in low for s in ("engine failed", "engine has failed", "shutting down", "unknown model", "not ready",
+                              "unavailable", "request cancelled")):
+        return APIError(503, message, "service_unavailable", code="model_unavailable")
+    if low.startswith(("internal error", "generation failed")):
+        return APIError(500, message, "server_error", code="engine_failure")
+    return APIError(400, message, "invalid_request_error")
+
+
+@dataclass
+class Chunk:
+    """One response of orca_gpt."""
+
+    output_ids: list[int]
+    text: str | None
+    final: bool
+    finish_reason: str | None = None
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    ready: bool
+    outputs: frozenset[str]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def has_logprobs(self) -> bool:
+        return "logprobs" in self.outputs
+
+
+def _tensor(name: str, dtype: str, value: np.ndarray) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(value.shape), dtype)
+    t.set_data_from_numpy(value)
+    return t
+
+
+def build_inputs(
+    prompt: str | list[int] | list[dict[str, str]], sampling: dict[str, Any], return_logprobs: bool = False
+) -> list[grpcclient.InferInput]:
+    """orca_gpt's request tensors: text, token ids or chat messages; always streaming, completion only."""
+    inputs = []
+    if isinstance(prompt, str):
+        inputs.append(_tensor("text_input", "BYTES", np.asarray([prompt.encode()], dtype=np.object_)))
+    elif prompt and isinstance(prompt[0], dict):
+        inputs.append(_tensor("messages", "BYTES", np.asarray([json.dumps(prompt).encode()], dtype=np.object_)))
+    else:
+        inputs.append(_tensor("input_ids", "INT32", np.asarray(prompt, dtype=np.int32)))
+    inputs.append(_tensor("stream", "BOOL", np.asarray([True])))
+    inputs.append(_tensor("exclude_input_in_output", "BOOL", np.asarray([True])))
+    if return_logprobs:
+        inputs.append(_tensor("return_logprobs", "BOOL", np.asarray([True])))
+    params = json.dumps({k: v for k, v in sampling.items() if v is not None}).encode()
+    inputs.append(_tensor("sampling_parameters", "BYTES", np.asarray([params], dtype=np.object_)))
+    return inputs
+
+
+def parse_result(result: Any) -> Chunk:
+    response = result.get_response()
+    params = response.parameters
+    final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
+    names = {o.name for o in response.outputs}
+
+    def get(name: str) -> Any:
+        return result.as_numpy(name) if name in names else None
+
+    ids, text, reason = get("output_ids"), get("text_output"), get("finish_reason")
+    n_in, n_out = get("num_input_tokens"), get("num_output_tokens")
+    logprobs, cumulative = get("logprobs"), get("cumulative_logprob")
+    parsed_logprobs = None
+    if logprobs is not None and logprobs.size:
+        raw = logprobs.reshape(-1)[0]
+        parsed_logprobs = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return Chunk(
+        output_ids=[] if ids is None else [int(x) for x in ids.reshape(-1)],
+        text=None if text is None else b"".join(text.reshape(-1)).decode("utf-8"),
+        final=final,
+        finish_reason=None if reason is None or not reason.size else reason.reshape(-1)[0].decode(),
+        num_input_tokens=None if n_in is None else int(n_in.reshape(-1)[0]),
+        num_output_tokens=None if n_out is None else int(n_out.reshape(-1)[0]),
+        logprobs=parsed_logprobs,
+        cumulative_logprob=None if cumulative is None or not cumulative.size else float(cumulative.reshape(-1)[0]),
+    )
+
+
+class Triton:
+    """Talks to one Triton server; the models it serves are looked up at most every ``ttl`` seconds."""
+
+    def __init__(self, url: str, ttl: float = 2.0) -> None:
+        self.url, self.ttl = url, ttl
+        self.client = aiogrpc.InferenceServerClient(url)
+        self._models: dict[str, ModelInfo] = {}
+        self._models_at = -1e9
+        self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def models(self, refresh: bool = False) -> dict[str, ModelInfo]:
+        """Every orca model in the repository (ready or not): decoupled, with orca_gpt's inputs."""
+        async with self._lock:
+            if refresh or time.monotonic() - self._models_at > self.ttl:
+                self._models = await self._load_models()
+                self._models_at = time.monotonic()
+            return self._models
+
+    async def _load_models(self) -> dict[str, ModelInfo]:
+        index = await self.client.get_model_repository_index(as_json=True, client_timeout=10)
+        found: dict[str, ModelInfo] = {}
+        for entry in index.get("models", []):
+            name = entry["name"]
+            ready = entry.get("state") == "READY"
+            if not ready:
+                continue  # an unloaded model's config cannot be read; it is not served
+            try:
+                config = (await self.client.get_model_config(name, as_json=True, client_timeout=10))["config"]
+            except InferenceServerException:
+                continue
+            policy = config.get("model_transaction_policy") or {}
+            inputs = {i["name"] for i in config.get("input", [])}
+            if policy.get("decoupled") and ORCA_INPUTS <= inputs:
+                outputs = frozenset(o["name"] for o in config.get("output", []))
+                found[name] = ModelInfo(name, ready, outputs)
+        return found
+
+    async def model(self, name: str) -> ModelInfo:
+        models = await self.models()
+        if name not in models:
+            models = await self.models(refresh=True)
+        if name not in models:
+            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
+                           "model_not_found")
+        return models[name]
+
+    async def ready(self, required: tuple[str, ...] = ()) -> tuple[bool, str]:
+        """Ready when Triton is, with at least one orca model loaded and every ``required`` one ready."""
+        try:
+            if not await self.client.is_server_ready(client_timeout=5):
+                return False, "Triton is not ready"
+            models = await self.models(refresh=True)
+            if not models:
+                return False, "no orca model is loaded"
+            for name in required or tuple(models):
+                if name not in models or not await self.client.is_model_ready(name, client_timeout=5):
+                    return False, f"model {name} is not ready"
+            return True, "ready"
+        except (InferenceServerException, grpc.RpcError, OSError) as exc:
+            return False, f"Triton at {self.url} is unreachable: {exc}"
+
+    async def generate(self, model: str, inputs: list[grpcclient.InferInput]) -> AsyncIterator[Chunk]:
+        """orca_gpt's responses to one request, on a stream of its own. Leaving early (an exception, a
+        cancelled task, aclose) cancels the gRPC call, which makes orca_gpt abort the request."""
+        request_id = f"openai-{next(_IDS)}"
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+
+        try:
+            stream = self.client.stream_infer(requests())
+        except InferenceServerException as exc:
+            raise APIError(503, f"Triton at {self.url}: {exc.message()}", "service_unavailable") from None
+        done = False
+        try:
+            while True:
+                try:
+                    result, error = await stream.__anext__()
+                except StopAsyncIteration:
+                    done = True
+                    return
+                except grpc.RpcError as exc:
+                    done = True
+                    details = exc.details() if hasattr(exc, "details") else str(exc)
+                    raise APIError(503, f"Triton at {self.url}: {details}", "service_unavailable") from None
+                if error is not None:
+                    done = True
+                    raise classify(error.message())
+                chunk = parse_result(result)
+                yield chunk
+                if chunk.final:
+                    done = True
+                    return
+        finally:
+            if not done:
+                stream.cancel()

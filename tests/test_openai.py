@@ -1,0 +1,313 @@
+"""orca-openai (orca_openai/) with the official openai client, against the session's real tritonserver.
+
+One orca-openai process per module (a subprocess, as `make serve` runs it) fronts the session's Triton
+(tests/conftest.py) over gRPC, with an API key. Text comes from orca_gpt (SmolLM2 with its tokenizer and
+chat template), with short requests: the host has two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from orca_server.launcher import free_ports
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+API_KEY = "sk-orca-test"
+MODEL = "orca_gpt"
+PARIS = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@pytest.fixture(scope="module")
+def api(orca_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """orca-openai's base URL (http://127.0.0.1:PORT)."""
+    (port,) = free_ports(1)
+    log = tmp_path_factory.mktemp("openai") / "orca-openai.log"
+    cmd = [sys.executable, "-m", "orca_openai", "--host", "127.0.0.1", "--port", str(port),
+           "--triton-url", orca_server.grpc_url, "--metrics-url", orca_server.metrics_url, "--api-key", API_KEY,
+           "--max-body-bytes", "100000"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"orca-openai did not become healthy:\n{log.read_text()}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(api: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def orca_metrics(server: Any, model: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in requests.get(server.metrics_url, timeout=30).text.splitlines():
+        m = re.match(r"^(orca_\w+)\{([^}]*)\} (\S+)$", line)
+        if not m or f'model="{model}"' not in m.group(2):
+            continue
+        labels = [kv for kv in m.group(2).split(",") if not kv.startswith(("model=", "version="))]
+        out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
+    return out
+
+
+# -- models, health, metrics, auth, limits ------------------------------------------------------------
+def test_models_lists_the_orca_models_only(client: openai.OpenAI) -> None:
+    ids = {m.id for m in client.models.list()}
+    assert {"orca_gpt", "orca_tiny"} <= ids
+    assert "request_level_gpt" not in ids  # not decoupled: not an orca model
+    assert client.models.retrieve("orca_gpt").id == "orca_gpt"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no_such_model")
+
+
+def test_health_and_metrics_pass_through(api: str) -> None:
+    r = requests.get(f"{api}/health", timeout=10)
+    assert r.status_code == 200 and r.text == "ready"
+    metrics = requests.get(f"{api}/metrics", timeout=10)
+    assert metrics.status_code == 200 and 'orca_running_requests{model="orca_gpt"' in metrics.text
+
+
+def test_api_key_is_required_on_v1(api: str) -> None:
+    no_key = requests.get(f"{api}/v1/models", timeout=10)
+    assert no_key.status_code == 401
+    assert set(no_key.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{api}/v1", api_key="wrong", max_retries=0).models.list()
+    ok = requests.get(f"{api}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert ok.status_code == 200 and ok.json()["object"] == "list"
+
+
+def test_a_body_over_the_limit_is_refused(api: str) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = requests.post(f"{api}/v1/completions", headers=headers, timeout=10,
+                      json={"model": MODEL, "prompt": "x" * 200_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    bad_json = requests.post(f"{api}/v1/completions", headers=headers, data=b"{not json", timeout=10)
+    assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+
+
+# -- text -------------------------------------------------------------------------------------------
+def test_completion_streamed_deltas_concatenate_to_the_non_streamed_text(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=12, temperature=0)
+    choice = full.choices[0]
+    assert full.object == "text_completion" and "Paris" in choice.text
+    assert not choice.text.startswith(PARIS)  # the completion only
+    assert choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == 5
+    assert full.usage.total_tokens == 17
+    chunks = list(client.completions.create(model=MODEL, prompt=PARIS, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == 5
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_streamed_deltas_concatenate_to_the_non_streamed_message(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0)
+    message = full.choices[0].message
+    assert full.object == "chat.completion" and message.role == "assistant" and "Paris" in message.content
+    assert full.usage.completion_tokens <= 12 and full.usage.prompt_tokens > 10  # the chat template's tokens
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_stop_strings_end_with_finish_reason_stop(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=12, temperature=0, stop=".")
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text.strip() == "Paris"
+    listed = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=12, temperature=0, stop=["x", "."])
+    assert listed.choices[0].text == out.choices[0].text and listed.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_a_sampled_completion(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=1.0,
+                                        top_p=0.95, seed=seed)
+        return out.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(s) != first for s in (1, 2, 3))
+
+
+def test_token_id_prompt_and_echo(client: openai.OpenAI) -> None:
+    ids = client.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=4, temperature=0)
+    assert ids.usage.prompt_tokens == 3 and ids.usage.completion_tokens == 4
+    echoed = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, temperature=0)
+    assert echoed.choices[0].text == PARIS + plain.choices[0].text
+
+
+# -- errors -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_inputs_get_openai_errors(client: openai.OpenAI, stream: bool) -> None:
+    with pytest.raises(openai.BadRequestError, match="temperature must be >= 0") as err:
+        client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, temperature=-1, stream=stream)
+    assert err.value.status_code == 400 and err.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=0, stream=stream)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, top_p=1.5, stream=stream)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no_such_model", prompt=PARIS, max_tokens=4, stream=stream)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, n=2, stream=stream)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, frequency_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])
+    with pytest.raises(openai.BadRequestError, match="no tokenizer"):  # orca_gpt's INVALID_ARG, passed through
+        client.completions.create(model="orca_tiny", prompt="text", max_tokens=4, stream=stream)
+
+
+def test_logprobs_are_mapped_or_refused_by_the_models_config(client: openai.OpenAI, orca_server: Any) -> None:
+    import tritonclient.grpc as grpcclient
+
+    config = grpcclient.InferenceServerClient(orca_server.grpc_url).get_model_config(MODEL, as_json=True)["config"]
+    has_logprobs = "logprobs" in {o["name"] for o in config["output"]}
+    if not has_logprobs:
+        with pytest.raises(openai.BadRequestError, match="not supported by this model"):
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True, top_logprobs=2)
+        with pytest.raises(openai.BadRequestError, match="not supported by this model"):
+            client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, logprobs=2)
+        return
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy
+    comp = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, temperature=0, logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == 4
+    assert all(len(top) == 1 for top in lp.top_logprobs)
+    streamed = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, temperature=0, logprobs=1,
+                                         stream=True)
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+# -- cancellation -----------------------------------------------------------------------------------
+def test_closing_a_stream_cancels_the_request_and_frees_its_kv_blocks(
+    client: openai.OpenAI, orca_server: Any
+) -> None:
+    key = 'orca_requests_finished_total{reason="cancelled"}'
+    before = orca_metrics(orca_server, MODEL).get(key, 0)
+    stream = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].text)
+        if received == 3:
+            break
+    assert received == 3
+    assert orca_metrics(orca_server, MODEL)["orca_running_requests"] >= 1
+    stream.close()
+    wait_for(lambda: orca_metrics(orca_server, MODEL).get(key, 0) == before + 1, "the cancellation")
+    wait_for(lambda: orca_metrics(orca_server, MODEL)["orca_kv_allocated_blocks"] == 0, "the K/V blocks freed")
+    m = orca_metrics(orca_server, MODEL)
+    assert m["orca_running_requests"] == 0 and m["orca_waiting_requests"] == 0
+
+
+# -- the launcher -----------------------------------------------------------------------------------
+def test_make_serve_starts_orca_openai_beside_triton(tmp_path: Path) -> None:
+    """`make serve`'s command line (launcher) starts orca-openai on --openai-port; SIGINT stops both."""
+    repo = tmp_path / "repo"
+    (repo / "smoke" / "1").mkdir(parents=True)
+    smoke = REPO_ROOT / "tests" / "smoke_model"
+    (repo / "smoke" / "config.pbtxt").write_text((smoke / "config.pbtxt").read_text())
+    (repo / "smoke" / "1" / "model.py").write_text((smoke / "model.py").read_text())
+    http, grpc_port, metrics, port = free_ports(4)
+    dry = subprocess.run(
+        ["make", "-s", "serve", f"MODEL_REPOSITORY={repo}", f"HTTP_PORT={http}", f"GRPC_PORT={grpc_port}",
+         f"METRICS_PORT={metrics}", f"OPENAI_PORT={port}", "SERVE_ARGS=--dry-run --address 127.0.0.1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert f"-m orca_openai --host 127.0.0.1 --port {port} --triton-url 127.0.0.1:{grpc_port}" in dry.stdout
+    off = subprocess.run(
+        [sys.executable, "-m", "orca_server.launcher", "--model-repository", str(repo), "--dry-run", "--no-openai"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "ORCA_OPENAI_PORT": "0"},
+    )
+    assert off.returncode == 0 and "orca_openai" not in off.stdout
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orca_server.launcher", "--model-repository", str(repo), "--address", "127.0.0.1",
+             "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics),
+             "--openai-port", str(port), "--backend-dir", str(tmp_path / "backends")],
+            cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        def listed() -> bool:
+            try:
+                r = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+            except requests.RequestException:
+                return False
+            return r.status_code == 200
+
+        wait_for(listed, f"orca-openai on :{port}\n{log.read_text()}", timeout=120)
+        # the smoke model is not an orca model: served by Triton, not listed, and /health says so
+        assert json.loads(requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).text)["data"] == []
+        health = requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert health.status_code == 503 and "no orca model" in health.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
