@@ -1,15 +1,21 @@
 """The Kubernetes manifests of deploy/, checked without a cluster and without the network.
 
-Every kustomization under deploy/ is rendered here in Python (the part of kustomize it uses: resources,
-configMapGenerator without name hashes, images; anything else fails the test) and, where kubectl is
-installed, compared with `kubectl kustomize`. Every rendered resource, and every other manifest under
-deploy/, is validated against the real schemas vendored in tests/schemas/ (README.md there: Kubernetes 1.36's
-OpenAPI definitions, the LeaderWorkerSet v0.10.0 CRD), with unknown fields refused as `kubectl apply`'s
-strict field validation refuses them. Then what the schemas cannot see: the ports the Services expose are
-the ones tritonserver is started with, the probes hit Triton's health endpoints, tensor_parallel_size x
-pipeline_parallel_size is the number of GPUs the pods hold, the followers reach the driver's control port
-with the leader's secret, and the config.pbtxt in each ConfigMap is the shipped orca_gpt model with engine
-parameters that orca.EngineConfig accepts.
+Every kustomization under deploy/ is rendered here in Python (the part of kustomize it uses: resources, files
+or kustomization directories, strategic-merge patches, configMapGenerator without name hashes, images; anything
+else fails the test) and, where kubectl is installed, compared with `kubectl kustomize`. Every rendered
+resource, and every other manifest under deploy/, is validated against the real schemas vendored in
+tests/schemas/ (README.md there: Kubernetes 1.36's OpenAPI definitions, HorizontalPodAutoscaler v2 included,
+the LeaderWorkerSet v0.10.0 and prometheus-operator v0.93.0 ServiceMonitor CRDs), with unknown fields refused
+as `kubectl apply`'s strict field validation refuses them. Then what the schemas cannot see: the ports the
+Services expose are the ones tritonserver and orca-openai are started with, the probes hit Triton's health
+endpoints, orca-openai talks to Triton's gRPC port, tensor_parallel_size x pipeline_parallel_size is the
+number of GPUs the pods hold (none for device cpu), the followers reach the driver's control port with the
+leader's secret, the ServiceMonitor scrapes Triton's metrics port, the HPA scales the Deployment on metrics
+that prometheus-adapter's shipped rules make of the engine's own gauges, and the config.pbtxt in each
+ConfigMap is the shipped orca_gpt model with engine parameters that orca.EngineConfig accepts.
+
+The overlays are the kustomizations no other one lists (cpu/, gpu/, single-host/, multi-node/); base/ and
+monitoring/ are parts of them, rendered and validated but not deployed on their own.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 SHIPPED_CONFIG = ROOT / "model_repository" / "orca_gpt" / "config.pbtxt"
+MODEL_PY = ROOT / "model_repository" / "orca_gpt" / "1" / "model.py"
+ADAPTER_CONFIG = DEPLOY / "kubernetes" / "prometheus-adapter" / "adapter-config.yaml"
 KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
 MODEL = "orca_gpt"
 TRITON_PORT_FLAGS = {"http": "--http-port", "grpc": "--grpc-port", "metrics": "--metrics-port"}
@@ -45,7 +53,11 @@ DISTRIBUTED_PARAMETERS = (
 
 
 # -- kustomize, the part deploy/ uses ------------------------------------------------------------------------------
-_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "configMapGenerator", "generatorOptions", "images"}
+_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches", "configMapGenerator", "generatorOptions", "images"}
+# Strategic merge: lists of these fields merge element by element on this key (their patchMergeKey in the
+# Kubernetes API); other lists are replaced.
+_MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
+               "volumeMounts": "mountPath"}
 
 
 def _inside(base: Path, relative: str) -> Path:
@@ -70,6 +82,26 @@ def _containers(node: Any) -> Iterator[dict[str, Any]]:
             yield from _containers(item)
 
 
+def merge_patch(base: Any, patch: Any, field: str = "") -> Any:
+    """A strategic merge patch (kustomize's order: a merged list holds the patch's elements first, merged with the
+    base's of the same key, then the base's others)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        assert not [k for k in patch if k.startswith("$")], f"render() does not implement {list(patch)}"
+        out = dict(base)
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = merge_patch(out[key], value, key) if key in out else copy.deepcopy(value)
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and field in _MERGE_KEYS:
+        key = _MERGE_KEYS[field]
+        originals = {item[key]: item for item in base}
+        merged = [merge_patch(originals[p[key]], p) if p[key] in originals else copy.deepcopy(p) for p in patch]
+        return merged + [item for item in base if item[key] not in {p[key] for p in patch}]
+    return copy.deepcopy(patch)
+
+
 def render(kdir: Path) -> list[dict[str, Any]]:
     """What `kubectl kustomize kdir` prints, for the features deploy/ uses (refusing the others)."""
     k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
@@ -77,7 +109,10 @@ def render(kdir: Path) -> list[dict[str, Any]]:
     assert not set(k) - _KUSTOMIZATION_KEYS, f"render() does not implement {sorted(set(k) - _KUSTOMIZATION_KEYS)}"
     docs: list[dict[str, Any]] = []
     for resource in k.get("resources", []):
-        docs += [d for d in yaml.safe_load_all(_inside(kdir, resource).read_text()) if d is not None]
+        if (kdir / resource).is_dir():  # another kustomization (a base): may be outside this one's directory
+            docs += copy.deepcopy(render(kdir / resource))
+        else:
+            docs += [d for d in yaml.safe_load_all(_inside(kdir, resource).read_text()) if d is not None]
     if k.get("configMapGenerator"):
         # kustomize would otherwise append a content hash to the names (not replicated here)
         assert k.get("generatorOptions") == {"disableNameSuffixHash": True}
@@ -88,6 +123,14 @@ def render(kdir: Path) -> list[dict[str, Any]]:
             key, _, source = entry.rpartition("=")
             data[key or Path(source).name] = _inside(kdir, source).read_text()
         docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+    for entry in k.get("patches", []):
+        assert set(entry) == {"path"}, f"render() implements patches by path only, not {sorted(entry)}"
+        patch = yaml.safe_load(_inside(kdir, entry["path"]).read_text())
+        assert isinstance(patch, dict), f"{entry['path']}: render() implements strategic merge patches only"
+        target = (patch["apiVersion"], patch["kind"], patch["metadata"]["name"])
+        hits = [i for i, d in enumerate(docs) if (d["apiVersion"], d["kind"], d["metadata"]["name"]) == target]
+        assert len(hits) == 1, f"{entry['path']}: patches {len(hits)} resources"
+        docs[hits[0]] = merge_patch(docs[hits[0]], patch)
     for image in k.get("images", []):
         assert set(image) <= {"name", "newName", "newTag"}
         for doc in docs:
@@ -104,17 +147,31 @@ def rendered(kdir: Path) -> tuple[dict[str, Any], ...]:
     return tuple(render(kdir))
 
 
+def _listed_dirs(kdir: Path) -> list[Path]:
+    """The kustomization directories kdir lists as resources (read without rendering: see _dirs_with)."""
+    try:
+        resources = yaml.safe_load((kdir / "kustomization.yaml").read_text()).get("resources", [])
+    except Exception:  # a broken kustomization fails its tests, not pytest's collection
+        return []
+    return [(kdir / r).resolve() for r in resources if (kdir / r).is_dir()]
+
+
+# The kustomizations one applies: those no other kustomization lists (base/ and monitoring/ are parts of them).
+OVERLAYS = [k for k in KUSTOMIZATIONS if k.resolve() not in {d for o in KUSTOMIZATIONS for d in _listed_dirs(o)}]
+
+
 def _resource_files() -> set[Path]:
-    """The files some kustomization lists as resources."""
+    """The files some kustomization lists as resources or patches."""
     files = set()
     for kdir in KUSTOMIZATIONS:
         k = yaml.safe_load((kdir / "kustomization.yaml").read_text())
         files |= {(kdir / r).resolve() for r in k.get("resources", [])}
+        files |= {(kdir / p["path"]).resolve() for p in k.get("patches", [])}
     return files
 
 
 def standalone_manifests() -> list[Path]:
-    """YAML files under deploy/ that are neither kustomizations nor a kustomization's resources."""
+    """YAML files under deploy/ that are neither kustomizations nor a kustomization's resources or patches."""
     listed = _resource_files()
     return sorted(
         p for p in DEPLOY.rglob("*.y*ml") if p.name != "kustomization.yaml" and p.resolve() not in listed
@@ -160,14 +217,16 @@ def validators() -> dict[tuple[str, str], jsonschema.Draft7Validator]:
     apimachinery = "io.k8s.apimachinery.pkg"
     definitions[f"{apimachinery}.util.intstr.IntOrString"] = {"anyOf": [{"type": "string"}, {"type": "integer"}]}
     definitions[f"{apimachinery}.api.resource.Quantity"] = {"anyOf": [{"type": "string"}, {"type": "number"}]}
-    definitions = _strict(definitions)
+    definitions = {name: _strict(definition) for name, definition in definitions.items()}
     for name, definition in definitions.items():
         for gvk in definition.get("x-kubernetes-group-version-kind", []):
             api_version = f"{gvk['group']}/{gvk['version']}" if gvk["group"] else gvk["version"]
             schema = {"$ref": f"#/definitions/{name}", "definitions": definitions}
             out[(api_version, gvk["kind"])] = jsonschema.Draft7Validator(schema)
-    crd = json.loads((SCHEMAS / "leaderworkerset-v0.10.0.json").read_text())
-    out[(f"{crd['group']}/{crd['version']}", crd["kind"])] = jsonschema.Draft7Validator(_strict(crd["openAPIV3Schema"]))
+    for crd_file in ("leaderworkerset-v0.10.0.json", "servicemonitor-v0.93.0.json"):
+        crd = json.loads((SCHEMAS / crd_file).read_text())
+        schema = _strict(crd["openAPIV3Schema"])
+        out[(f"{crd['group']}/{crd['version']}", crd["kind"])] = jsonschema.Draft7Validator(schema)
     return out
 
 
@@ -203,14 +262,34 @@ def only_container(template: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
+def argv(container: dict[str, Any]) -> list[str]:
+    return container.get("command", []) + container.get("args", [])
+
+
+def started(template: dict[str, Any], program: str) -> list[dict[str, Any]]:
+    """The containers of a pod template that run program."""
+    return [c for c in template["spec"]["containers"] if argv(c)[:1] == [program]]
+
+
+def triton(template: dict[str, Any]) -> dict[str, Any]:
+    """The container that runs tritonserver (the leader's; one per pod)."""
+    containers = started(template, "tritonserver")
+    assert len(containers) == 1, f"{len(containers)} containers start tritonserver, not one"
+    return containers[0]
+
+
 def triton_flags(container: dict[str, Any]) -> dict[str, str]:
-    argv = container.get("command", []) + container.get("args", [])
-    assert argv and argv[0] == "tritonserver", f"the leader's container must start tritonserver, not {argv[:1]}"
-    return dict(arg.split("=", 1) for arg in argv[1:] if arg.startswith("--") and "=" in arg)
+    args = argv(container)
+    assert args and args[0] == "tritonserver", f"the leader's container must start tritonserver, not {args[:1]}"
+    return dict(arg.split("=", 1) for arg in args[1:] if arg.startswith("--") and "=" in arg)
 
 
 def gpus(container: dict[str, Any]) -> int:
-    return int(str(container["resources"]["limits"]["nvidia.com/gpu"]))
+    """nvidia.com/gpu of a container (0 without); a GPU request must equal its limit, as Kubernetes requires."""
+    resources = container.get("resources", {})
+    limit, request = (resources.get(k, {}).get("nvidia.com/gpu") for k in ("limits", "requests"))
+    assert request is None or request == limit, f"{container['name']}: GPU request {request}, limit {limit}"
+    return int(str(limit or 0))
 
 
 def env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -245,7 +324,7 @@ def interface(config: str) -> str:
 def model_config(kdir: Path) -> str:
     """The config.pbtxt Triton reads for orca_gpt: the ConfigMap key mounted over it in the leader."""
     docs = rendered(kdir)
-    leader = only_container(pod_templates(workload(docs))["leader"])
+    leader = triton(pod_templates(workload(docs))["leader"])
     volumes = {v["name"]: v for v in pod_templates(workload(docs))["leader"]["spec"]["volumes"]}
     target = f"{triton_flags(leader)['--model-repository']}/{MODEL}/config.pbtxt"
     (mount,) = [m for m in leader["volumeMounts"] if m["mountPath"] == target]
@@ -261,11 +340,16 @@ def world(params: dict[str, str]) -> tuple[int, int, int]:
     return tp, pp, int(params.get("local_workers") or tp * pp)
 
 
+def _files_of(kdir: Path) -> list[Path]:
+    """The YAML files of kdir and of the kustomizations it lists, recursively."""
+    return list(kdir.glob("*.yaml")) + [f for d in _listed_dirs(kdir) for f in _files_of(d)]
+
+
 def _dirs_with(kind: str) -> list[Path]:
-    """The kustomizations with a resource of that kind. Read as text, without rendering: this runs when pytest
+    """The overlays with a resource of that kind. Read as text, without rendering: this runs when pytest
     collects the tests, where a broken kustomization must fail its tests, not the collection."""
     pattern = re.compile(rf"^kind: {kind}\s*$", re.M)
-    return [k for k in KUSTOMIZATIONS if any(pattern.search(p.read_text()) for p in k.glob("*.yaml"))]
+    return [k for k in OVERLAYS if any(pattern.search(p.read_text()) for p in _files_of(k))]
 
 
 def lws_dirs() -> list[Path]:
@@ -277,8 +361,10 @@ def deployment_dirs() -> list[Path]:
 
 
 # -- the tests -----------------------------------------------------------------------------------------------------
-def test_there_is_a_single_host_and_a_multi_node_example() -> None:
+def test_there_are_cpu_gpu_single_host_and_multi_node_overlays() -> None:
     assert len(deployment_dirs()) >= 1 and len(lws_dirs()) >= 1, [str(k) for k in KUSTOMIZATIONS]
+    devices = {parameters(model_config(k))["device"].partition(":")[0] for k in OVERLAYS}
+    assert {"cpu", "cuda"} <= devices, f"overlays for devices {sorted(devices)}: want a CPU and a GPU one"
 
 
 def test_every_manifest_is_valid_against_its_schema() -> None:
@@ -304,7 +390,7 @@ def test_the_schemas_refuse_what_the_api_server_refuses() -> None:
     assert not schema_errors(lws)
     lws["spec"]["leaderWorkerTemplate"]["size"] = "2"
     lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"
-    leader = only_container(lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"])
+    leader = triton(lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"])
     leader["ports"][0]["contianerPort"] = leader["ports"][0].pop("containerPort")
     errors = "\n".join(schema_errors(lws))
     for expected in ("'2' is not of type 'integer'", "'Always' is not one of", "'containerPort' is a required",
@@ -313,13 +399,46 @@ def test_the_schemas_refuse_what_the_api_server_refuses() -> None:
     service = copy.deepcopy(by_kind(docs, "Service")[0])
     service["spec"]["ports"][0]["port"] = "http"
     assert "'http' is not of type 'integer'" in "\n".join(schema_errors(service))
+    # the HorizontalPodAutoscaler (Kubernetes' autoscaling/v2) and the ServiceMonitor (prometheus-operator's CRD)
+    docs = rendered(deployment_dirs()[0])
+    (hpa,) = copy.deepcopy(by_kind(docs, "HorizontalPodAutoscaler"))
+    (monitor,) = copy.deepcopy(by_kind(docs, "ServiceMonitor"))
+    assert not schema_errors(hpa) and not schema_errors(monitor)
+    deployment = copy.deepcopy(workload(docs))
+    container = triton(deployment["spec"]["template"])
+    container["ports"][0]["contianerPort"] = container["ports"][0].pop("containerPort")
+    errors = "\n".join(schema_errors(deployment))
+    assert "'contianerPort' was unexpected" in errors and "'containerPort' is a required" in errors, errors
+    hpa["spec"]["maxReplicas"] = "4"
+    hpa["spec"]["metrics"][0]["pods"]["metrik"] = hpa["spec"]["metrics"][0]["pods"].pop("metric")
+    errors = "\n".join(schema_errors(hpa))
+    for expected in ("'4' is not of type 'integer'", "'metrik' was unexpected", "'metric' is a required"):
+        assert expected in errors, errors
+    monitor["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    monitor["spec"]["endpoints"][0]["prot"] = monitor["spec"]["endpoints"][0].pop("port")
+    errors = "\n".join(schema_errors(monitor))
+    for expected in ("'15 seconds' does not match", "'prot' was unexpected"):
+        assert expected in errors, errors
+
+
+@functools.cache
+def kubectl_kustomize() -> dict[Path, tuple[int, str, str]]:
+    """`kubectl kustomize` of every kustomization, run side by side: kdir -> (exit status, stdout, stderr)."""
+    runs = {k: subprocess.Popen(["kubectl", "kustomize", str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for k in KUSTOMIZATIONS}
+    out = {}
+    for kdir, run in runs.items():
+        stdout, stderr = run.communicate(timeout=60)
+        out[kdir] = (run.returncode, stdout, stderr)
+    return out
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
 def test_render_matches_kubectl_kustomize(kdir: Path) -> None:
-    out = subprocess.run(["kubectl", "kustomize", str(kdir)], capture_output=True, text=True, timeout=60, check=True)
-    theirs = [d for d in yaml.safe_load_all(out.stdout) if d is not None]
+    returncode, stdout, stderr = kubectl_kustomize()[kdir]
+    assert returncode == 0, stderr
+    theirs = [d for d in yaml.safe_load_all(stdout) if d is not None]
 
     def key(d: dict[str, Any]) -> tuple[str, str]:
         return d["kind"], d["metadata"]["name"]
@@ -334,11 +453,11 @@ def test_every_manifest_of_a_kustomization_exists_and_standalone_ones_are_valida
     assert DEPLOY / "kubernetes" / "checkpoints-pvc.yaml" in standalone_manifests()
 
 
-@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
 def test_triton_is_started_on_the_ports_the_service_exposes(kdir: Path) -> None:
     docs = rendered(kdir)
     templates = pod_templates(workload(docs))
-    leader = only_container(templates["leader"])
+    leader = triton(templates["leader"])
     flags = triton_flags(leader)
     assert flags["--model-repository"] == "/models"  # where the Dockerfile copies model_repository/
     assert re.search(r"^COPY model_repository /models$", (ROOT / "Dockerfile").read_text(), re.M)
@@ -353,15 +472,19 @@ def test_triton_is_started_on_the_ports_the_service_exposes(kdir: Path) -> None:
     if "worker" in templates and templates["worker"] is not templates["leader"]:
         worker_labels = templates["worker"]["metadata"]["labels"]
         assert not selector.items() <= worker_labels.items(), "the Service also selects the followers"
-    exposed = {p["name"]: named_port(leader, p["targetPort"]) for p in service["spec"]["ports"]}
-    assert exposed == {name: int(flags[flag]) for name, flag in TRITON_PORT_FLAGS.items()}
+    containers = {p["name"]: c for c in templates["leader"]["spec"]["containers"] for p in c.get("ports", [])}
+    exposed = {p["name"]: named_port(containers[p["name"]], p["targetPort"]) for p in service["spec"]["ports"]}
+    expected = {name: int(flags[flag]) for name, flag in TRITON_PORT_FLAGS.items()}
+    for openai in started(templates["leader"], "orca-openai"):
+        expected["openai"] = openai_args(openai).port
+    assert exposed == expected
     names = {d["metadata"]["name"] for d in docs if d["kind"] == "LeaderWorkerSet"}
     assert service["metadata"]["name"] not in names, "LWS creates a headless Service of the LeaderWorkerSet's name"
 
 
-@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
 def test_probes_ask_triton_whether_orca_gpt_is_ready(kdir: Path) -> None:
-    leader = only_container(pod_templates(workload(rendered(kdir)))["leader"])
+    leader = triton(pod_templates(workload(rendered(kdir)))["leader"])
     http = int(triton_flags(leader)["--http-port"])
     paths = {}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -378,17 +501,28 @@ def test_probes_ask_triton_whether_orca_gpt_is_ready(kdir: Path) -> None:
     assert startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3) >= 600
 
 
-@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
-def test_every_pod_has_a_memory_backed_dev_shm_and_gpus(kdir: Path) -> None:
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
+def test_every_engine_container_has_a_memory_backed_dev_shm_and_the_devices_gpus(kdir: Path) -> None:
+    """Triton and orca.worker get /dev/shm in memory; GPUs exactly where config.pbtxt's device is cuda: a CPU
+    overlay holds none (in no container) and computes in float32."""
+    params = parameters(model_config(kdir))
+    device = params["device"]
+    assert device == "cpu" or device.startswith("cuda"), f"device {device!r}: say cpu or cuda in an overlay"
     for role, template in pod_templates(workload(rendered(kdir))).items():
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
-        for container in template["spec"]["containers"]:
+        engine = [c for c in template["spec"]["containers"] if argv(c)[:1] != ["orca-openai"]]
+        assert engine, f"{role}: no engine container"
+        for container in engine:
             (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
             assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", f"{role}: /dev/shm is not in memory"
-            assert gpus(container) >= 1, f"{role}: no nvidia.com/gpu"
+            if device.startswith("cuda"):
+                assert gpus(container) >= 1, f"{role} {container['name']}: device cuda but no nvidia.com/gpu"
+        if device == "cpu":
+            assert not any(gpus(c) for c in template["spec"]["containers"]), f"{role}: device cpu holds a GPU"
+            assert params["dtype"] == "float32", "on the CPU the engine computes in float32"
 
 
-@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
 def test_config_pbtxt_is_the_shipped_model_with_one_kind_model_instance(kdir: Path) -> None:
     config, shipped = model_config(kdir), SHIPPED_CONFIG.read_text()
     assert interface(config) == interface(shipped), "inputs/outputs differ from model_repository/orca_gpt"
@@ -399,10 +533,14 @@ def test_config_pbtxt_is_the_shipped_model_with_one_kind_model_instance(kdir: Pa
     ours, theirs = set(parameters(config)), set(parameters(shipped))
     missing, extra = theirs - ours, ours - theirs - set(DISTRIBUTED_PARAMETERS)
     assert not missing and not extra, f"parameters missing: {sorted(missing)}, unknown: {sorted(extra)}"
-    assert parameters(config)["model"].startswith("/"), "the model must be a path the pods mount"
+    model = parameters(config)["model"]
+    if model:  # "" = the default model, installed in the image
+        leader = pod_templates(workload(rendered(kdir)))["leader"]
+        mounts = [m["mountPath"].rstrip("/") + "/" for m in triton(leader)["volumeMounts"]]
+        assert any(model.startswith(m) for m in mounts), f"the model {model} is on no volume the pod mounts"
 
 
-@pytest.mark.parametrize("kdir", KUSTOMIZATIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
 def test_engine_config_accepts_the_parameters(kdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from orca.config import EngineConfig  # (imports torch: the slow part of this file)
 
@@ -422,8 +560,9 @@ def test_single_host_runs_every_rank_on_the_pods_gpus(kdir: Path) -> None:
     deployment = workload(docs)
     params = parameters(model_config(kdir))
     tp, pp, local = world(params)
-    leader = only_container(pod_templates(deployment)["leader"])
-    assert tp * pp == local == gpus(leader), f"tp {tp} x pp {pp}, local_workers {local}, {gpus(leader)} GPUs"
+    leader = triton(pod_templates(deployment)["leader"])
+    devices = gpus(leader) if params["device"].startswith("cuda") else 1  # CPU: one engine process
+    assert tp * pp == local == devices, f"tp {tp} x pp {pp}, local_workers {local}, {gpus(leader)} GPUs"
     host = (params.get("control_address") or "127.0.0.1:0").rpartition(":")[0]
     assert host in ("127.0.0.1", "localhost"), "every rank is local: the control address stays on the loopback"
     strategy = deployment["spec"]["strategy"]["type"]
@@ -436,7 +575,7 @@ def test_lws_ranks_add_up_and_followers_reach_the_driver(kdir: Path) -> None:
     lws = workload(docs)
     lwt = lws["spec"]["leaderWorkerTemplate"]
     templates = pod_templates(lws)
-    leader, worker = only_container(templates["leader"]), only_container(templates["worker"])
+    leader, worker = triton(templates["leader"]), only_container(templates["worker"])
     params = parameters(model_config(kdir))
     tp, pp, local = world(params)
     followers, worker_env = lwt["size"] - 1, env(worker)
@@ -478,7 +617,7 @@ def test_the_checkpoint_volume_claim_is_the_one_the_pods_mount() -> None:
         d["metadata"]["name"] for path in standalone_manifests() for d in yaml.safe_load_all(path.read_text())
         if d and d["kind"] == "PersistentVolumeClaim"
     }
-    for kdir in KUSTOMIZATIONS:
+    for kdir in OVERLAYS:
         for role, template in pod_templates(workload(rendered(kdir))).items():
             for volume in template["spec"]["volumes"]:
                 if "persistentVolumeClaim" in volume:
@@ -489,12 +628,108 @@ def test_readme_says_how_to_create_the_secret_and_what_has_been_run() -> None:
     readme = (DEPLOY / "README.md").read_text()
     for kdir in lws_dirs():
         lws = workload(rendered(kdir))
-        ref = env(only_container(pod_templates(lws)["leader"]))["ORCA_WORKER_AUTHKEY"]["valueFrom"]["secretKeyRef"]
+        ref = env(triton(pod_templates(lws)["leader"]))["ORCA_WORKER_AUTHKEY"]["valueFrom"]["secretKeyRef"]
         assert f"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
         # the Secret that command creates (no secret value lives in the repository)
         secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": ref["name"]},
                   "data": {ref["key"]: "c2VjcmV0"}}
         assert not schema_errors(secret) and re.fullmatch(r"[-._a-zA-Z0-9]+", ref["key"])
-    for kdir in KUSTOMIZATIONS:
+    for kdir in OVERLAYS:
         assert f"kubectl apply -k {kdir.relative_to(ROOT)}" in readme
     assert "## What has been run" in readme
+    assert "Nothing here has been applied to a Kubernetes cluster" in readme
+    # the autoscaling rule is explained, with the file it ships in and every metric the HPAs use
+    assert str(ADAPTER_CONFIG.relative_to(DEPLOY)) in readme
+    for kdir in OVERLAYS:
+        for hpa in by_kind(rendered(kdir), "HorizontalPodAutoscaler"):
+            for metric in hpa["spec"]["metrics"]:
+                assert f"`{metric[metric['type'][0].lower() + metric['type'][1:]]['metric']['name']}`" in readme
+
+
+# -- the OpenAI server, metrics and autoscaling --------------------------------------------------------------------
+def openai_args(container: dict[str, Any]) -> Any:
+    """orca-openai's arguments as its own parser reads them (refusing unknown flags)."""
+    cli = pytest.importorskip("orca_openai.cli", reason="orca_openai is not in this checkout")
+    args = argv(container)
+    assert args[0] == "orca-openai", args
+    try:
+        return cli.parse_args(args[1:])
+    except SystemExit as exit_:
+        raise AssertionError(f"orca-openai refuses {args[1:]}") from exit_
+
+
+def gauges() -> set[str]:
+    """The metric families orca_gpt's model.py registers as gauges."""
+    found = set(re.findall(r'fam\(\s*"(orca_\w+)",\s*"[^"]*",\s*G\s*\)', MODEL_PY.read_text()))
+    assert "orca_waiting_requests" in found, "the regex no longer finds model.py's gauges"
+    return found
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    (config_map,) = [d for d in yaml.safe_load_all(ADAPTER_CONFIG.read_text()) if d]
+    return yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+
+
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
+def test_the_openai_server_talks_to_tritons_grpc_port_in_its_pod(kdir: Path) -> None:
+    leader = pod_templates(workload(rendered(kdir)))["leader"]
+    servers = started(leader, "orca-openai")
+    assert len(servers) == 1, "no (or several) orca-openai containers beside Triton"
+    (openai,) = servers
+    flags, args = triton_flags(triton(leader)), openai_args(openai)
+    host, _, port = args.triton_url.rpartition(":")
+    assert host in ("localhost", "127.0.0.1") and int(port) == int(flags["--grpc-port"]), args.triton_url
+    assert args.metrics_url == f"http://{host}:{flags['--metrics-port']}/metrics", args.metrics_url
+    assert named_port(openai, "openai") == args.port
+    assert openai["image"] == triton(leader)["image"], "orca-openai comes with the engine's image"
+    probe = openai["readinessProbe"]["httpGet"]  # /health: 503 until Triton and orca_gpt are ready
+    assert probe["path"] == "/health" and named_port(openai, probe["port"]) == args.port
+
+
+@pytest.mark.parametrize("kdir", deployment_dirs(), ids=lambda p: p.name)
+def test_the_service_monitor_scrapes_tritons_metrics_port(kdir: Path) -> None:
+    docs = rendered(kdir)
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    (service,) = by_kind(docs, "Service")
+    labels = service["metadata"].get("labels", {})
+    selector = monitor["spec"]["selector"]
+    assert set(selector) == {"matchLabels"} and selector["matchLabels"].items() <= labels.items(), (
+        f"the ServiceMonitor selects {selector}, the Service is labelled {labels}"
+    )
+    assert "namespaceSelector" not in monitor["spec"], "the Service is in the ServiceMonitor's namespace"
+    leader = triton(pod_templates(workload(docs))["leader"])
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in ports, f"the Service has no port named {endpoint['port']!r}"
+    target = named_port(leader, ports[endpoint["port"]]["targetPort"])
+    assert target == int(triton_flags(leader)["--metrics-port"]), "the ServiceMonitor scrapes no metrics port"
+    assert endpoint.get("path", "/metrics") == "/metrics" and endpoint.get("scheme", "http") == "http"
+
+
+@pytest.mark.parametrize("kdir", deployment_dirs(), ids=lambda p: p.name)
+def test_the_hpa_scales_the_deployment_on_the_engines_gauges_through_the_adapter_rules(kdir: Path) -> None:
+    docs = rendered(kdir)
+    (hpa,) = by_kind(docs, "HorizontalPodAutoscaler")
+    deployment = workload(docs)
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", deployment["metadata"]["name"])
+    assert 1 <= hpa["spec"].get("minReplicas", 1) <= hpa["spec"]["maxReplicas"]
+    rules = {rule["name"]["as"]: rule for rule in adapter_rules()}
+    engine_gauges = gauges()
+    assert hpa["spec"]["metrics"], "an HPA without metrics scales on CPU"
+    for metric in hpa["spec"]["metrics"]:
+        assert metric["type"] == "Pods", "per-pod custom metrics: the adapter rules map the namespace and pod labels"
+        name = metric["pods"]["metric"]["name"]
+        assert name in rules, f"{name}: no prometheus-adapter rule in {ADAPTER_CONFIG.name} publishes it"
+        # Triton labels the engine's series by model (and version)
+        assert metric["pods"]["metric"].get("selector", {}).get("matchLabels", {}) == {"model": MODEL}
+        assert metric["pods"]["target"]["type"] == "AverageValue"
+    for name, rule in rules.items():
+        series = re.fullmatch(r"(orca_\w+)\{([^}]*)\}", rule["seriesQuery"])
+        assert series and series.group(1) in engine_gauges, f"{name}: {rule['seriesQuery']} is no engine gauge"
+        assert re.fullmatch(rf"\^{series.group(1)}\$", rule["name"]["matches"]), rule["name"]
+        used = set(re.findall(r"\b(orca_\w+)\{", rule["metricsQuery"]))
+        assert used and used <= engine_gauges, f"{name}: {sorted(used - engine_gauges)} are no gauges of model.py"
+        assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+        overrides = rule["resources"]["overrides"]
+        assert overrides == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}, overrides

@@ -1,12 +1,14 @@
 """Regenerates the schemas in this folder from their public sources (see README.md here); not run by the tests.
 
-    python tests/schemas/vendor_schemas.py SWAGGER_JSON LWS_CRD_YAML
+    python tests/schemas/vendor_schemas.py SWAGGER_JSON LWS_CRD_YAML SERVICEMONITOR_CRD_YAML
 
 SWAGGER_JSON is Kubernetes' OpenAPI v2 spec (api/openapi-spec/swagger.json of a release branch); LWS_CRD_YAML is
-the LeaderWorkerSet CRD (config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml of an lws release).
-Both are cut to what the manifests under deploy/ need and stripped of their `description` texts (which make up
-most of their size and play no part in validation); nothing else in them is changed. How the tests interpret
-them (strict unknown-field checks, int-or-string) is tests/test_deploy_manifests.py's business.
+the LeaderWorkerSet CRD (config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml of an lws release);
+SERVICEMONITOR_CRD_YAML is prometheus-operator's ServiceMonitor CRD
+(example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml of a release). All are cut to what
+the manifests under deploy/ need and stripped of their `description` texts (which make up most of their size
+and play no part in validation); nothing else in them is changed. How the tests interpret them
+(strict unknown-field checks, int-or-string) is tests/test_deploy_manifests.py's business.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import yaml
 HERE = Path(__file__).resolve().parent
 KUBERNETES_OUT = HERE / "kubernetes-1.36-subset.json"
 LWS_OUT = HERE / "leaderworkerset-v0.10.0.json"
+SERVICEMONITOR_OUT = HERE / "servicemonitor-v0.93.0.json"
 # The kinds deploy/ uses; every definition they reach through $ref comes along.
 KUBERNETES_ROOTS = (
     "io.k8s.api.apps.v1.Deployment",
+    "io.k8s.api.autoscaling.v2.HorizontalPodAutoscaler",
     "io.k8s.api.core.v1.ConfigMap",
     "io.k8s.api.core.v1.PersistentVolumeClaim",
     "io.k8s.api.core.v1.Secret",
@@ -70,7 +74,7 @@ def kubernetes_subset(swagger: dict[str, Any]) -> dict[str, Any]:
     return {"definitions": {name: strip_descriptions(definitions[name]) for name in sorted(needed)}}
 
 
-def lws_schema(crd: dict[str, Any]) -> dict[str, Any]:
+def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return {
         "group": crd["spec"]["group"],
@@ -88,12 +92,14 @@ def _write(path: Path, data: dict[str, Any], source: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
-    swagger_bytes, crd_bytes = Path(argv[0]).read_bytes(), Path(argv[1]).read_bytes()
+    swagger_bytes = Path(argv[0]).read_bytes()
     _write(KUBERNETES_OUT, kubernetes_subset(json.loads(swagger_bytes)), swagger_bytes)
-    _write(LWS_OUT, lws_schema(yaml.safe_load(crd_bytes)), crd_bytes)
+    for out, source in ((LWS_OUT, argv[1]), (SERVICEMONITOR_OUT, argv[2])):
+        crd_bytes = Path(source).read_bytes()
+        _write(out, crd_schema(yaml.safe_load(crd_bytes)), crd_bytes)
     return 0
 
 
