@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -259,6 +260,36 @@ def test_closing_a_stream_cancels_the_request_and_frees_its_kv_blocks(
     wait_for(lambda: orca_metrics(orca_server, MODEL)["orca_kv_allocated_blocks"] == 0, "the K/V blocks freed")
     m = orca_metrics(orca_server, MODEL)
     assert m["orca_running_requests"] == 0 and m["orca_waiting_requests"] == 0
+
+
+def test_hanging_up_on_a_non_streaming_request_cancels_it(api: str, orca_server: Any) -> None:
+    key = 'orca_requests_finished_total{reason="cancelled"}'
+    before = orca_metrics(orca_server, MODEL).get(key, 0)
+    with pytest.raises(requests.Timeout):  # the client gives up (and closes the connection) after 2 s
+        requests.post(f"{api}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2,
+                      json={"model": MODEL, "prompt": PARIS, "max_tokens": 400, "ignore_eos": True})
+    wait_for(lambda: orca_metrics(orca_server, MODEL).get(key, 0) == before + 1, "the cancellation")
+    wait_for(lambda: orca_metrics(orca_server, MODEL)["orca_kv_allocated_blocks"] == 0, "the K/V blocks freed")
+
+
+def test_a_full_waiting_queue_answers_429(client: openai.OpenAI, orca_server: Any) -> None:
+    model = "orca_tiny_q"  # max_bs 1, max_queue 2, no tokenizer: token-id prompts, empty text
+    running = client.completions.create(model=model, prompt=[1, 2], max_tokens=2000, stream=True,
+                                        extra_body={"ignore_eos": True})
+    next(iter(running))  # admitted; max_bs 1 keeps every later request waiting behind it
+    threads = [threading.Thread(target=client.completions.create,
+                                kwargs={"model": model, "prompt": [3], "max_tokens": 2}) for _ in range(2)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: orca_metrics(orca_server, model).get("orca_waiting_requests") == 2, "two waiting")
+    with pytest.raises(openai.RateLimitError, match="the waiting queue is full") as err:
+        client.completions.create(model=model, prompt=[4], max_tokens=2)
+    assert err.value.status_code == 429 and err.value.code == "queue_full"
+    running.close()  # cancel the long one: the waiting ones then run to completion
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+    wait_for(lambda: orca_metrics(orca_server, model)["orca_running_requests"] == 0, "idle")
 
 
 # -- the launcher -----------------------------------------------------------------------------------
