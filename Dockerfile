@@ -12,6 +12,7 @@ COPY pyproject.toml /opt/orca/
 COPY orca /opt/orca/orca
 COPY orca_server /opt/orca/orca_server
 COPY client /opt/orca/client
+COPY orca_openai /opt/orca/orca_openai
 RUN pip install --no-cache-dir --no-deps /opt/orca
 
 # Converted GGUF checkpoints are cached here; mount a volume to keep them across restarts.
