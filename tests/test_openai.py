@@ -23,6 +23,8 @@ import openai
 import pytest
 import requests
 
+from orca_openai import protocol
+from orca_openai.triton import Chunk, classify
 from orca_server.launcher import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +90,67 @@ def orca_metrics(server: Any, model: str) -> dict[str, float]:
         labels = [kv for kv in m.group(2).split(",") if not kv.startswith(("model=", "version="))]
         out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
     return out
+
+
+# -- no server needed: request mapping, logprobs mapping, error statuses ------------------------------
+def test_requests_map_to_orca_gpts_prompt_and_sampling_parameters() -> None:
+    chat = protocol.chat_request({
+        "model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                                   {"role": "user", "content": "Hi", "name": "x"}],
+        "max_completion_tokens": 5, "max_tokens": 9, "temperature": 0, "stop": "\n", "seed": 3,
+        "logprobs": True, "top_logprobs": 2, "stream": True, "stream_options": {"include_usage": True},
+        "frequency_penalty": 0, "n": 1, "user": "u",
+    })
+    assert chat.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert chat.sampling == {"temperature": 0, "seed": 3, "max_tokens": 5, "stop": ["\n"]}
+    assert (chat.stream, chat.include_usage, chat.logprobs) == (True, True, 2)
+    comp = protocol.completion_request({"model": "m", "prompt": [[1, 2, 3]], "logprobs": 0, "top_k": 4})
+    assert comp.prompt == [1, 2, 3] and comp.sampling == {"top_k": 4} and comp.logprobs == 0
+    for body, match in [
+        ({"model": "m", "prompt": "a", "n": 2}, "n must be 1"),
+        ({"model": "m", "prompt": ["a", "b"]}, "one prompt per request"),
+        ({"model": "m", "prompt": "a", "presence_penalty": 1}, "presence_penalty is not supported"),
+        ({"model": "m", "prompt": "a", "bogus": 1}, "unrecognized request argument supplied: bogus"),
+        ({"model": "m", "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+        ({"model": "m", "prompt": "a", "stream_options": {"include_usage": True}}, "only allowed when stream"),
+        ({"model": "m", "prompt": "a", "logprobs": 6}, r"logprobs must be an integer in \[0, 5\]"),
+        ({"prompt": "a"}, "model must be"),
+    ]:
+        with pytest.raises(protocol.APIError, match=match) as err:
+            protocol.completion_request(body)
+        assert err.value.status == 400
+    with pytest.raises(protocol.APIError, match="top_logprobs needs logprobs"):
+        protocol.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 1})
+
+
+def test_orca_gpts_logprobs_output_maps_to_openais_layouts() -> None:
+    # vllm_backend's layout: per token {id: {logprob, rank, decoded_token}}, the drawn token among them
+    chunk = Chunk(output_ids=[7, 9], text=" a b", final=True, logprobs=[
+        {"7": {"logprob": -0.1, "rank": 1, "decoded_token": " a"}, "8": {"logprob": -2.5, "rank": 2,
+                                                                         "decoded_token": " c"}},
+        {"9": {"logprob": -3.0, "rank": 3, "decoded_token": " b"}, "1": {"logprob": -0.5, "rank": 1,
+                                                                         "decoded_token": " d"},
+         "2": {"logprob": float("-inf"), "rank": 2, "decoded_token": " e"}},
+    ])
+    chat = protocol.chat_logprobs(chunk, 2)["content"]
+    assert [(t["token"], t["logprob"]) for t in chat] == [(" a", -0.1), (" b", -3.0)]
+    assert [[(a["token"], a["logprob"]) for a in t["top_logprobs"]] for t in chat] == [
+        [(" a", -0.1), (" c", -2.5)], [(" d", -0.5), (" e", -9999.0)]]
+    assert chat[0]["bytes"] == list(b" a")
+    comp = protocol.completion_logprobs(chunk, 1, offset=10)
+    assert comp == {"tokens": [" a", " b"], "token_logprobs": [-0.1, -3.0], "top_logprobs": [{" a": -0.1},
+                    {" d": -0.5}], "text_offset": [10, 12]}
+    assert protocol.chat_logprobs(chunk, 0)["content"][1]["top_logprobs"] == []
+
+
+def test_error_messages_map_to_http_statuses() -> None:
+    assert classify("the waiting queue is full (2 requests): retry later").status == 429
+    assert classify("the engine failed: worker 1 died").status == 503
+    assert classify("the engine has failed and serves no more requests: x").status == 503
+    assert classify("Request for unknown model: 'orca_gpt' is not found").status == 503
+    assert classify("internal error: KeyError: 3").status == 500
+    assert classify("generation failed: boom").status == 500
+    assert classify("top_p must be in (0, 1], got 1.5").status == 400
 
 
 # -- models, health, metrics, auth, limits ------------------------------------------------------------
