@@ -6,6 +6,7 @@ The engine package knows nothing of Triton: model_repository/orca_gpt/1/model.py
 from orca.config import EngineConfig, ModelConfig
 from orca.engine import EngineFailedError, IterationStats, LLMEngine, QueueFullError, RequestOutput
 from orca.llm import LLM, CompletionOutput
+from orca.request import Logprob
 from orca.sampling_params import SamplingParams
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "EngineFailedError",
     "IterationStats",
     "LLMEngine",
+    "Logprob",
     "ModelConfig",
     "QueueFullError",
     "RequestOutput",

@@ -27,8 +27,8 @@ from orca.config import EngineConfig, ModelConfig
 from orca.detokenizer import IncrementalDetokenizer
 from orca.executor import Executor, InProcessExecutor, WorkerFailure
 from orca.loader import load_tokenizer, read_model_config, resolve_checkpoint
-from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
-from orca.request import FinishReason, Request
+from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
+from orca.request import FinishReason, Logprob, Request
 from orca.sampling_params import SamplingParams
 from orca.scheduler import OrcaScheduler, ScheduledBatch
 from orca.stopping import apply_stop_rules
@@ -62,6 +62,11 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     logits: Any = None  # the (V,) float32 row this iteration sampled from, when logits capture is on
+    # SamplingParams.logprobs set (else None): for each of new_token_ids {token id: Logprob}, the drawn
+    # token first, then the top n; logprobs for all of token_ids; cumulative_logprob is their sum so far
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -216,6 +221,8 @@ class LLMEngine:
             seed=seed,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
         )
+        if params.logprobs is not None:
+            req.logprobs, req.cumulative_logprob = [], 0.0
         self.scheduler.add(req)
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
@@ -297,7 +304,7 @@ class LLMEngine:
             sampling = None
             if req.request_id not in self._worker_holds:
                 p = req.params
-                sampling = SamplingSpec(p.temperature, p.top_k, p.top_p, req.seed)
+                sampling = SamplingSpec(p.temperature, p.top_k, p.top_p, req.seed, p.logprobs)
                 self._worker_holds.add(req.request_id)
             planned.append(PlannedRequest(
                 request_id=req.request_id,
@@ -323,6 +330,8 @@ class LLMEngine:
                 token = result.sampled[req.request_id]
                 new = [token]
                 req.output_token_ids.append(token)
+                if req.logprobs is not None:
+                    _append_logprobs(req, result.logprobs[req.request_id])
                 if req.first_token_time is None:
                     req.first_token_time = now
                 reason, delta = apply_stop_rules(
@@ -382,6 +391,9 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
+            new_logprobs=None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(new):],
+            logprobs=None if req.logprobs is None else list(req.logprobs),
+            cumulative_logprob=req.cumulative_logprob,
         )
 
     # -- text ------------------------------------------------------------------------------------
@@ -409,3 +421,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _append_logprobs(req: Request, t: TokenLogprobs) -> None:
+    """Records a drawn token's log-probabilities (vLLM's layout: the drawn token, then the top n)."""
+    entry = {t.token_id: Logprob(t.logprob, t.rank)}
+    for rank, (token_id, logprob) in enumerate(zip(t.top_ids, t.top_logprobs), start=1):
+        entry.setdefault(token_id, Logprob(logprob, rank))
+    assert req.logprobs is not None and req.cumulative_logprob is not None
+    req.logprobs.append(entry)
+    req.cumulative_logprob += t.logprob

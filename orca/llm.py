@@ -12,6 +12,7 @@ from typing import Any
 
 from orca.config import EngineConfig
 from orca.engine import LLMEngine
+from orca.request import Logprob
 from orca.sampling_params import SamplingParams
 
 
@@ -21,6 +22,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     text: str | None = None  # None when the model has no tokenizer
+    # SamplingParams.logprobs set: per token {token id: Logprob} (the drawn token, then the top n); their sum
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 class LLM:
@@ -71,5 +75,8 @@ class LLM:
                     if out.error:
                         raise RuntimeError(f"generation failed: {out.error}")
                     i = ids_of[out.request_id]
-                    results[i] = CompletionOutput(token_prompts[i], out.token_ids, out.finish_reason or "", out.text)
+                    results[i] = CompletionOutput(
+                        token_prompts[i], out.token_ids, out.finish_reason or "", out.text, out.logprobs,
+                        out.cumulative_logprob,
+                    )
         return [r for r in results if r is not None]

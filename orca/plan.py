@@ -19,6 +19,20 @@ class SamplingSpec:
     top_k: int
     top_p: float
     seed: int
+    logprobs: int | None = None  # SamplingParams.logprobs: None = compute none for this request
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probabilities of one drawn token (fp32 log_softmax of the raw logits it was drawn from):
+    its own and its rank (1 = the most likely), and the ``top_ids``/``top_logprobs`` of the n most likely
+    tokens (n = SamplingSpec.logprobs), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -51,11 +65,13 @@ class StepPlan:
 @dataclass
 class StepResult:
     """A worker's answer to a plan: the token drawn for each request with a sample_step, or an error
-    (the whole iteration failed). ``logits`` rows are CPU tensors (plan.return_logits only);
+    (the whole iteration failed). ``logprobs`` holds, for the requests whose SamplingSpec asks for them, the
+    drawn token's log-probabilities. ``logits`` rows are CPU tensors (plan.return_logits only);
     ``timings`` are seconds per phase when the plan asked for profiling."""
 
     batch_id: int
     sampled: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     logits: dict[str, object] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from orca.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at one output position and its rank there (1 = the most likely)."""
+
+    logprob: float
+    rank: int
+
+
 class FinishReason(str, enum.Enum):
     LENGTH = "length"  # reached max_tokens
     STOP = "stop"  # EOS, a stop token id or a stop string
@@ -45,6 +53,10 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # params.logprobs set: per output token {token id: Logprob} (the drawn token, then the top n), and the
+    # sum of the drawn tokens' log-probabilities
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

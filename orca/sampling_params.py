@@ -14,6 +14,8 @@ DEFAULT_MAX_TOKENS = 16
 """vLLM's default: a request that names no max_tokens gets a short completion, never the whole context."""
 
 _SEED_RANGE = (0, 2**63 - 1)
+MAX_LOGPROBS = 20
+"""The most top alternatives a request may ask for per token (vLLM's default max_logprobs)."""
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this decode greedily (as vLLM does): the limit of sampling as temperature -> 0,
 without dividing by a number so small that the logits overflow."""
@@ -27,6 +29,10 @@ class SamplingParams:
     disable those filters. seed makes a sampled request reproducible whatever else shares its batch. Generation stops at
     max_tokens ("length"), at the model's EOS unless ignore_eos, at any of stop_token_ids, or when the text
     contains one of the stop strings (those three give "stop").
+
+    logprobs (as vLLM's): None = none; n in [0, 20] = for each new token its log-probability and rank plus
+    the n most likely tokens' (0 = the sampled token's only), computed in fp32 from the raw logits the token
+    was drawn from (before temperature, top-k and top-p).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -37,6 +43,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, low=1)
@@ -51,6 +58,14 @@ class SamplingParams:
             _check_int("seed", self.seed, low=_SEED_RANGE[0], high=_SEED_RANGE[1])
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {type(self.ignore_eos).__name__}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (0 = the sampled token's only) or null, "
+                f"got {self.logprobs!r}"
+            )
         # Accept lists (JSON gives lists) but store tuples so the object stays hashable and immutable.
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -124,4 +139,4 @@ def _check_number(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be finite, got {value}")
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "SamplingParams"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_LOGPROBS", "SamplingParams"]

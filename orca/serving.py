@@ -5,14 +5,24 @@ request means is decided here, where it can be unit-tested without a server.
 
 Inputs (all optional; exactly one prompt input): input_ids INT32 [-1], text_input STRING [1],
 messages STRING [1] (OpenAI-style JSON list of {role, content}), stream BOOL [1],
-sampling_parameters STRING [1] (JSON object), exclude_input_in_output BOOL [1]. The sampling keys may
-also come as request parameters (what the HTTP /generate endpoint makes of extra JSON keys).
-Outputs: output_ids INT32 [-1], text_output STRING [1], finish_reason STRING [1] (final response only),
-num_input_tokens UINT32 [1], num_output_tokens UINT32 [1].
+sampling_parameters STRING [1] (JSON object), exclude_input_in_output BOOL [1], and
+triton-inference-server/vllm_backend's BOOL [1] flags return_finish_reason, return_num_input_tokens,
+return_num_output_tokens, return_logprobs, return_cumulative_logprob. The sampling keys may also come as
+request parameters (what the HTTP /generate endpoint makes of extra JSON keys).
+Outputs: output_ids INT32 [-1], text_output STRING [1], finish_reason STRING [1], num_input_tokens
+UINT32 [1], num_output_tokens UINT32 [1], logprobs STRING [1] (JSON), cumulative_logprob FP32 [1].
+
+The flags: vllm_backend returns an additional output only when its flag is true, and then on every
+response. orca_gpt always returned finish_reason (final response), num_input_tokens and
+num_output_tokens (the total so far), so a flag left out keeps that; a flag set to true gives
+vllm_backend's semantics (finish_reason on every response, "None" until the last; num_output_tokens
+this response's count); false drops the output. logprobs and cumulative_logprob are new: only when
+asked for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,10 +30,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from orca.engine import RequestOutput
+from orca.request import Logprob
 from orca.sampling_params import SamplingParams, json_object
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
-INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_in_output")
+RETURN_FLAGS = (
+    "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
+    "return_cumulative_logprob",
+)
+"""vllm_backend's additional-output flags (BOOL [1] inputs)."""
+INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_in_output", *RETURN_FLAGS)
 
 
 class TextCodec(Protocol):
@@ -42,6 +58,15 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
     prompt_text: str | None = None  # the prompt as text, echoed before a non-streaming completion
     # (None for `messages`: a chat answer is the completion alone)
+    # The vllm_backend flags: None = not given (orca_gpt's defaults), else the client's value.
+    return_finish_reason: bool | None = None
+    return_num_input_tokens: bool | None = None
+    return_num_output_tokens: bool | None = None
+    return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
+    logprobs_asked: bool = False  # sampling parameter logprobs given (params.logprobs may be 0 just so that
+    # cumulative_logprob can be computed)
+    codec: TextCodec | None = dataclasses.field(default=None, compare=False, repr=False)  # decoded_token
 
 
 def parse_generate_request(
@@ -71,12 +96,23 @@ def parse_generate_request(
         messages = _parse_messages(_string_input(inputs, "messages"))
         prompt_ids = codec.apply_chat_template(messages)
     params = _sampling_params(inputs, parameters)
+    flags = {name: _bool_input(inputs, name) if name in inputs else None for name in RETURN_FLAGS}
+    logprobs_asked = params.logprobs is not None
+    if flags["return_cumulative_logprob"] and not logprobs_asked:
+        params = dataclasses.replace(params, logprobs=0)  # the drawn tokens' log-probabilities, nothing more
     return GenerateRequest(
         prompt_token_ids=prompt_ids,
         params=params,
         stream=_bool_input(inputs, "stream"),
         exclude_input_in_output=_bool_input(inputs, "exclude_input_in_output"),
         prompt_text=prompt_text,
+        return_finish_reason=flags["return_finish_reason"],
+        return_num_input_tokens=flags["return_num_input_tokens"],
+        return_num_output_tokens=flags["return_num_output_tokens"],
+        return_logprobs=bool(flags["return_logprobs"]),
+        return_cumulative_logprob=bool(flags["return_cumulative_logprob"]),
+        logprobs_asked=logprobs_asked,
+        codec=codec if has_tokenizer else None,
     )
 
 
@@ -150,18 +186,43 @@ def response_tensors(
     """The output tensors of one response for `out`: this iteration's tokens when streaming, everything
     on the single final response otherwise."""
     if request.stream:
-        ids, text = out.new_token_ids, out.text_delta or ""
+        ids, text, logprobs = out.new_token_ids, out.text_delta or "", out.new_logprobs
     else:
-        ids, text = out.token_ids, out.text or ""
+        ids, text, logprobs = out.token_ids, out.text or "", out.logprobs
         if not request.exclude_input_in_output and request.prompt_text is not None:
             text = request.prompt_text + text
-    tensors = {
-        "output_ids": np.asarray(ids, dtype=np.int32),
-        "num_input_tokens": np.asarray([out.num_prompt_tokens], dtype=np.uint32),
-        "num_output_tokens": np.asarray([len(out.token_ids)], dtype=np.uint32),
-    }
+    tensors = {"output_ids": np.asarray(ids, dtype=np.int32)}
+    if request.return_num_input_tokens is not False:
+        tensors["num_input_tokens"] = np.asarray([out.num_prompt_tokens], dtype=np.uint32)
+    if request.return_num_output_tokens is not False:
+        # vllm_backend's (flag true): this response's tokens; orca_gpt's (no flag): all so far.
+        n = len(ids) if request.return_num_output_tokens else len(out.token_ids)
+        tensors["num_output_tokens"] = np.asarray([n], dtype=np.uint32)
     if has_tokenizer:
         tensors["text_output"] = np.asarray([text.encode("utf-8")], dtype=np.object_)
-    if out.finished:
-        tensors["finish_reason"] = np.asarray([(out.finish_reason or "").encode()], dtype=np.object_)
+    if request.return_finish_reason or (request.return_finish_reason is None and out.finished):
+        reason = (out.finish_reason or "") if out.finished else str(None)  # vllm_backend: "None" until the end
+        tensors["finish_reason"] = np.asarray([reason.encode()], dtype=np.object_)
+    if request.return_logprobs:
+        text_json = "null" if not request.logprobs_asked or logprobs is None else logprobs_json(logprobs, request.codec)
+        tensors["logprobs"] = np.asarray([text_json.encode("utf-8")], dtype=np.object_)
+    if request.return_cumulative_logprob:
+        value = float("nan") if out.cumulative_logprob is None else out.cumulative_logprob
+        tensors["cumulative_logprob"] = np.asarray([value], dtype=np.float32)
     return tensors
+
+
+def logprobs_json(logprobs: list[dict[int, Logprob]], codec: TextCodec | None) -> str:
+    """vllm_backend's `logprobs` output: a JSON list with, per token, {"<token id>": {"logprob", "rank",
+    "decoded_token"}} (the drawn token first, then the top n; decoded_token null without a tokenizer)."""
+    return json.dumps([
+        {
+            str(token_id): {
+                "logprob": lp.logprob,
+                "rank": lp.rank,
+                "decoded_token": None if codec is None else codec.decode([token_id]),
+            }
+            for token_id, lp in entry.items()
+        }
+        for entry in logprobs
+    ])

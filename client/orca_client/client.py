@@ -33,6 +33,10 @@ class Chunk:
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
+    # return_logprobs: per token of this response {token id: {"logprob", "rank", "decoded_token"}} (None when
+    # not asked, or when the request named no sampling parameter logprobs)
+    logprobs: list[dict[int, dict[str, Any]]] | None = None
+    cumulative_logprob: float | None = None  # return_cumulative_logprob: the sum so far
     time: float = field(default_factory=time.perf_counter)
 
 
@@ -42,9 +46,16 @@ def build_inputs(
     messages: list[dict[str, str]] | None = None,
     stream: bool = True,
     exclude_input_in_output: bool = True,
+    return_finish_reason: bool | None = None,
+    return_num_input_tokens: bool | None = None,
+    return_num_output_tokens: bool | None = None,
+    return_logprobs: bool | None = None,
+    return_cumulative_logprob: bool | None = None,
     **sampling: Any,
 ) -> list[grpcclient.InferInput]:
-    """The request tensors for orca_gpt; `sampling` holds SamplingParams keys (max_tokens, ...)."""
+    """The request tensors for orca_gpt; `sampling` holds SamplingParams keys (max_tokens, logprobs, ...).
+    The return_* flags (vllm_backend's) are sent when not None; `logprobs=n` with `return_logprobs=True`
+    gets each token's log-probability and the top n."""
     inputs = []
 
     def add(name: str, dtype: str, value: np.ndarray) -> None:
@@ -60,6 +71,14 @@ def build_inputs(
         add("messages", "BYTES", np.asarray([json.dumps(messages).encode()], dtype=np.object_))
     add("stream", "BOOL", np.asarray([stream]))
     add("exclude_input_in_output", "BOOL", np.asarray([exclude_input_in_output]))
+    flags = {
+        "return_finish_reason": return_finish_reason, "return_num_input_tokens": return_num_input_tokens,
+        "return_num_output_tokens": return_num_output_tokens, "return_logprobs": return_logprobs,
+        "return_cumulative_logprob": return_cumulative_logprob,
+    }
+    for name, value in flags.items():
+        if value is not None:
+            add(name, "BOOL", np.asarray([bool(value)]))
     sampling = {k: v for k, v in sampling.items() if v is not None}
     if sampling:
         add("sampling_parameters", "BYTES", np.asarray([json.dumps(sampling).encode()], dtype=np.object_))
@@ -80,14 +99,24 @@ def parse_result(result: Any) -> Chunk:
     text = get("text_output")
     reason = get("finish_reason")
     n_in, n_out = get("num_input_tokens"), get("num_output_tokens")
+    logprobs, cumulative = get("logprobs"), get("cumulative_logprob")
+    reason = None if reason is None else reason.reshape(-1)[0].decode()
     return Chunk(
         output_ids=[] if ids is None else [int(x) for x in ids.reshape(-1)],
         text=None if text is None else b"".join(text.reshape(-1)).decode("utf-8"),
         final=final,
-        finish_reason=None if reason is None else reason.reshape(-1)[0].decode(),
+        finish_reason=None if reason in (None, "None") else reason,  # vllm_backend's "None" before the end
         num_input_tokens=None if n_in is None else int(n_in.reshape(-1)[0]),
         num_output_tokens=None if n_out is None else int(n_out.reshape(-1)[0]),
+        logprobs=None if logprobs is None else _parse_logprobs(logprobs.reshape(-1)[0]),
+        cumulative_logprob=None if cumulative is None else float(cumulative.reshape(-1)[0]),
     )
+
+
+def _parse_logprobs(raw: bytes) -> list[dict[int, dict[str, Any]]] | None:
+    """vllm_backend's logprobs JSON (token ids as string keys; "null" when not computed)."""
+    entries = json.loads(raw)
+    return None if entries is None else [{int(k): v for k, v in entry.items()} for entry in entries]
 
 
 class OrcaClient:
