@@ -23,23 +23,34 @@ from orca import LLM, SamplingParams
 MODEL = "orca_tiny_tp2"
 
 
-def worker_pids() -> list[int]:
-    """Processes running `python -m orca.worker` whose parent is not this test process (the ones the
-    Triton stub of orca_tiny_tp2 started: no other model of the test server is distributed)."""
-    pids = []
+def worker_pids(server: Any) -> list[int]:
+    """Live processes running `python -m orca.worker` that descend from this session's tritonserver (the
+    ones the Triton stub of orca_tiny_tp2 started: no other model of the test server is distributed;
+    other test servers on the machine are not ours)."""
+    parents: dict[int, int] = {}
+    workers = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            status = (entry / "status").read_text()
+            status = (entry / "status").read_text().splitlines()
         except OSError:
             continue
-        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-        zombie = any(line.startswith("State:") and "Z" in line for line in status.splitlines())
-        if b"orca.worker" in cmdline and ppid != os.getpid() and not zombie:
-            pids.append(int(entry.name))
-    return pids
+        pid = int(entry.name)
+        parents[pid] = int(next(line.split()[1] for line in status if line.startswith("PPid:")))
+        zombie = any(line.startswith("State:") and "Z" in line for line in status)
+        if b"orca.worker" in cmdline and not zombie:
+            workers.append(pid)
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == server.pid:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    return [pid for pid in workers if descends(pid)]
 
 
 def ready(server: Any) -> bool:
@@ -48,7 +59,7 @@ def ready(server: Any) -> bool:
 
 def test_tensor_parallel_model_serves_what_the_offline_engine_generates(orca_server: Any) -> None:
     assert ready(orca_server)
-    assert len(worker_pids()) == 2
+    assert len(worker_pids(orca_server)) == 2
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], list(range(10, 40))]
     max_tokens = [7, 20, 12]
     expected = LLM(str(orca_server.tiny_checkpoint), device="cpu").generate(
@@ -61,7 +72,7 @@ def test_tensor_parallel_model_serves_what_the_offline_engine_generates(orca_ser
 
 
 def test_killed_worker_errors_requests_and_unloads_the_model(orca_server: Any) -> None:
-    pids = worker_pids()
+    pids = worker_pids(orca_server)
     assert len(pids) == 2
     client = OrcaClient(orca_server.grpc_url, MODEL)
     stream = client.generate(input_ids=[1, 2, 3], max_tokens=1900, ignore_eos=True, temperature=0)
@@ -72,7 +83,7 @@ def test_killed_worker_errors_requests_and_unloads_the_model(orca_server: Any) -
         for _ in stream:  # the request in flight ends with an error, not a hang
             pass
     wait_for(lambda: not ready(orca_server), "the failed model to report not ready", timeout=60)
-    wait_for(lambda: not worker_pids(), "the workers to be gone", timeout=30)
+    wait_for(lambda: not worker_pids(orca_server), "the workers to be gone", timeout=30)
     with pytest.raises(OrcaError):  # refused: failed (UNAVAILABLE) or unloaded
         list(OrcaClient(orca_server.grpc_url, MODEL).generate(input_ids=[1, 2], max_tokens=2))
 
