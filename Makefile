@@ -1,7 +1,7 @@
 # Developer and CI entry points. Everything runs from the project venv that `make venv`
 # creates (scripts/setup_venv.sh: idempotent, returns at once when nothing changed).
 #
-#   make serve HTTP_PORT=9000   # serve model_repository with Triton (and the OpenAI API on :9000)
+#   make serve HTTP_PORT=8100   # serve model_repository with Triton (and the OpenAI API on :9000)
 #   make test PYTEST_ARGS='-k launcher -x'
 
 PYTHON ?= python3

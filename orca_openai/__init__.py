@@ -2,7 +2,7 @@
 
 It talks to Triton over tritonclient's asyncio gRPC client, one bidirectional stream per request, so it can
 front a local or a remote tritonserver serving orca models (decoupled, with orca_gpt's inputs).
-docs/openai.md says what it supports and what it refuses.
+The README ("Use it from the OpenAI client") says what it supports and what it refuses.
 """
 
 from orca_openai.app import Settings, create_app

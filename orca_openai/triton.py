@@ -1,7 +1,7 @@
 """Triton's side of orca-openai: one gRPC channel (tritonclient.grpc.aio), one bidirectional stream per request.
 
 Triton's gRPC stream hands errors over as a message without a status code, so :func:`classify` maps the
-messages orca_gpt and Triton write to HTTP statuses (docs/openai.md lists them).
+messages orca_gpt and Triton write to HTTP statuses (the README lists them).
 """
 
 from __future__ import annotations

@@ -26,6 +26,12 @@ def test_compose_file_is_consistent() -> None:
     assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia"
     assert "/v2/health/ready" in " ".join(svc["healthcheck"]["test"])
     assert mounts["/cache"] in compose["volumes"]
+    openai = compose["services"]["openai"]  # orca-openai, same image, on Triton's gRPC port
+    assert openai["image"] == svc["image"] and openai["ports"] == ["9000:9000"]
+    assert "--triton-url=triton:8001" in openai["command"] and "--port=9000" in openai["command"]
+    from orca_openai.cli import parse_args  # the server's own parser accepts the command line
+
+    parse_args(openai["command"][1:])
 
 
 def test_dockerfile_uses_triton_2_51_and_installs_what_it_copies() -> None:
