@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from orca.plan import SamplingSpec
+from orca.plan import SamplingSpec, TokenLogprobs
 from orca.sampling_params import MIN_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
@@ -117,3 +117,27 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int], specs: list[SamplingSpec], request_ids: list[str]
+) -> dict[str, TokenLogprobs]:
+    """The drawn tokens' log-probabilities for `rows` of the batch (requests whose spec asks): fp32
+    log_softmax of the raw logits (before temperature, top-k, top-p, as vLLM returns by default), the
+    drawn token's rank (1 + how many tokens are strictly more likely) and the spec.logprobs most likely."""
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    lp = logits.index_select(0, index).float().log_softmax(dim=-1)  # (R, V)
+    chosen = token_ids.index_select(0, index)  # (R,)
+    chosen_lp = lp.gather(1, chosen.unsqueeze(1))  # (R, 1)
+    ranks = (lp > chosen_lp).sum(dim=-1) + 1  # (R,)
+    k = min(max(specs[i].logprobs or 0 for i in rows), lp.shape[-1])
+    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], chosen[:0].unsqueeze(0).expand(len(rows), 0))
+    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
+    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
+    out = {}
+    for j, i in enumerate(rows):
+        n = min(specs[i].logprobs or 0, k)
+        out[request_ids[i]] = TokenLogprobs(
+            chosen_l[j], chosen_lp_l[j], ranks_l[j], tuple(top_ids_l[j][:n]), tuple(top_lp_l[j][:n])
+        )
+    return out

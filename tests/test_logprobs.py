@@ -13,8 +13,8 @@ from _fixtures import FAMILIES, drain, tiny_checkpoint, tiny_engine, tiny_refere
 from orca import LLM, Logprob, RequestOutput, SamplingParams
 from orca.engine import LLMEngine
 from orca.plan import SamplingSpec, TokenLogprobs
+from orca.sampler import token_logprobs
 from orca.serving import logprobs_json, parse_generate_request, response_tensors
-from orca.worker import token_logprobs
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9], [100]]
 

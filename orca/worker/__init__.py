@@ -25,8 +25,8 @@ from orca.kv_cache import KVLayout, blocks_from_gpu_memory
 from orca.loader import load_model, resolve_checkpoint
 from orca.models.attention import AttentionMetadata, PhaseTimer
 from orca.parallel import ParallelContext, local_kv_heads
-from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
-from orca.sampler import SamplingTensors, sample
+from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
+from orca.sampler import SamplingTensors, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -237,30 +237,6 @@ class Worker:
     def num_requests(self) -> int:
         """Requests this worker holds state for."""
         return len(self._requests)
-
-
-def token_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int], specs: list[SamplingSpec], request_ids: list[str]
-) -> dict[str, TokenLogprobs]:
-    """The drawn tokens' log-probabilities for `rows` of the batch (requests whose spec asks): fp32
-    log_softmax of the raw logits (before temperature, top-k, top-p, as vLLM returns by default), the
-    drawn token's rank (1 + how many tokens are strictly more likely) and the spec.logprobs most likely."""
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    lp = logits.index_select(0, index).float().log_softmax(dim=-1)  # (R, V)
-    chosen = token_ids.index_select(0, index)  # (R,)
-    chosen_lp = lp.gather(1, chosen.unsqueeze(1))  # (R, 1)
-    ranks = (lp > chosen_lp).sum(dim=-1) + 1  # (R,)
-    k = min(max(specs[i].logprobs or 0 for i in rows), lp.shape[-1])
-    top_lp, top_ids = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], chosen[:0].unsqueeze(0).expand(len(rows), 0))
-    chosen_l, chosen_lp_l, ranks_l = chosen.tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist()
-    top_ids_l, top_lp_l = top_ids.tolist(), top_lp.tolist()
-    out = {}
-    for j, i in enumerate(rows):
-        n = min(specs[i].logprobs or 0, k)
-        out[request_ids[i]] = TokenLogprobs(
-            chosen_l[j], chosen_lp_l[j], ranks_l[j], tuple(top_ids_l[j][:n]), tuple(top_lp_l[j][:n])
-        )
-    return out
 
 
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
