@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 
 VPY := $(VENV)/bin/python
 
-.PHONY: venv serve test lint
+.PHONY: venv serve test test-gpu lint
 
 venv:
 	PYTHON="$(PYTHON)" VENV_DIR="$(VENV)" bash scripts/setup_venv.sh
@@ -32,6 +32,10 @@ test: venv
 	@rc=0; $(VPY) -m pytest -q $(PYTEST_ARGS) tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
+
+# The engine on CUDA (tests/test_gpu.py); every test is skipped where torch sees no GPU.
+test-gpu: venv
+	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
 
 lint: venv
 	$(VENV)/bin/ruff check .
