@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 import requests
+from test_server_e2e import metrics, wait_for
 
 from orca_openai import protocol
 from orca_openai.triton import Chunk, classify
@@ -32,14 +32,6 @@ API_KEY = "sk-orca-test"
 MODEL = "orca_gpt"
 PARIS = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _healthy(url: str) -> bool:
@@ -79,17 +71,6 @@ def api(orca_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(scope="module")
 def client(api: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{api}/v1", api_key=API_KEY, max_retries=0, timeout=300)
-
-
-def orca_metrics(server: Any, model: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in requests.get(server.metrics_url, timeout=30).text.splitlines():
-        m = re.match(r"^(orca_\w+)\{([^}]*)\} (\S+)$", line)
-        if not m or f'model="{model}"' not in m.group(2):
-            continue
-        labels = [kv for kv in m.group(2).split(",") if not kv.startswith(("model=", "version="))]
-        out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
-    return out
 
 
 # -- no server needed: request mapping, logprobs mapping, error statuses ------------------------------
@@ -308,7 +289,7 @@ def test_closing_a_stream_cancels_the_request_and_frees_its_kv_blocks(
     client: openai.OpenAI, orca_server: Any
 ) -> None:
     key = 'orca_requests_finished_total{reason="cancelled"}'
-    before = orca_metrics(orca_server, MODEL).get(key, 0)
+    before = metrics(orca_server, MODEL).get(key, 0)
     stream = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=400, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     received = 0
@@ -317,22 +298,22 @@ def test_closing_a_stream_cancels_the_request_and_frees_its_kv_blocks(
         if received == 3:
             break
     assert received == 3
-    assert orca_metrics(orca_server, MODEL)["orca_running_requests"] >= 1
+    assert metrics(orca_server, MODEL)["orca_running_requests"] >= 1
     stream.close()
-    wait_for(lambda: orca_metrics(orca_server, MODEL).get(key, 0) == before + 1, "the cancellation")
-    wait_for(lambda: orca_metrics(orca_server, MODEL)["orca_kv_allocated_blocks"] == 0, "the K/V blocks freed")
-    m = orca_metrics(orca_server, MODEL)
+    wait_for(lambda: metrics(orca_server, MODEL).get(key, 0) == before + 1, "the cancellation")
+    wait_for(lambda: metrics(orca_server, MODEL)["orca_kv_allocated_blocks"] == 0, "the K/V blocks freed")
+    m = metrics(orca_server, MODEL)
     assert m["orca_running_requests"] == 0 and m["orca_waiting_requests"] == 0
 
 
 def test_hanging_up_on_a_non_streaming_request_cancels_it(api: str, orca_server: Any) -> None:
     key = 'orca_requests_finished_total{reason="cancelled"}'
-    before = orca_metrics(orca_server, MODEL).get(key, 0)
+    before = metrics(orca_server, MODEL).get(key, 0)
     with pytest.raises(requests.Timeout):  # the client gives up (and closes the connection) after 2 s
         requests.post(f"{api}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2,
                       json={"model": MODEL, "prompt": PARIS, "max_tokens": 400, "ignore_eos": True})
-    wait_for(lambda: orca_metrics(orca_server, MODEL).get(key, 0) == before + 1, "the cancellation")
-    wait_for(lambda: orca_metrics(orca_server, MODEL)["orca_kv_allocated_blocks"] == 0, "the K/V blocks freed")
+    wait_for(lambda: metrics(orca_server, MODEL).get(key, 0) == before + 1, "the cancellation")
+    wait_for(lambda: metrics(orca_server, MODEL)["orca_kv_allocated_blocks"] == 0, "the K/V blocks freed")
 
 
 def test_a_full_waiting_queue_answers_429(client: openai.OpenAI, orca_server: Any) -> None:
@@ -344,7 +325,7 @@ def test_a_full_waiting_queue_answers_429(client: openai.OpenAI, orca_server: An
                                 kwargs={"model": model, "prompt": [3], "max_tokens": 2}) for _ in range(2)]
     for t in threads:
         t.start()
-    wait_for(lambda: orca_metrics(orca_server, model).get("orca_waiting_requests") == 2, "two waiting")
+    wait_for(lambda: metrics(orca_server, model).get("orca_waiting_requests") == 2, "two waiting")
     with pytest.raises(openai.RateLimitError, match="the waiting queue is full") as err:
         client.completions.create(model=model, prompt=[4], max_tokens=2)
     assert err.value.status_code == 429 and err.value.code == "queue_full"
@@ -352,7 +333,7 @@ def test_a_full_waiting_queue_answers_429(client: openai.OpenAI, orca_server: An
     for t in threads:
         t.join(timeout=120)
         assert not t.is_alive()
-    wait_for(lambda: orca_metrics(orca_server, model)["orca_running_requests"] == 0, "idle")
+    wait_for(lambda: metrics(orca_server, model)["orca_running_requests"] == 0, "idle")
 
 
 # -- the launcher -----------------------------------------------------------------------------------
