@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
+from orca_client import client as orca_client
+from orca_client.client import Chunk, parse_result
 from tritonclient.utils import InferenceServerException
 
 ORCA_INPUTS = frozenset({"input_ids", "text_input", "messages", "stream", "sampling_parameters"})
@@ -54,20 +54,6 @@ def classify(message: str) -> APIError:
 
 
 @dataclass
-class Chunk:
-    """One response of orca_gpt."""
-
-    output_ids: list[int]
-    text: str | None
-    final: bool
-    finish_reason: str | None = None
-    num_input_tokens: int | None = None
-    num_output_tokens: int | None = None
-    logprobs: list[dict[str, Any]] | None = None
-    cumulative_logprob: float | None = None
-
-
-@dataclass
 class ModelInfo:
     name: str
     ready: bool
@@ -79,57 +65,20 @@ class ModelInfo:
         return "logprobs" in self.outputs
 
 
-def _tensor(name: str, dtype: str, value: np.ndarray) -> grpcclient.InferInput:
-    t = grpcclient.InferInput(name, list(value.shape), dtype)
-    t.set_data_from_numpy(value)
-    return t
-
-
 def build_inputs(
     prompt: str | list[int] | list[dict[str, str]], sampling: dict[str, Any], return_logprobs: bool = False
 ) -> list[grpcclient.InferInput]:
-    """orca_gpt's request tensors: text, token ids or chat messages; always streaming, completion only."""
-    inputs = []
+    """orca_gpt's request tensors (orca_client's): text, token ids or chat messages; always streaming,
+    completion only."""
     if isinstance(prompt, str):
-        inputs.append(_tensor("text_input", "BYTES", np.asarray([prompt.encode()], dtype=np.object_)))
+        source: dict[str, Any] = {"text": prompt}
     elif prompt and isinstance(prompt[0], dict):
-        inputs.append(_tensor("messages", "BYTES", np.asarray([json.dumps(prompt).encode()], dtype=np.object_)))
+        source = {"messages": prompt}
     else:
-        inputs.append(_tensor("input_ids", "INT32", np.asarray(prompt, dtype=np.int32)))
-    inputs.append(_tensor("stream", "BOOL", np.asarray([True])))
-    inputs.append(_tensor("exclude_input_in_output", "BOOL", np.asarray([True])))
-    if return_logprobs:
-        inputs.append(_tensor("return_logprobs", "BOOL", np.asarray([True])))
-    params = json.dumps({k: v for k, v in sampling.items() if v is not None}).encode()
-    inputs.append(_tensor("sampling_parameters", "BYTES", np.asarray([params], dtype=np.object_)))
-    return inputs
-
-
-def parse_result(result: Any) -> Chunk:
-    response = result.get_response()
-    params = response.parameters
-    final = params["triton_final_response"].bool_param if "triton_final_response" in params else False
-    names = {o.name for o in response.outputs}
-
-    def get(name: str) -> Any:
-        return result.as_numpy(name) if name in names else None
-
-    ids, text, reason = get("output_ids"), get("text_output"), get("finish_reason")
-    n_in, n_out = get("num_input_tokens"), get("num_output_tokens")
-    logprobs, cumulative = get("logprobs"), get("cumulative_logprob")
-    parsed_logprobs = None
-    if logprobs is not None and logprobs.size:
-        raw = logprobs.reshape(-1)[0]
-        parsed_logprobs = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-    return Chunk(
-        output_ids=[] if ids is None else [int(x) for x in ids.reshape(-1)],
-        text=None if text is None else b"".join(text.reshape(-1)).decode("utf-8"),
-        final=final,
-        finish_reason=None if reason is None or not reason.size else reason.reshape(-1)[0].decode(),
-        num_input_tokens=None if n_in is None else int(n_in.reshape(-1)[0]),
-        num_output_tokens=None if n_out is None else int(n_out.reshape(-1)[0]),
-        logprobs=parsed_logprobs,
-        cumulative_logprob=None if cumulative is None or not cumulative.size else float(cumulative.reshape(-1)[0]),
+        source = {"input_ids": prompt}
+    return orca_client.build_inputs(
+        **source, stream=True, exclude_input_in_output=True, return_logprobs=True if return_logprobs else None,
+        **sampling,
     )
 
 
