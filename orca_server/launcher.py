@@ -751,23 +751,23 @@ def run_beside(triton_cmd: list[str], env: Mapping[str, str], openai_cmd: list[s
             with contextlib.suppress(subprocess.TimeoutExpired):
                 triton.wait(timeout=0.5)
     finally:
-        if openai.poll() is None:
-            openai.terminate()
-            try:
-                openai.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                openai.kill()
-                openai.wait()
-        if triton.poll() is None:  # only on an exception in this process
-            triton.send_signal(signal.SIGINT)
-            try:
-                triton.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                triton.kill()
-                triton.wait()
+        _stop(openai, signal.SIGTERM, 15)
+        _stop(triton, signal.SIGINT, 60)  # running still only on an exception in this process
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return triton.returncode
+
+
+def _stop(proc: subprocess.Popen, sig: int, timeout: float) -> None:
+    """Sends `sig` to a child that still runs, and kills it if it has not exited within `timeout` s."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":
