@@ -32,22 +32,23 @@ def make_gpt2(path: Path, seed: int = 0, **overrides: Any) -> Path:
     return path
 
 
+_LLAMA_STYLE_SIZES: dict[str, Any] = {
+    "vocab_size": 197,
+    "hidden_size": 64,
+    "intermediate_size": 112,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "eos_token_id": 196,
+    "bos_token_id": 1,
+}
+
+
 def make_llama(path: Path, seed: int = 0, **overrides: Any) -> Path:
     """Grouped-query attention (8 query heads over 2 K/V heads) and an untied head, as the issue asks."""
     torch.manual_seed(seed)
-    options: dict[str, Any] = {
-        "vocab_size": 197,
-        "hidden_size": 64,
-        "intermediate_size": 112,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "tie_word_embeddings": False,
-        "rope_theta": 10000.0,
-        "eos_token_id": 196,
-        "bos_token_id": 1,
-    }
+    options: dict[str, Any] = {**_LLAMA_STYLE_SIZES, "tie_word_embeddings": False, "rope_theta": 10000.0}
     model = LlamaForCausalLM(LlamaConfig(**{**options, **overrides})).eval()
     # Random init gives near-uniform logits; scale them so greedy choices are well separated from ties.
     with torch.no_grad():
@@ -65,17 +66,6 @@ def _save_scaled(model: Any, path: Path) -> Path:
     return path
 
 
-_LLAMA_STYLE_SIZES: dict[str, Any] = {
-    "vocab_size": 197,
-    "hidden_size": 64,
-    "intermediate_size": 112,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "eos_token_id": 196,
-    "bos_token_id": 1,
-}
 
 
 def make_mistral(path: Path, seed: int = 0, **overrides: Any) -> Path:
