@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from orca.scheduler import KV_ADMISSION_POLICIES
+from orca.timeline import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, MIN_MAX_BYTES
 
 ARCHITECTURES = ("gpt2", "llama")
 # Hugging Face model types served by the Llama-style decoder (orca/models/llama.py), with their options.
@@ -24,6 +25,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 _INT_OPTIONS = (
     "max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed", "block_size",
     "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "local_workers",
+    "trace_max_bytes", "trace_backups",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
@@ -228,6 +230,11 @@ class EngineConfig:
       nodes (python -m orca.worker), ranked by (node index, local index).
     - max_model_len: longest prompt + completion; None means the model's max_position_embeddings.
     - seed: seeds the draw of per-request seeds for requests that give none (None: from the OS).
+    - trace: a file to record the iteration timeline in (orca/timeline.py: per iteration its requests and
+      their phases, admissions, finishes, preemptions, queue length, K/V blocks); None or "" = off (the
+      default, and then free). A new engine starts the file afresh.
+    - trace_max_bytes, trace_backups: the trace's bound: at most trace_max_bytes per file, rotated to
+      trace.1 ... trace.<trace_backups> (older ones deleted), so at most (trace_backups + 1) files.
     """
 
     model: str | None = None
@@ -250,6 +257,9 @@ class EngineConfig:
     local_workers: int | None = None
     max_model_len: int | None = None
     seed: int | None = None
+    trace: str | None = None
+    trace_max_bytes: int = DEFAULT_MAX_BYTES
+    trace_backups: int = DEFAULT_BACKUPS
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -294,6 +304,12 @@ class EngineConfig:
             raise ValueError(
                 f"control_address must be host:port (port 0 picks a free one), got {self.control_address!r}"
             )
+        if isinstance(self.trace, os.PathLike):
+            object.__setattr__(self, "trace", os.fspath(self.trace))  # LLM(..., trace=Path(...))
+        if self.trace is not None and not isinstance(self.trace, str):
+            raise ValueError(f"trace must be a file path or empty (off), got {self.trace!r}")
+        _check_int("trace_max_bytes", self.trace_max_bytes, MIN_MAX_BYTES)
+        _check_int("trace_backups", self.trace_backups, 0)
         if self.local_workers is not None:
             _check_int("local_workers", self.local_workers, 0)
             if self.local_workers > self.world_size:

@@ -8,8 +8,10 @@ pool, ``step`` runs one iteration and reports what happened to every request it 
       -> collect the oldest StepResult -> complete (append tokens, stop rules, free K/V blocks, outputs)
 
 The engine alone mutates Request objects; workers see plans. It knows nothing of tensors (the workers
-own the device) and nothing of Triton. The offline ``LLM`` drives it in a loop; ``EngineLoop``
-(engine_loop.py) drives it from a background thread for the Triton model.
+own the device) and nothing of Triton. With ``EngineConfig.trace`` set it records the iteration timeline
+(orca/timeline.py) through ``self.timeline``; off (None), each hook costs one ``is not None`` check.
+The offline ``LLM`` drives it in a loop; ``EngineLoop`` (engine_loop.py) drives it from a background
+thread for the Triton model.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from orca.request import FinishReason, Logprob, Request
 from orca.sampling_params import SamplingParams
 from orca.scheduler import OrcaScheduler, ScheduledBatch
 from orca.stopping import apply_stop_rules
+from orca.timeline import TimelineRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +162,15 @@ class LLMEngine:
         self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()
         self._worker_holds: set[str] = set()  # requests whose state the workers keep
         self._to_free: list[str] = []  # ... and must drop before the next plan
+        # The iteration timeline (orca/timeline.py): None = off, and every hook below is skipped.
+        self.timeline: TimelineRecorder | None = None
+        if config.trace:
+            self.timeline = TimelineRecorder(
+                config.trace, config.trace_max_bytes, config.trace_backups,
+                model=str(self.checkpoint), max_bs=config.max_bs, block_size=self.blocks.block_size,
+                kv_total_blocks=self.blocks.num_blocks, kv_admission=config.kv_admission,
+                max_num_batched_tokens=config.max_num_batched_tokens, n_workers=n_workers,
+            )
 
     # -- requests --------------------------------------------------------------------------------
     @property
@@ -224,6 +236,8 @@ class LLMEngine:
         if params.logprobs is not None:
             req.logprobs, req.cumulative_logprob = [], 0.0
         self.scheduler.add(req)
+        if self.timeline is not None:
+            self.timeline.arrival(req, time.monotonic())
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
 
@@ -235,6 +249,8 @@ class LLMEngine:
         if req is not None:
             self._finish(req, time.monotonic())
             self._pending.append(self._output(req, [], ""))
+            if self.timeline is not None:
+                self.timeline.finish(req, req.finish_time or 0.0)
         return True
 
     def request_ids(self) -> list[str]:
@@ -271,7 +287,10 @@ class LLMEngine:
                 for req in batch.preempted:
                     self._release_worker_state(req.request_id)
                 plan = self._plan(batch)
-                self._in_flight.append((batch, time.monotonic()))
+                start = time.monotonic()
+                if self.timeline is not None:
+                    self.timeline.selected(batch, self.scheduler, self.blocks, start)
+                self._in_flight.append((batch, start))
                 self.executor.submit(plan)
             if not self._in_flight:
                 return outputs
@@ -291,10 +310,14 @@ class LLMEngine:
         self._in_flight.clear()
         now = time.monotonic()
         outputs = []
+        if self.timeline is not None:
+            self.timeline.dropped()
         for req in self.scheduler.drop_all():
             req.finish_reason, req.error = FinishReason.ERROR, f"the engine failed: {message}"
             self._finish(req, now)
             outputs.append(self._output(req, [], ""))
+            if self.timeline is not None:
+                self.timeline.finish(req, now)
         return outputs
 
     def _plan(self, batch: ScheduledBatch) -> StepPlan:
@@ -347,6 +370,8 @@ class LLMEngine:
         finished = self.scheduler.complete(batch)
         for req in finished:
             self._finish(req, now)
+        if self.timeline is not None:
+            self.timeline.completed(batch.batch_id, now, finished, allocated, used_tokens, result.error)
         outputs = []
         for m, (new, delta, logits) in zip(batch.members, deltas):
             out = self._output(m.request, new, delta)
@@ -421,6 +446,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.timeline is not None:
+            self.timeline.close()
 
 
 def _append_logprobs(req: Request, t: TokenLogprobs) -> None:

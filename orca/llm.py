@@ -28,7 +28,9 @@ class CompletionOutput:
 
 
 class LLM:
-    """``LLM(model=path_or_gguf, **EngineConfig options)``; ``model=None`` is SmolLM2-135M-Instruct."""
+    """``LLM(model=path_or_gguf, **EngineConfig options)``; ``model=None`` is SmolLM2-135M-Instruct.
+    ``LLM(model, trace="run.jsonl")`` records the iteration timeline of every generate() in that file
+    (orca/timeline.py; ``orca-bench timeline run.jsonl`` draws it)."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **options))

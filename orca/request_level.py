@@ -20,6 +20,11 @@ Memory, where FasterTransformer would run out of it (documented choices, both ra
 - When the K/V budget (n_slots) cannot hold every member at the batch's length, the batch is run as
   consecutive sub-batches in arrival order (as if Triton's max_batch_size were smaller); every member is
   still answered only when the last sub-batch ends.
+
+With the engine's trace on (EngineConfig.trace), its timeline (orca/timeline.py) says
+``scheduling: "request-level"`` and, after each batch, a ``batch`` record gives every member's
+``run_tokens`` and the ``kept_tokens`` its own stop condition kept: the iterations in between computed
+tokens that were thrown away, which ``orca-bench timeline`` draws as such.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class RequestLevelBatcher:
         self._id_prefix = id_prefix
         self._next_batch = 0
         self.last_plan: list[SubBatch] = []
+        if engine.timeline is not None:
+            engine.timeline.set_info(scheduling="request-level")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong with one member (the engine's own checks)."""
@@ -111,6 +118,13 @@ class RequestLevelBatcher:
                 out = self._cut(out, params)
             out.finish_time = end
             outputs.append(out)
+        if self.engine.timeline is not None:
+            run_tokens = {i: n for sub in self.last_plan for i, n in zip(sub.members, sub.run_tokens)}
+            self.engine.timeline.event("batch", end, batch=batch_id, members=[
+                {"id": self._request_id(batch_id, i), "run_tokens": run_tokens[i], "kept_tokens": len(out.token_ids),
+                 "reason": out.finish_reason}
+                for i, out in enumerate(outputs)
+            ])
         return outputs
 
     # -- internals -------------------------------------------------------------------------------
@@ -134,7 +148,7 @@ class RequestLevelBatcher:
         index_of: dict[str, int] = {}
         for i, n in zip(sub.members, sub.run_tokens):
             prompt, params = batch[i]
-            request_id = f"{self._id_prefix}{batch_id}-{i}"
+            request_id = self._request_id(batch_id, i)
             index_of[request_id] = i
             # Every member runs the batch's length: its own stop conditions are applied afterwards.
             padded = replace(params, max_tokens=n, ignore_eos=True, stop=(), stop_token_ids=())
@@ -153,6 +167,9 @@ class RequestLevelBatcher:
                 if out.finished:
                     finals[index_of[out.request_id]] = out
         return finals
+
+    def _request_id(self, batch_id: int, member: int) -> str:
+        return f"{self._id_prefix}{batch_id}-{member}"
 
     def _cut(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
         """The member's tokens up to its own stop condition, by the engine's own rule (orca/stopping.py)."""
