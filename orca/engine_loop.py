@@ -63,8 +63,13 @@ class EngineLoop:
         final output follows the snapshot without it). on_failure gets the reason, once, when the engine
         fails: its workers died or hung (every request it held has its error output by then), the loop
         thread died or an iteration hung (then on the watchdog's thread; outputs may never come: the
-        caller must answer its requests itself). `fault` = (iteration, "hang" | "crash") injects a
-        failure for the tests (see fault_from_env)."""
+        caller must answer its requests itself). `fault` = (iteration, "hang" | "crash" | "raise")
+        injects a failure for the tests (see fault_from_env)."""
+        if fault is not None:
+            if fault[1] not in _FAULT_KINDS:
+                raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {fault[1]!r} ({', '.join(_FAULT_KINDS)})")
+            if fault[1] == "raise" and not hasattr(engine.executor, "worker"):
+                raise ValueError("$ORCA_ENGINE_FAULT kind raise needs the in-process worker (no parallelism)")
         self.engine = engine
         self._on_output = on_output
         self._on_iteration = on_iteration
@@ -147,7 +152,11 @@ class EngineLoop:
             self._iterations += 1
             self._busy_since = time.monotonic()
             if self._fault is not None and self._iterations == self._fault[0]:
-                _inject(self._fault[1])  # a hang counts as the iteration's (the watchdog sees it)
+                if self._fault[1] == "raise":  # inside the worker's next iteration: it fails, the loop goes on
+                    self.engine.executor.worker.inject_fault(
+                        f"fault injected by $ORCA_ENGINE_FAULT in iteration {self._iterations}")
+                else:
+                    _inject(self._fault[1])  # a hang counts as the iteration's (the watchdog sees it)
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a scheduler bug must not silently kill the thread
@@ -242,9 +251,14 @@ class EngineLoop:
         return outputs
 
 
+_FAULT_KINDS = ("hang", "crash", "raise")
+
+
 def fault_from_env(model_name: str) -> tuple[int, str] | None:
-    """Fault injection for the failure tests: $ORCA_ENGINE_FAULT = "MODEL:ITERATION:KIND" makes that
-    model's loop hang inside (KIND hang) or die before (crash) that iteration."""
+    """Fault injection for the failure tests: $ORCA_ENGINE_FAULT = "MODEL:ITERATION:KIND" (comma-separated
+    for several models) makes that model's loop hang inside (KIND hang) or die before (crash) that
+    iteration of the loop, or (raise) makes the in-process worker raise inside the next plan it executes
+    from that iteration on: that iteration's requests fail (finish_reason error), the engine goes on."""
     spec = os.environ.get("ORCA_ENGINE_FAULT", "")
     for item in filter(None, spec.split(",")):
         name, iteration, kind = item.split(":")
@@ -263,7 +277,7 @@ def _inject(kind: str) -> None:
             time.sleep(3600)
     if kind == "crash":
         raise _InjectedCrash("fault injected by $ORCA_ENGINE_FAULT")
-    raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {kind!r} (hang, crash)")
+    raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {kind!r} ({', '.join(_FAULT_KINDS)})")
 
 
 def _failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:

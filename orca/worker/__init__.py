@@ -60,6 +60,7 @@ class Worker:
         self.kv_pool: torch.Tensor | None = None
         self._requests: dict[str, _RequestState] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []  # activations on their way to the next stage
+        self._fault: str | None = None  # inject_fault: the next plan raises this message mid-iteration
 
     # -- the K/V pool ----------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -120,6 +121,13 @@ class Worker:
         self.kv_pool = self.kv_layout.allocate(num_blocks, self.device)
 
     # -- iterations ------------------------------------------------------------------------------
+    def inject_fault(self, message: str) -> None:
+        """Fault injection for the reliability tests ($ORCA_ENGINE_FAULT kind raise, orca/engine_loop.py):
+        the next plan this worker executes raises RuntimeError(message) inside the iteration, after the
+        model has run (its keys and values are written) and before sampling: that plan fails, as any
+        exception in an iteration would."""
+        self._fault = message
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one iteration. An exception fails this plan only: it comes back as StepResult.error."""
         try:
@@ -144,6 +152,9 @@ class Worker:
         par = self.par
         received = None if par.is_first_stage else self._receive_activations(ids.shape[0])
         hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)
+        if self._fault is not None:
+            message, self._fault = self._fault, None
+            raise RuntimeError(message)
         result = StepResult(plan.batch_id)
         if not par.is_last_stage:
             self._send_activations(hidden)
