@@ -33,11 +33,16 @@ TINY_MODELS = {
     # inside it (a hung device: the watchdog gives up after worker_timeout), one's thread dies before it.
     "orca_tiny_hang": {"n_slots": "2048", "worker_timeout": "2"},
     "orca_tiny_crash": {"n_slots": "2048"},
+    # tests/reliability: the in-process worker raises inside its 3rd iteration (ENGINE_FAULTS): only that
+    # iteration's requests fail, the model stays ready. max_bs 2: a burst leaves some requests waiting.
+    "orca_tiny_raise": {"max_bs": "2", "n_slots": "2048"},
+    # tests/reliability soak: few running and a short waiting queue, so a burst saturates it and is refused.
+    "orca_tiny_soak": {"max_bs": "4", "max_queue": "24", "n_slots": "4096"},
 }
 # Models the failure tests make fail (they unload themselves): no other test may rely on them.
 FAILING_MODELS = ("orca_tiny_tp2", "orca_tiny_hang", "orca_tiny_crash")
 # $ORCA_ENGINE_FAULT for the test server (orca.engine_loop.fault_from_env): only these models fail.
-ENGINE_FAULTS = "orca_tiny_hang:3:hang,orca_tiny_crash:3:crash"
+ENGINE_FAULTS = "orca_tiny_hang:3:hang,orca_tiny_crash:3:crash,orca_tiny_raise:3:raise"
 
 # The baseline serving the tiny checkpoint. Triton runs a batch as soon as it holds max_batch_size
 # requests; the long queue delay means a batch of exactly REQUEST_LEVEL_TINY_BATCH requests sent together
