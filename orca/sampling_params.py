@@ -7,13 +7,17 @@ Triton user can move a request between backends without renaming anything.
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 DEFAULT_MAX_TOKENS = 16
 """vLLM's default: a request that names no max_tokens gets a short completion, never the whole context."""
 
-_SEED_RANGE = (0, 2**63 - 1)
+MAX_INT64 = 2**63 - 1
+"""The largest seed and top_k: both travel to the workers as int64 tensors."""
+_SEED_RANGE = (0, MAX_INT64)
 MAX_LOGPROBS = 20
 """The most top alternatives a request may ask for per token (vLLM's default max_logprobs)."""
 MIN_TEMPERATURE = 1e-5
@@ -46,36 +50,41 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, low=1)
-        _check_number("temperature", self.temperature)
+        # Every message names the field, what is wrong and the allowed values or range.
+        _check_int("max_tokens", self.max_tokens, low=1, note="and prompt + max_tokens at most the context")
+        _check_number("temperature", self.temperature, ">= 0 (0 = greedy)")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        _check_int("top_k", self.top_k, low=0)
-        _check_number("top_p", self.top_p)
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {_num(self.temperature)}")
+        _check_int("top_k", self.top_k, low=0, high=MAX_INT64, note="0 = off")
+        _check_number("top_p", self.top_p, "in (0, 1] (1 = off)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1], got {_num(self.top_p)} (1 = off)")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=_SEED_RANGE[0], high=_SEED_RANGE[1])
+            _check_int("seed", self.seed, low=_SEED_RANGE[0], high=_SEED_RANGE[1], note="or null for a random one")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {type(self.ignore_eos).__name__}")
+            raise ValueError(f"ignore_eos must be a boolean (true or false), got {_show(self.ignore_eos)}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (0 = the sampled token's only) or null, "
-                f"got {self.logprobs!r}"
+                f"got {_num(self.logprobs)}"
             )
         # Accept lists (JSON gives lists) but store tuples so the object stays hashable and immutable.
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError("stop must be a string or a list of non-empty strings")
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {_show(stop)}")
+        for i, s in enumerate(stop):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop[{i}] must be a non-empty string, got {_show(s)}")
+            _check_unicode(f"stop[{i}]", s)
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
-            raise ValueError("stop_token_ids must be a list of integers >= 0")
-        for i in ids:
-            _check_int("stop_token_ids[]", i, low=0)
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {_show(ids)}")
+        for i, token_id in enumerate(ids):
+            _check_int(f"stop_token_ids[{i}]", token_id, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @property
@@ -91,7 +100,10 @@ class SamplingParams:
         """Unknown keys are an error naming them and the allowed ones, never silently ignored."""
         unknown = sorted(set(keys) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"unknown {what}(s) {', '.join(unknown)}; allowed: {', '.join(cls.field_names())}")
+            shown = ", ".join(_key(k) for k in unknown[:5])
+            if len(unknown) > 5:
+                shown += f" (and {len(unknown) - 5} more)"
+            raise ValueError(f"unknown {what}(s) {shown}; allowed: {', '.join(cls.field_names())}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
@@ -113,30 +125,83 @@ class SamplingParams:
 
 def json_object(text: str, what: str) -> dict[str, Any]:
     """Parses a JSON object (an empty string is {}); ValueError saying what `what` got wrong."""
-    try:
-        values = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    values = json_value(text, what) if text.strip() else {}
     if not isinstance(values, dict):
         raise ValueError(f"{what} must be a JSON object, got {type(values).__name__}")
     return values
 
 
-def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+def json_value(text: str, what: str) -> Any:
+    """json.loads, whose every failure (bad syntax, nesting too deep, a number too long for Python) is a
+    ValueError naming `what`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply to parse") from None
+    except ValueError as exc:
+        if "integer string conversion" in str(exc):  # Python's bound on the digits of an int
+            raise ValueError(
+                f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits: no field allows one"
+            ) from None
+        raise ValueError(f"{what} could not be parsed: {exc}") from None
+
+
+def _key(key: Any) -> str:
+    """A key for an error message: as is when plainly printable, else quoted (an empty or blank key)."""
+    if isinstance(key, str) and key and key.isprintable() and key.strip() == key:
+        return _clip(key, 40)
+    return _clip(repr(key), 40)
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _num(value: Any) -> str:
+    """A value for an error message, clipped (a client may send megabytes): an integer of more than 30
+    digits as its digit count, anything else as its repr."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"{'a negative' if value < 0 else 'an'} integer of {len(str(abs(value)))} digits"
+    if isinstance(value, str) and len(value) > 80:
+        return f"{value[:80]!r}... ({len(value)} characters)"
+    return _clip(repr(value))
+
+
+def _show(value: Any) -> str:
+    """A value of the wrong type for an error message: its type and (clipped) repr."""
+    return f"{type(value).__name__} {_num(value)}"
+
+
+def _check_unicode(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode: {exc.reason} at character {exc.start}") from None
+
+
+def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None, note: str = "") -> None:
+    """ValueError unless value is an int (not a bool) in [low, high]; the message names the range."""
+    bounds = " and ".join(b for b in (
+        f">= {low}" if low is not None else "", f"<= {high}" if high is not None else "") if b)
+    note = f" ({note})" if note else ""
     # bool is an int subclass in Python; `max_tokens: true` is a type error, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+        raise ValueError(f"{name} must be an integer {bounds}{note}, got {_show(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {bounds}{note}, got {_num(value)}")
 
 
-def _check_number(name: str, value: Any) -> None:
+def _check_number(name: str, value: Any, allowed: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise ValueError(f"{name} must be a number {allowed}, got {_show(value)}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        finite = False
+    if not finite:
+        raise ValueError(f"{name} must be a finite number {allowed}, got {_num(value)}")
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "SamplingParams"]

@@ -31,7 +31,7 @@ import numpy as np
 
 from orca.engine import RequestOutput
 from orca.request import Logprob
-from orca.sampling_params import SamplingParams, json_object
+from orca.sampling_params import SamplingParams, json_object, json_value
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
 RETURN_FLAGS = (
@@ -57,7 +57,9 @@ class GenerateRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     prompt_text: str | None = None  # the prompt as text, echoed before a non-streaming completion
-    # (None for `messages`: a chat answer is the completion alone)
+    # (None for `messages`: a chat answer is the completion alone; for input_ids see echo_ids)
+    echo_ids: bool = False  # the prompt came as input_ids: echo their decoded text (decoded only when a
+    # response needs it, after the engine has checked the ids: a tokenizer may raise on ids out of range)
     # The vllm_backend flags: None = not given (orca_gpt's defaults), else the client's value.
     return_finish_reason: bool | None = None
     return_num_input_tokens: bool | None = None
@@ -72,7 +74,8 @@ class GenerateRequest:
 def parse_generate_request(
     inputs: dict[str, np.ndarray], parameters: dict[str, Any], codec: TextCodec, has_tokenizer: bool
 ) -> GenerateRequest:
-    """Raises ValueError with a message saying what is wrong and what is allowed."""
+    """Raises ValueError with a message saying what is wrong and what is allowed (the prompt's ids are
+    checked against the model by the engine when the request is submitted)."""
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if not given:
         raise ValueError("the request has no prompt: give input_ids, text_input or messages")
@@ -80,21 +83,19 @@ def parse_generate_request(
         raise ValueError(f"give exactly one prompt input, got {', '.join(given)}")
     prompt_text: str | None = None
     if "input_ids" in inputs:
-        arr = inputs["input_ids"]
+        arr = np.asarray(inputs["input_ids"])
         if arr.dtype.kind not in "iu":
-            raise ValueError(f"input_ids must be integers, got {arr.dtype}")
-        prompt_ids = [int(x) for x in arr.reshape(-1)]
-        if has_tokenizer and prompt_ids:
-            prompt_text = codec.decode(prompt_ids)
+            raise ValueError(f"input_ids must be integers (INT32 token ids), got {arr.dtype}")
+        prompt_ids = [int(x) for x in arr.reshape(-1).tolist()]
     elif "text_input" in inputs:
         prompt_text = _string_input(inputs, "text_input")
         if not prompt_text:
             raise ValueError("text_input is empty: give at least one character")
-        prompt_ids = codec.encode(prompt_text)
+        prompt_ids = _with_codec("text_input", codec.encode, prompt_text)
     else:
         # A chat prompt is a structure, not text: its response carries the completion only.
         messages = _parse_messages(_string_input(inputs, "messages"))
-        prompt_ids = codec.apply_chat_template(messages)
+        prompt_ids = _with_codec("messages", codec.apply_chat_template, messages)
     params = _sampling_params(inputs, parameters)
     flags = {name: _bool_input(inputs, name) if name in inputs else None for name in RETURN_FLAGS}
     logprobs_asked = params.logprobs is not None
@@ -106,6 +107,7 @@ def parse_generate_request(
         stream=_bool_input(inputs, "stream"),
         exclude_input_in_output=_bool_input(inputs, "exclude_input_in_output"),
         prompt_text=prompt_text,
+        echo_ids="input_ids" in inputs,
         return_finish_reason=flags["return_finish_reason"],
         return_num_input_tokens=flags["return_num_input_tokens"],
         return_num_output_tokens=flags["return_num_output_tokens"],
@@ -116,20 +118,39 @@ def parse_generate_request(
     )
 
 
+def _with_codec(name: str, call: Any, arg: Any) -> list[int]:
+    """The tokenizer's answer for the prompt input `name`; its refusals (no tokenizer, no chat template,
+    a chat template that raises on these messages) are ValueErrors naming the input."""
+    try:
+        return call(arg)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] != "jinja2":  # TemplateError: the template's raise_exception
+            raise
+        raise ValueError(f"{name}: the model's chat template refuses them: {exc}") from None
+
+
 def _single(inputs: dict[str, np.ndarray], name: str) -> Any:
-    arr = inputs[name]
+    arr = np.asarray(inputs[name])
     if arr.size != 1:
-        raise ValueError(f"{name} must hold exactly one element, got {arr.size}")
+        raise ValueError(f"{name} must hold exactly one element, got {arr.size} (shape {list(arr.shape)})")
     return arr.reshape(-1)[0]
 
 
 def _string_input(inputs: dict[str, np.ndarray], name: str) -> str:
     value = _single(inputs, name)
-    if isinstance(value, bytes):
+    if isinstance(value, (bytes, np.bytes_)):
         try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(f"{name} is not valid UTF-8") from None
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name} is not valid UTF-8 (byte {exc.start}: {exc.reason})") from None
+    if not isinstance(value, (str, np.str_)):
+        raise ValueError(f"{name} must be a string (BYTES, UTF-8), got {np.asarray(inputs[name]).dtype}")
+    try:
+        str(value).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode (character {exc.start}: {exc.reason})") from None
     return str(value)
 
 
@@ -139,24 +160,33 @@ def _bool_input(inputs: dict[str, np.ndarray], name: str) -> bool:
     value = _single(inputs, name)
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise ValueError(f"{name} must be a boolean, got {type(value).__name__}")
+    raise ValueError(f"{name} must be a boolean (BOOL, true or false), got {np.asarray(inputs[name]).dtype}")
+
+
+_ROLES = ("system", "user", "assistant")
 
 
 def _parse_messages(text: str) -> list[dict[str, str]]:
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    messages = json_value(text, "messages")
     if not isinstance(messages, list) or not messages:
         raise ValueError('messages must be a non-empty JSON list of {"role": ..., "content": ...} objects')
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or not {"role", "content"} <= set(m):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
             raise ValueError(f'messages[{i}] must be an object with exactly the keys "role" and "content"')
-        if m["role"] not in ("system", "user", "assistant") or not isinstance(m["content"], str):
-            raise ValueError(
-                f'messages[{i}]: role must be "system", "user" or "assistant" and content a string'
-            )
+        if not isinstance(m["role"], str) or m["role"] not in _ROLES:
+            raise ValueError(f'messages[{i}]: role must be "system", "user" or "assistant", got {_clip(m["role"])}')
+        if not isinstance(m["content"], str):
+            raise ValueError(f"messages[{i}]: content must be a string, got {type(m['content']).__name__}")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"messages[{i}]: content is not valid Unicode ({exc.reason})") from None
     return messages
+
+
+def _clip(value: Any, limit: int = 40) -> str:
+    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _sampling_params(inputs: dict[str, np.ndarray], parameters: dict[str, Any]) -> SamplingParams:
@@ -173,11 +203,14 @@ def _parameter_value(name: str, value: Any) -> Any:
     if name in ("stop", "stop_token_ids") and isinstance(value, str):
         if name == "stop" and not value.startswith("["):
             return [value]
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            raise ValueError(f"{name} must be a JSON list, got {value!r}") from None
+        return json_value(value, _STRING_LISTS[name])
     return value
+
+
+_STRING_LISTS = {
+    "stop": "stop (one stop string, or a JSON list of non-empty strings in a string)",
+    "stop_token_ids": "stop_token_ids (a JSON list of integers >= 0 in a string)",
+}
 
 
 def response_tensors(
@@ -189,8 +222,8 @@ def response_tensors(
         ids, text, logprobs = out.new_token_ids, out.text_delta or "", out.new_logprobs
     else:
         ids, text, logprobs = out.token_ids, out.text or "", out.logprobs
-        if not request.exclude_input_in_output and request.prompt_text is not None:
-            text = request.prompt_text + text
+        if not request.exclude_input_in_output:
+            text = _prompt_text(request) + text
     tensors = {"output_ids": np.asarray(ids, dtype=np.int32)}
     if request.return_num_input_tokens is not False:
         tensors["num_input_tokens"] = np.asarray([out.num_prompt_tokens], dtype=np.uint32)
@@ -210,6 +243,15 @@ def response_tensors(
         value = float("nan") if out.cumulative_logprob is None else out.cumulative_logprob
         tensors["cumulative_logprob"] = np.asarray([value], dtype=np.float32)
     return tensors
+
+
+def _prompt_text(request: GenerateRequest) -> str:
+    """The prompt to echo before a non-streaming completion ("" for messages)."""
+    if request.prompt_text is not None:
+        return request.prompt_text
+    if request.echo_ids and request.codec is not None and request.prompt_token_ids:
+        return request.codec.decode(request.prompt_token_ids)
+    return ""
 
 
 def logprobs_json(logprobs: list[dict[int, Logprob]], codec: TextCodec | None) -> str:
