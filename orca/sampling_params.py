@@ -109,7 +109,7 @@ class SamplingParams:
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Builds from a JSON-like dict."""
         if not isinstance(values, dict):
-            raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
+            raise ValueError(f"sampling parameters must be a JSON object, got {json_type(values)}")
         cls.check_keys(values)
         return cls(**values)
 
@@ -127,7 +127,7 @@ def json_object(text: str, what: str) -> dict[str, Any]:
     """Parses a JSON object (an empty string is {}); ValueError saying what `what` got wrong."""
     values = json_value(text, what) if text.strip() else {}
     if not isinstance(values, dict):
-        raise ValueError(f"{what} must be a JSON object, got {type(values).__name__}")
+        raise ValueError(f"{what} must be a JSON object, got {json_type(values)}")
     return values
 
 
@@ -169,9 +169,22 @@ def _num(value: Any) -> str:
     return _clip(repr(value))
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for error messages (clients send JSON, not Python)."""
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (dict, "object"),
+                       ((list, tuple), "array")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
 def _show(value: Any) -> str:
-    """A value of the wrong type for an error message: its type and (clipped) repr."""
-    return f"{type(value).__name__} {_num(value)}"
+    """A value of the wrong type for an error message: its JSON type and (clipped) value."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)  # null, true, false
+    return f"{json_type(value)} {_num(value)}"
 
 
 def _check_unicode(name: str, text: str) -> None:
@@ -204,4 +217,5 @@ def _check_number(name: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{name} must be a finite number {allowed}, got {_num(value)}")
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "SamplingParams", "json_object", "json_type",
+           "json_value"]

@@ -31,7 +31,7 @@ import numpy as np
 
 from orca.engine import RequestOutput
 from orca.request import Logprob
-from orca.sampling_params import SamplingParams, json_object, json_value
+from orca.sampling_params import SamplingParams, json_object, json_type, json_value
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
 RETURN_FLAGS = (
@@ -169,14 +169,19 @@ _ROLES = ("system", "user", "assistant")
 def _parse_messages(text: str) -> list[dict[str, str]]:
     messages = json_value(text, "messages")
     if not isinstance(messages, list) or not messages:
-        raise ValueError('messages must be a non-empty JSON list of {"role": ..., "content": ...} objects')
+        got = "an empty array" if isinstance(messages, list) else json_type(messages)
+        raise ValueError(f'messages must be a non-empty JSON list of {{"role": ..., "content": ...}} objects, '
+                         f"got {got}")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ValueError(f'messages[{i}] must be an object with exactly the keys "role" and "content"')
+        if not isinstance(m, dict):
+            raise ValueError(f'messages[{i}] must be an object with the keys "role" and "content", got {json_type(m)}')
+        if set(m) != {"role", "content"}:
+            keys = ", ".join(_clip(k) for k in m) or "none"
+            raise ValueError(f'messages[{i}] must be an object with exactly the keys "role" and "content", got {keys}')
         if not isinstance(m["role"], str) or m["role"] not in _ROLES:
             raise ValueError(f'messages[{i}]: role must be "system", "user" or "assistant", got {_clip(m["role"])}')
         if not isinstance(m["content"], str):
-            raise ValueError(f"messages[{i}]: content must be a string, got {type(m['content']).__name__}")
+            raise ValueError(f"messages[{i}]: content must be a string, got {json_type(m['content'])}")
         try:
             m["content"].encode("utf-8")
         except UnicodeEncodeError as exc:

@@ -83,6 +83,7 @@ def outcome(engine: LLMEngine, inputs: dict[str, Any], parameters: dict[str, Any
     except ValueError as exc:
         message = str(exc)
         assert message and len(message) < 2000, message  # clear, and clipped however large the input
+        message.encode("utf-8")  # Triton's error carries UTF-8: a lone surrogate echoed back would not pass
         return message
     check_servable(engine, request)
     return request
@@ -374,13 +375,13 @@ FOUND = [
     ("no_tokenizer", {"sampling_parameters": '{"max_tokens": ' + "9" * 5000 + "}"}, {},
      r"sampling_parameters holds an integer of more than 4300 digits"),
     # Messages without the range: type errors said only "must be an integer".
-    ("no_tokenizer", {}, {"max_tokens": "1"}, r"max_tokens must be an integer >= 1 .*, got str '1'"),
+    ("no_tokenizer", {}, {"max_tokens": "1"}, r"max_tokens must be an integer >= 1 .*, got string '1'"),
     ("no_tokenizer", {}, {"top_k": 2.5}, r"top_k must be an integer >= 0 and <= 9223372036854775807"),
     ("no_tokenizer", {}, {"temperature": math.nan}, r"temperature must be a finite number >= 0"),
     ("no_tokenizer", {}, {"top_p": "0.9"}, r"top_p must be a number in \(0, 1\]"),
     ("no_tokenizer", {}, {"seed": -1}, r"seed must be >= 0 and <= 9223372036854775807"),
     ("no_tokenizer", {}, {"stop_token_ids": "[1, -2]"}, r"stop_token_ids\[1\] must be >= 0, got -2"),
-    ("no_tokenizer", {}, {"stop": '["a", 3]'}, r"stop\[1\] must be a non-empty string, got int 3"),
+    ("no_tokenizer", {}, {"stop": '["a", 3]'}, r"stop\[1\] must be a non-empty string, got integer 3"),
     # The no-tokenizer refusal did not name the input.
     ("no_tokenizer", {"text_input": "hello"}, {}, r"text_input: this model .* has no tokenizer: send input_ids"),
     ("no_tokenizer", {"messages": '[{"role": "user", "content": "hi"}]'}, {},
