@@ -14,7 +14,8 @@ ValueError), but Triton's `/generate` endpoints report every response error of a
 code. So the check is HTTP 400 plus a message that is not one of orca_gpt's other errors (INTERNAL:
 "internal error: ...", "generation failed: ..."; UNAVAILABLE: "the engine failed ...", "the waiting queue
 is full"). Requests Triton itself refuses before the model (wrong dtype or shape, an unknown input) carry
-Triton's own message, which names the input.
+Triton's own message, which names the input. Bodies Triton's HTTP frontend cannot convert (TRITON_HTTP) never
+reach the model: Triton answers them itself, with 500 for most, and those answers are pinned as they are.
 
 Afterwards: every valid run produced exactly the tokens it produces alone, the model is ready, the engine is
 idle (no request, block or slot left behind), no request finished with an error, and the server log shows
@@ -224,6 +225,27 @@ GRPC_ONLY = [
 # fmt: on
 
 
+# Bodies Triton's HTTP frontend refuses itself, before the model (tritonserver 2.51 of the pinned
+# nvidia-pytriton wheel): its status (500 for what it cannot convert to the declared tensors, 400 for a
+# request parameter that is not a scalar) and message, pinned here to document them. orca cannot change
+# these answers; the model never sees the request.
+TRITON_HTTP = [
+    ("{not json", 500, r"failed to parse the request JSON buffer"),
+    ("", 500, r"failed to parse the request JSON buffer: The document is empty"),
+    ("[1, 2]", 500, r"attempt to get members for non-object"),
+    ('{"input_ids": "abc"}', 500, r"Unable to parse 'data': attempt to access JSON non-signed-integer"),
+    ('{"input_ids": [[1, 2]]}', 500, r"Unable to parse 'data': Shape does not match"),
+    ('{"input_ids": [1.5]}', 500, r"Unable to parse 'data': attempt to access JSON non-signed-integer"),
+    ('{"input_ids": [1], "stream": 3}', 500, r"Unable to parse 'data': attempt to access JSON non-boolean"),
+    ('{"text_input": 5}', 500, r"Unable to parse JSON bytes array: attempt to access JSON non-string"),
+    ('{"text_input": ["a", "b"]}', 400, r"can not convert input 'text_input' to tensor with proper shape"),
+    ('{"input_ids": [1], "max_tokens": [1, 2]}', 400, r"parameter 'max_tokens' has invalid type. It should be "
+                                                      r"either 'int', 'bool', or 'string'"),
+    ('{"input_ids": [1], "max_tokens": null}', 400, r"parameter 'max_tokens' has invalid type"),
+    ('{"input_ids": [1], "sampling_parameters": {"max_tokens": 4}}', 500, r"Unable to parse JSON bytes array"),
+]
+
+
 # -- valid load -------------------------------------------------------------------------------------
 VALID = [([11, 12, 13], 300), ([42] * 5, 260), (list(range(100, 140)), 280)]
 
@@ -382,9 +404,11 @@ def _log_tail(path: Any, offset: int) -> str:
 
 
 def test_table_is_distinct_and_large() -> None:
-    keys = [json.dumps(b.body, sort_keys=True) for b in BAD] + [repr([(n, a.tolist(), d) for n, a, d in spec])
-                                                                 for spec, _ in GRPC_ONLY]
-    assert len(set(keys)) == len(keys) == len(BAD) + len(GRPC_ONLY) >= 60
+    keys = ([json.dumps(b.body, sort_keys=True) for b in BAD] + [repr([(n, a.tolist(), d) for n, a, d in spec])
+                                                                  for spec, _ in GRPC_ONLY]
+            + [body for body, _, _ in TRITON_HTTP])
+    assert len(set(keys)) == len(keys) == len(BAD) + len(GRPC_ONLY) + len(TRITON_HTTP)
+    assert len(BAD) + len(GRPC_ONLY) >= 60  # those orca answers
 
 
 def test_malformed_requests_refused_while_valid_streams_run(orca_server: Any, alone: list[list[int]]) -> None:
@@ -406,6 +430,12 @@ def test_malformed_requests_refused_while_valid_streams_run(orca_server: Any, al
                 load.wait_generating()
                 _check(grpc.error(_grpc_inputs(spec), {}), Bad({}, says), f"gRPC {[n for n, _, _ in spec]}")
                 answered += 1
+            for body, status, says in TRITON_HTTP:
+                load.wait_generating()
+                for endpoint in ("generate", "generate_stream"):
+                    r = requests.post(f"{orca_server.http_url}/v2/models/{MODEL}/{endpoint}", data=body.encode(),
+                                      timeout=60)
+                    assert (r.status_code, bool(re.search(says, r.json()["error"]))) == (status, True), (body, r.text)
             load.wait_generating()  # still generating after the last malformed request
         assert not load.errors, load.errors
     finally:
@@ -449,3 +479,4 @@ def _short(body: dict[str, Any]) -> str:
 def iter_cases() -> Iterator[str]:  # for reporting: one line per distinct malformed request
     yield from (_short(b.body) for b in BAD)
     yield from (repr([(n, d) for n, _, d in spec]) for spec, _ in GRPC_ONLY)
+    yield from (body[:117] for body, _, _ in TRITON_HTTP)
