@@ -38,6 +38,9 @@ TINY_MODELS = {
     "orca_tiny_raise": {"max_bs": "2", "n_slots": "2048"},
     # tests/reliability soak: few running and a short waiting queue, so a burst saturates it and is refused.
     "orca_tiny_soak": {"max_bs": "4", "max_queue": "24", "n_slots": "4096"},
+    # tests/test_timeline.py: orca-bench trace --timeline reloads it with its trace parameter set, then as
+    # configured. Four requests per iteration and a budget of 32 tokens: prompts run in chunks.
+    "orca_tiny_timeline": {"max_bs": "4", "n_slots": "1024", "max_num_batched_tokens": "32"},
 }
 # Models the failure tests make fail (they unload themselves): no other test may rely on them.
 FAILING_MODELS = ("orca_tiny_tp2", "orca_tiny_hang", "orca_tiny_crash")

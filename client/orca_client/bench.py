@@ -10,7 +10,19 @@ every --metrics-interval seconds during the rate point): the mean of orca_kv_use
 orca_preemptions_total the point added (none for models without these gauges, such as
 request_level_gpt). Writes JSON and the paper's Figure 10 (median normalized latency against throughput)
 plus the throughput each model sustains within a latency SLO. The engine options (kv_admission,
-max_num_batched_tokens, ...) are the served model's config.pbtxt parameters, recorded in the JSON.
+max_num_batched_tokens, ...) are the served model's config.pbtxt parameters, recorded in the JSON. With
+--timeline DIR each model also records its iteration timeline (orca/timeline.py) in DIR/MODEL.jsonl:
+orca-bench reloads the model with its config's trace parameter set to that file (Triton's explicit model
+control: load_model with a config override), drives it, reloads it with the trace parameter it had, and
+then draws the trace (as orca-bench timeline does) when DIR is readable here. DIR is a path on the
+server's host: the same directory when the server runs on this machine (make serve).
+
+``orca-bench timeline``: an iteration timeline (a trace file written by the engine: EngineConfig.trace,
+LLM(..., trace=path), a Triton model's trace parameter, or orca-bench trace --timeline) as a
+Chrome/Perfetto trace JSON (one track per request, one for the iterations: open it in ui.perfetto.dev)
+and a PNG: requests as horizontal bars coloured by phase over iterations, as in the Orca paper's Figure
+4, with the batch size, the queue and the K/V pool in use below. Reads the rotated files (TRACE.1, ...)
+too.
 
 ``orca-bench offline``: the same requests through orca's engine (stepped as orca.LLM.generate steps it)
 and through transformers' continuous batching on the same weights, in one process, in turn: tokens/s,
@@ -476,6 +488,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         "runs": [],
     }
     notes: dict[str, str] = {}  # why a model has no K/V numbers
+    timelines: dict[str, Path] = {}
+    own_trace = {m: d.parameters.get("trace", "") for m, d in drivers.items()}  # restored afterwards
+    if args.timeline:
+        directory = Path(args.timeline).resolve()  # the server resolves a relative path from its own cwd
+        directory.mkdir(parents=True, exist_ok=True)
+        timelines = {m: directory / f"{m}.jsonl" for m in models}
+        result["timelines"] = {m: str(p) for m, p in timelines.items()}
     try:
         with tqdm(total=total, unit="req", desc="orca-bench trace", disable=args.no_progress) as bar:
             lock = threading.Lock()
@@ -484,6 +503,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 with lock:
                     bar.update(1)
             for model in models:
+                if model in timelines:
+                    bar.set_postfix_str(f"{model}: reloading with its timeline on")
+                    reload_model(args.url, model, str(timelines[model]))
                 if unloaded_trace:
                     bar.set_postfix_str(f"{model} unloaded")
                     records = run_closed_loop(drivers[model], unloaded_trace, args.timeout, tick)
@@ -501,6 +523,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
                     })
                     if sampler.note and model not in notes:
                         notes[model] = sampler.note
+                if model in timelines:
+                    bar.set_postfix_str(f"{model}: reloading with its own trace parameter")
+                    reload_model(args.url, model, own_trace[model])
     finally:
         for driver in drivers.values():
             driver.close()
@@ -511,7 +536,30 @@ def cmd_trace(args: argparse.Namespace) -> int:
         write_json(args.json, result)
     if args.plot:
         plot_trace(result, args.plot)
+    for model, path in timelines.items():
+        if path.is_file():
+            draw_timeline(str(path), str(path.with_suffix(".perfetto.json")), str(path.with_suffix(".png")),
+                          title=f"{model}")
+        else:
+            print(f"{model}: the server wrote its timeline to {path} on its own host (not readable here)")
     return 0
+
+
+def reload_model(url: str, model: str, trace: str) -> None:
+    """Reloads a served model with its trace parameter set to `trace` ("" = off): Triton's load_model with
+    a config override, the model's current config with that one parameter changed (a plain load_model
+    would keep the loaded config: Triton reloads only what changed). Needs Triton's explicit model
+    control, as make serve starts it."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        config = client.get_model_config(model, as_json=True)["config"]
+        parameters = config.setdefault("parameters", {})
+        if "trace" not in parameters:
+            raise ValueError(f"{model} has no trace parameter in its config.pbtxt: it cannot record a timeline")
+        parameters["trace"] = {"string_value": trace}
+        client.load_model(model, config=json.dumps(config))
+    finally:
+        client.close()
 
 
 def add_slo(result: dict[str, Any], multiple: float) -> None:
@@ -623,6 +671,40 @@ def plot_trace(result: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"wrote {path}")
+
+
+# -- the timeline command ---------------------------------------------------------------------------------
+def draw_timeline(trace: str, perfetto: str | None, png: str | None, title: str | None = None,
+                  x: str = "iteration", max_requests: int | None = None) -> dict[str, Any]:
+    """Reads a trace (orca.timeline.read_timeline), writes the Perfetto JSON and the PNG
+    (orca_client.timeline), prints and returns its summary."""
+    from orca.timeline import read_timeline
+    from orca_client import timeline as tl
+
+    timeline = read_timeline(trace)
+    summary = tl.summarize(timeline)
+    print(f"{trace}: {summary['scheduling']} scheduling, {summary['requests']} requests "
+          f"({summary['finished']} finished), {summary['iterations']} iterations in {summary['seconds']:.3f} s, "
+          f"mean batch size {summary['mean_batch_size']:.2f} (max {summary['max_batch_size']}, max_bs "
+          f"{summary['max_bs']}), {summary['tokens_generated']} tokens generated, "
+          f"{summary['preemptions']} preemptions, {summary['discarded_tokens']} tokens thrown away")
+    if perfetto:
+        tl.write_perfetto(timeline, perfetto)
+        print(f"wrote {perfetto}")
+    if png:
+        tl.plot(timeline, png, title=title, x=x, max_requests=max_requests)
+        print(f"wrote {png}")
+    return summary
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    base = Path(args.trace)
+    perfetto = str(base.with_suffix(".perfetto.json")) if args.perfetto is None else args.perfetto
+    png = str(base.with_suffix(".png")) if args.png is None else args.png
+    summary = draw_timeline(args.trace, perfetto, png, args.title, args.x, args.max_requests)
+    if args.json:
+        write_json(args.json, summary)
+    return 0
 
 
 # -- the offline command ----------------------------------------------------------------------------------
@@ -1205,7 +1287,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for a run's answers")
     t.add_argument("--plot", metavar="PATH", help="write the latency-throughput figure (PNG)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--timeline", metavar="DIR",
+                   help="record each model's iteration timeline in DIR/MODEL.jsonl (reloads the model with its trace "
+                        "parameter set, then with the one it had; DIR must be the same path on the server's host) and "
+                        "draw it: DIR/MODEL.perfetto.json, DIR/MODEL.png")
     t.set_defaults(func=cmd_trace)
+
+    tl = sub.add_parser("timeline", help="an iteration timeline as a Perfetto trace JSON and a PNG",
+                        description=_doc_paragraph("timeline"))
+    tl.add_argument("trace", metavar="TRACE", help="the trace file (JSON lines; TRACE.1, TRACE.2, ... are read too)")
+    tl.add_argument("--perfetto", metavar="PATH",
+                    help="Chrome/Perfetto trace JSON to write (default: TRACE with suffix .perfetto.json; \"\": none)")
+    tl.add_argument("--png", metavar="PATH", help="picture to write (default: TRACE with suffix .png; \"\": none)")
+    tl.add_argument("--x", choices=("iteration", "time"), default="iteration",
+                    help="the picture's horizontal axis: iterations (the paper's Figure 4) or seconds "
+                         "(default: %(default)s)")
+    tl.add_argument("--title", help="the picture's title (default: the scheduling, iteration- or request-level)")
+    tl.add_argument("--max-requests", type=_positive_int, metavar="N",
+                    help="draw only the first N requests (default: all)")
+    tl.add_argument("--json", metavar="PATH", help="write the summary to this JSON file")
+    tl.set_defaults(func=cmd_timeline)
 
     o = sub.add_parser("offline", help="orca's engine against transformers' continuous batching, in this process",
                        description=_doc_paragraph("offline"))
