@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 import pytest
 from _fixtures import smollm2, tiny_engine
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import given as hyp_given
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.extra import numpy as hnp
 
 from orca import LLMEngine
@@ -84,9 +85,17 @@ def outcome(engine: LLMEngine, inputs: dict[str, Any], parameters: dict[str, Any
         message = str(exc)
         assert message and len(message) < 2000, message  # clear, and clipped however large the input
         message.encode("utf-8")  # Triton's error carries UTF-8: a lone surrogate echoed back would not pass
+        _event("refused")
         return message
     check_servable(engine, request)
+    _event("accepted")
     return request
+
+
+def _event(name: str) -> None:
+    """Counted in `pytest --hypothesis-show-statistics` (how many examples were accepted, refused)."""
+    if currently_in_test_context():
+        event(name)
 
 
 def check_servable(engine: LLMEngine, request: GenerateRequest) -> None:
@@ -328,14 +337,18 @@ def test_input_ids_values_fuzzed(engine: LLMEngine, ids: list[int], dtype: Any) 
 
 
 # -- messages (the chat prompt) ---------------------------------------------------------------------
-MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant"]), "content": WILD_TEXT},
-) | st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls"]) | WILD_TEXT, JSON_VALUES, max_size=3)
+CHAT_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": WILD_TEXT | st.text(max_size=200)},
+)
+MESSAGE = CHAT_MESSAGE | st.dictionaries(
+    st.sampled_from(["role", "content", "name", "tool_calls"]) | WILD_TEXT, JSON_VALUES, max_size=3
+)
 
 
 @fuzz(300)
 @hyp_given(
-    messages=st.one_of(st.lists(MESSAGE, max_size=4).map(json.dumps), JSON_VALUES.map(json.dumps),
+    messages=st.one_of(st.lists(CHAT_MESSAGE, min_size=1, max_size=4).map(json.dumps),  # the chat template's
+                       st.lists(MESSAGE, max_size=4).map(json.dumps), JSON_VALUES.map(json.dumps),  # input
                        WILD_TEXT, st.sampled_from(DEEP)),
 )
 def test_messages_fuzzed(engine: LLMEngine, messages: str) -> None:
