@@ -128,7 +128,18 @@ def check_servable(engine: LLMEngine, request: GenerateRequest) -> None:
     tensors = response_tensors(out, request, engine.tokenizer is not None)
     assert tensors["output_ids"].tolist() == [3]
     if "text_output" in tensors:
-        tensors["text_output"][0].decode("utf-8")
+        text = tensors["text_output"][0].decode("utf-8")
+        if not request.stream and not request.exclude_input_in_output and "messages" not in request_kinds(request):
+            prompt = request.prompt_text if request.prompt_text is not None else engine.decode(ids)
+            assert text == prompt + "x"  # the non-streaming echo: the prompt's text, then the completion
+
+
+def request_kinds(request: GenerateRequest) -> set[str]:
+    """Which prompt input the request came from: text_input keeps its text, input_ids echo their decoded
+    text, messages echo nothing."""
+    if request.prompt_text is not None:
+        return {"text_input"}
+    return {"input_ids"} if request.echo_ids else {"messages"}
 
 
 def assert_blames(message: str, names: set[str], numeric: bool) -> None:
