@@ -1302,7 +1302,8 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--x", choices=("iteration", "time"), default="iteration",
                     help="the picture's horizontal axis: iterations (the paper's Figure 4) or seconds "
                          "(default: %(default)s)")
-    tl.add_argument("--title", help="the picture's title (default: the scheduling, iteration- or request-level)")
+    tl.add_argument("--title", help="a name put before the scheduling (iteration- or request-level) in the picture's "
+                    "heading, e.g. the model (default: none)")
     tl.add_argument("--max-requests", type=_positive_int, metavar="N",
                     help="draw only the first N requests (default: all)")
     tl.add_argument("--json", metavar="PATH", help="write the summary to this JSON file")

@@ -293,8 +293,9 @@ def plot(timeline: Any, path: str | Path, title: str | None = None, x: str = "it
     ax.set_ylim(-0.8, n - 0.2)
     step = max(1, n // 24)
     ax.set_yticks([n - 1 - r for r in range(0, n, step)])
-    ax.set_yticklabels([_short(tracks[r].id) for r in range(0, n, step)], fontsize=7)
-    ax.set_ylabel("requests (arrival order)")
+    prefix, labels = _labels([tr.id for tr in tracks])
+    ax.set_yticklabels([labels[r] for r in range(0, n, step)], fontsize=7)
+    ax.set_ylabel(f"requests ({prefix}…)" if prefix else "requests", fontsize=9)
     legend = [Patch(color=PHASE_COLOURS["prompt"], label="prompt (initiation)"),
               Patch(color=PHASE_COLOURS["increment"], label="increment")]
     phases_seen = {m.phase for tr in tracks for m in tr.memberships}
@@ -316,15 +317,18 @@ def plot(timeline: Any, path: str | Path, title: str | None = None, x: str = "it
     ax_bs.legend(**outside)
     total = header.get("kv_total_blocks") or 0
     bs = header.get("block_size") or 1
-    if total:
-        centres = [left[k] + width[k] / 2 for k in range(len(its))]
-        ax_kv.fill_between(centres, [100 * it["kv_blocks"] / total for it in its], step="mid", color="#b5d3a8",
-                           label="K/V blocks allocated")
-        ax_kv.plot(centres, [100 * it["kv_used_tokens"] / (total * bs) for it in its], color="#3d7a2a",
-                   drawstyle="steps-mid", linewidth=1.2, label="K/V slots holding tokens")
-        ax_kv.set_ylim(0, 105)
-        ax_kv.set_ylabel(f"% of {total} blocks")
-        ax_kv.legend(**outside)
+    centres = [left[k] + width[k] / 2 for k in range(len(its))]
+    ax_kv.fill_between(centres, [it["kv_blocks"] for it in its], step="mid", color="#b5d3a8",
+                       label="blocks allocated")
+    ax_kv.plot(centres, [it["kv_used_tokens"] / bs for it in its], color="#3d7a2a", drawstyle="steps-mid",
+               linewidth=1.2, label="blocks' worth of tokens held")
+    peak = max(it["kv_blocks"] for it in its)
+    if total and peak > total / 2:  # near the pool's size: show all of it
+        ax_kv.axhline(total, color="grey", linestyle="--", linewidth=1, label=f"pool: {total} blocks")
+        peak = total
+    ax_kv.set_ylim(0, max(1, peak) * 1.1)
+    ax_kv.set_ylabel("K/V blocks" + (f" (of {total})" if total else ""), fontsize=9)
+    ax_kv.legend(**outside)
     ax_kv.set_xlabel("seconds" if by_time else "iteration")
     s = summarize(timeline)
     heading = f"{header.get('scheduling', '?')} scheduling"
@@ -354,8 +358,16 @@ def _merge(segments: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def _short(request_id: str) -> str:
-    return request_id if len(request_id) <= 18 else "…" + request_id[-16:]
+def _labels(ids: list[str]) -> tuple[str, list[str]]:
+    """The ids' common prefix (up to a separator) and what is left of each: orca_gpt-orca_gpt_0_0-7 -> 7."""
+    if len(ids) < 2:
+        return "", ids
+    common = ids[0]
+    for i in ids[1:]:
+        while not i.startswith(common):
+            common = common[:-1]
+    cut = max(common.rfind(sep) for sep in "-_.:/") + 1
+    return ids[0][:cut], [i[cut:] for i in ids]
 
 
 def write_perfetto(timeline: Any, path: str | Path) -> None:
