@@ -490,7 +490,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     notes: dict[str, str] = {}  # why a model has no K/V numbers
     timelines: dict[str, Path] = {}
     own_trace = {m: d.parameters.get("trace", "") for m, d in drivers.items()}  # restored afterwards
+    traced: list[str] = []  # reloaded with the timeline on, not yet restored
     if args.timeline:
+        if untraceable := [m for m, d in drivers.items() if "trace" not in d.parameters]:
+            for driver in drivers.values():
+                driver.close()
+            raise ValueError(f"{', '.join(untraceable)} has no trace parameter in its config.pbtxt: it cannot "
+                             "record a timeline")
         directory = Path(args.timeline).resolve()  # the server resolves a relative path from its own cwd
         directory.mkdir(parents=True, exist_ok=True)
         timelines = {m: directory / f"{m}.jsonl" for m in models}
@@ -506,6 +512,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 if model in timelines:
                     bar.set_postfix_str(f"{model}: reloading with its timeline on")
                     reload_model(args.url, model, str(timelines[model]))
+                    traced.append(model)
                 if unloaded_trace:
                     bar.set_postfix_str(f"{model} unloaded")
                     records = run_closed_loop(drivers[model], unloaded_trace, args.timeout, tick)
@@ -526,7 +533,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 if model in timelines:
                     bar.set_postfix_str(f"{model}: reloading with its own trace parameter")
                     reload_model(args.url, model, own_trace[model])
+                    traced.remove(model)
     finally:
+        for model in traced:  # a run that failed half-way: the model must not keep tracing
+            with contextlib.suppress(Exception):
+                reload_model(args.url, model, own_trace[model])
         for driver in drivers.values():
             driver.close()
     result["kv_notes"] = notes
