@@ -44,6 +44,7 @@ class _Abort:
 
 
 _STOP = object()
+_ABORT_ALL = object()
 
 
 class EngineLoop:
@@ -127,6 +128,19 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def drain(self) -> None:
+        """Refuses new requests from now on (QueueFullError, "shutting down"); those submitted go on."""
+        with self._lock:
+            self._stopping = True
+
+    def abort_all(self) -> None:
+        """Refuses new requests from now on (QueueFullError, "shutting down") and aborts every request
+        submitted so far: each gets its 'cancelled' final output after the current iteration. The loop
+        keeps running (the Triton model calls this when tritonserver's exit timeout is about to end)."""
+        with self._lock:
+            self._stopping = True
+        self._commands.put(_ABORT_ALL)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops after the current iteration; every unfinished request gets a 'cancelled' output."""
         with self._lock:
@@ -205,6 +219,10 @@ class EngineLoop:
             block = False
             if cmd is _STOP:
                 return False
+            if cmd is _ABORT_ALL:
+                for request_id in self.engine.request_ids():
+                    self.engine.abort_request(request_id)
+                continue
             if isinstance(cmd, _Add):
                 with self._lock:
                     self._queued_adds -= 1

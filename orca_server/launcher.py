@@ -508,6 +508,22 @@ class TritonServer:
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def send_signal(self, sig: int) -> None:
+        """Sends ``sig`` to tritonserver alone (not its stubs), as a supervisor would: SIGTERM or SIGINT
+        starts Triton's graceful shutdown (``--exit-timeout-secs``)."""
+        if self._proc is None:
+            raise TritonServerError("server not started")
+        self._proc.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Waits up to ``timeout`` s for tritonserver to exit; its exit code, or None if it still runs."""
+        if self._proc is None:
+            raise TritonServerError("server not started")
+        try:
+            return self._proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stop(self) -> int | None:
         """Stop the server (SIGINT, then SIGKILL of its group); return its exit code.
 

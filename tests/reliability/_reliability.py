@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import requests
 import tritonclient.grpc.aio as aiogrpc
@@ -98,10 +99,13 @@ async def grpc_request(
     cancel_after_s: float | None = None,
     cancel_point: str | None = None,
     timeout: float = 600.0,
+    linger: float | None = None,
 ) -> Outcome:
     """Sends one request on a stream of its own and reads until the server ends the stream (or `timeout`).
     With cancel_after_tokens / cancel_after_s the client cancels the call once it holds that many tokens
-    or that many seconds after sending, unless a FINAL or an error came first."""
+    or that many seconds after sending, unless a FINAL or an error came first. With `linger`, reading stops
+    that many seconds after the FINAL or error even if the stream stays open (`closed` says whether it
+    ended)."""
     out = Outcome(index, "grpc", cancel_point=cancel_point, sent=time.monotonic())
     request_id = f"rel-{index}"
 
@@ -118,6 +122,9 @@ async def grpc_request(
         while True:
             now = time.monotonic()
             if now > deadline:
+                if out.terminal and linger is not None:
+                    it.cancel()
+                    break
                 raise AssertionError(f"request {index}: no end of stream within {timeout:.0f} s: {out}")
             wait = deadline - now
             if cancel_at is not None and out.terminal == 0:
@@ -147,6 +154,8 @@ async def grpc_request(
                 out.finish_reason = chunk.finish_reason or out.finish_reason
             if out.terminal and out.done is None:
                 out.done = time.monotonic()
+                if linger is not None:
+                    deadline = min(deadline, out.done + linger)
             if (cancel_after_tokens is not None and out.terminal == 0
                     and len(out.tokens) >= cancel_after_tokens):
                 it.cancel()
@@ -217,6 +226,10 @@ async def http_request(
     try:
         limit = timeout if cancel_after_s is None else cancel_after_s
         await asyncio.wait_for(read(), limit)
+    except aiohttp.ClientError as exc:  # the connection broke (the server went away)
+        out.transport_error = f"{type(exc).__name__}: {exc}"
+        if out.done is None:
+            out.done = time.monotonic()
     except asyncio.TimeoutError:
         if cancel_after_s is None:
             raise AssertionError(f"request {index}: no end of stream within {timeout:.0f} s: {out}") from None

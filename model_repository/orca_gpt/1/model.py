@@ -9,6 +9,13 @@ Triton responses and sends them, so sending never delays the next iteration. It 
 also notices client cancellation and aborts those requests: a request's sender is asked with each of its
 outputs, and any active request not asked for _CANCEL_POLL_S (one still waiting for admission, say) by a
 periodic sweep. Every request gets exactly one FINAL.
+
+A watcher thread follows tritonserver itself. On SIGTERM/SIGINT Triton stops taking requests and waits up
+to --exit-timeout-secs, then exits whatever is in flight (decoupled requests are not among the inferences it
+waits for). The model sees the server stop being ready (is_model_ready fails): requests in flight keep
+generating until shortly before the exit timeout ends, and then every one left is cancelled, so that each
+gets its FINAL before Triton exits. If tritonserver is gone (killed, crashed), the stub kills itself: it has
+nobody to answer and would otherwise stay behind.
 """
 
 from __future__ import annotations
@@ -16,10 +23,16 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import queue
+import shutil
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
@@ -36,6 +49,8 @@ _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 _CANCEL_POLL_S = 0.1  # how often the response thread asks every active request's sender about cancellation
 _NO_OUTPUT = object()
+_WATCH_S = 0.5  # how often the watcher asks whether tritonserver still runs and is ready
+_TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's default --exit-timeout-secs
 # The gauges, each named (in _Metrics' families) by the EngineStats field or property it shows.
 _GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
            "n_slots")
@@ -136,6 +151,11 @@ class TritonPythonModel:
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
         self._response_thread.start()
         self.loop.start()
+        self._finalizing = threading.Event()
+        self._server_stopping = threading.Event()
+        for target, name in ((self._watch_server, "orca-server-watch"), (self._watch_ready, "orca-ready-watch")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+        self._reaper = _start_reaper()
         logger.info("orca_gpt ready: %s, n_slots=%d", self.engine.checkpoint, self.engine.n_slots)
 
     def execute(self, requests: list[Any]) -> None:
@@ -144,9 +164,58 @@ class TritonPythonModel:
         return None  # decoupled: responses go out through each request's sender
 
     def finalize(self) -> None:
+        self._finalizing.set()
         self.loop.shutdown()  # cancels what is in flight: each gets its FINAL through the queue
         self._responses.put(None)
         self._response_thread.join(timeout=30)
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait(timeout=10)
+
+    # -- the watcher threads -----------------------------------------------------------------------
+    def _watch_server(self) -> None:
+        """Notices tritonserver's shutdown: first its HTTP service closes new connections (while it waits up to
+        the exit timeout for the open ones), then the model stops being ready (while Triton waits to unload
+        it; _watch_ready). From then new requests are refused (UNAVAILABLE, "the engine is shutting down"),
+        the requests in flight have until shortly before the exit timeout ends, and the rest are cancelled
+        then, so each gets its FINAL before Triton exits. This thread calls nothing of
+        Triton's (a call can block while the server stops)."""
+        args = _cmdline(os.getppid())
+        exit_timeout = _exit_timeout(args)
+        probe = _HttpProbe(args)
+        while not self._server_stopping.is_set():
+            if probe.closed():
+                self._server_stopping.set()
+                break
+            if self._finalizing.wait(_WATCH_S):
+                return
+        if self._finalizing.is_set() or self.loop.failed is not None:
+            return
+        self.loop.drain()  # Triton takes no new HTTP connections now; new gRPC requests are refused here
+        margin = min(exit_timeout, max(2.0, 0.25 * exit_timeout))
+        logger.warning("%s: tritonserver is shutting down (exit timeout %g s): the %d requests in flight may run "
+                       "%g s more, then the rest are cancelled", self._model_name, exit_timeout, len(self._active),
+                       exit_timeout - margin)
+        if self._finalizing.wait(exit_timeout - margin):
+            return
+        with self._active_lock:
+            left = len(self._active)
+        logger.warning("%s: the exit timeout is ending: cancelling the %d requests still in flight",
+                       self._model_name, left)
+        self.loop.abort_all()
+
+    def _watch_ready(self) -> None:
+        """Tells _watch_server when the model stops being ready after it was (Triton unloads it)."""
+        seen_ready = False
+        while not self._finalizing.wait(_WATCH_S) and not self._server_stopping.is_set():
+            try:
+                ready = bool(pb_utils.is_model_ready(model_name=self._model_name))
+            except Exception:  # noqa: BLE001 - the server refuses to answer: it is stopping
+                ready = False
+            if ready:
+                seen_ready = True
+            elif seen_ready:
+                self._server_stopping.set()
 
     # -- execute's side --------------------------------------------------------------------------
     def _submit(self, request: Any) -> None:
@@ -287,6 +356,99 @@ class TritonPythonModel:
             m.e2e.observe(out.finish_time - out.arrival_time)
             if out.first_token_time is not None and len(out.token_ids) > 1:
                 m.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+
+
+# The reaper: a small process beside the stub that kills it once tritonserver is gone (killed, crashed, or
+# exited past its timeout without unloading the model), then exits; it exits too when the stub does. A
+# process, not a thread: a stub whose server died can block every thread of its own, the GIL included.
+_REAPER = """
+import os, signal, sys, time
+stub, server = int(sys.argv[1]), int(sys.argv[2])
+def started(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in "ZX" else fields[19]
+    except (OSError, IndexError):
+        return None
+server_start, stub_start = started(server), started(stub)
+while True:
+    time.sleep(0.5)
+    if started(stub) != stub_start:
+        sys.exit(0)
+    if started(server) != server_start:
+        print(f"orca reaper: tritonserver (pid {server}) is gone: killing its Python backend stub {stub}", flush=True)
+        os.kill(stub, signal.SIGKILL)
+        sys.exit(0)
+"""
+
+
+def _start_reaper() -> subprocess.Popen | None:
+    python = sys.executable if "python" in Path(sys.executable).name else shutil.which("python3")
+    if python is None:
+        logger.warning("no python3 found: the stub cannot watch for tritonserver's death")
+        return None
+    return subprocess.Popen([python, "-S", "-c", _REAPER, str(os.getpid()), str(os.getppid())],
+                            stdin=subprocess.DEVNULL, close_fds=True)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The value of tritonserver's --name=value (or --name value), else None."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def _exit_timeout(args: list[str]) -> float:
+    """tritonserver's --exit-timeout-secs, else Triton's default."""
+    try:
+        return max(0.0, float(_flag(args, "exit-timeout-secs") or _TRITON_EXIT_TIMEOUT_S))
+    except ValueError:
+        return _TRITON_EXIT_TIMEOUT_S
+
+
+class _HttpProbe:
+    """Opens a fresh connection to tritonserver's HTTP port each time. Once shutting down, Triton accepts new
+    connections and closes (or resets) them unanswered while it waits for the open ones; closed() is True
+    after two of those in a row. A port that refuses connections (not yet listening, HTTP off) or a slow
+    answer counts for nothing."""
+
+    def __init__(self, args: list[str]) -> None:
+        address = _flag(args, "http-address") or "0.0.0.0"
+        self.address = (
+            "127.0.0.1" if address in ("0.0.0.0", "") else address,
+            int(_flag(args, "http-port") or 8000),
+        )
+        self.enabled = (_flag(args, "allow-http") or "true").lower() not in ("false", "0")
+        self.unanswered = 0
+
+    def closed(self) -> bool:
+        if not self.enabled:
+            return False
+        try:
+            sock = socket.create_connection(self.address, timeout=2)
+        except OSError:
+            return False
+        with sock:
+            try:
+                sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: triton\r\nConnection: close\r\n\r\n")
+                reply = sock.recv(64)
+            except TimeoutError:
+                return False
+            except OSError:
+                reply = b""
+        self.unanswered = 0 if reply.startswith(b"HTTP/") else self.unanswered + 1
+        return self.unanswered >= 2
 
 
 def _send_error(sender: Any, message: str, code: Any) -> None:
