@@ -3,6 +3,8 @@
 #
 #   make serve HTTP_PORT=8100   # serve model_repository with Triton (and the OpenAI API on :9000)
 #   make test PYTEST_ARGS='-k launcher -x'
+#   make test-stress            # full-size reliability runs (tests/reliability, marker stress): 1,000-request
+#                               # soak and 200-stream cancellation storm on SmolLM2; figures to docs/reliability/
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +19,7 @@ PYTEST_ARGS ?=
 
 VPY := $(VENV)/bin/python
 
-.PHONY: venv serve test test-gpu lint
+.PHONY: venv serve test test-gpu test-stress lint
 
 venv:
 	PYTHON="$(PYTHON)" VENV_DIR="$(VENV)" bash scripts/setup_venv.sh
@@ -36,6 +38,14 @@ test: venv
 # The engine on CUDA (tests/test_gpu.py); every test is skipped where torch sees no GPU.
 test-gpu: venv
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+
+# The reliability suite at full size (tests/reliability, docs/RELIABILITY.md) against the shipped SmolLM2
+# orca_gpt; `make test` runs the same tests at CI size on tiny models and skips these. Sizes:
+# ORCA_STRESS_SOAK_REQUESTS, ORCA_STRESS_SOAK_RATE, ORCA_STRESS_STORM_STREAMS. Figures (JSON, the soak's
+# RSS curve) go to RELIABILITY_REPORT_DIR.
+RELIABILITY_REPORT_DIR ?= docs/reliability
+test-stress: venv
+	ORCA_RELIABILITY_REPORT_DIR="$(RELIABILITY_REPORT_DIR)" $(VPY) -m pytest -q -s -m stress $(PYTEST_ARGS) tests/reliability
 
 lint: venv
 	$(VENV)/bin/ruff check .
