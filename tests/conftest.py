@@ -15,6 +15,11 @@ import pytest
 
 from orca_server.launcher import TritonServer
 
+# "auto" dtype means bfloat16 on CPUs with native bfloat16 (orca.config.auto_dtype); the tests compare with
+# float32 references (transformers, runs alone), so every engine of the session, the Triton server's
+# included (it inherits this environment), takes float32 for "auto".
+os.environ["ORCA_DTYPE"] = "float32"
+
 
 def _startup_timeout() -> float:
     """Loading a real checkpoint on a 2-core CPU can take minutes; overridable for slow hosts."""
