@@ -10,12 +10,12 @@ also notices client cancellation and aborts those requests: a request's sender i
 outputs, and any active request not asked for _CANCEL_POLL_S (one still waiting for admission, say) by a
 periodic sweep. Every request gets exactly one FINAL.
 
-A watcher thread follows tritonserver itself. On SIGTERM/SIGINT Triton stops taking requests and waits up
-to --exit-timeout-secs, then exits whatever is in flight (decoupled requests are not among the inferences it
-waits for). The model sees the server stop being ready (is_model_ready fails): requests in flight keep
-generating until shortly before the exit timeout ends, and then every one left is cancelled, so that each
-gets its FINAL before Triton exits. If tritonserver is gone (killed, crashed), the stub kills itself: it has
-nobody to answer and would otherwise stay behind.
+A watcher thread follows tritonserver itself. On SIGTERM/SIGINT Triton stops taking HTTP connections and
+waits up to --exit-timeout-secs, then exits whatever is in flight (decoupled requests are not among the
+inferences it waits for). The watcher notices through Triton's HTTP port: new requests are refused, those
+in flight keep generating until shortly before the exit timeout ends, and then every one left is cancelled,
+so that each gets its FINAL before Triton exits. If tritonserver is gone (killed, crashed), a reaper process
+kills the stub: it has nobody to answer and would otherwise stay behind.
 """
 
 from __future__ import annotations
@@ -152,9 +152,7 @@ class TritonPythonModel:
         self._response_thread.start()
         self.loop.start()
         self._finalizing = threading.Event()
-        self._server_stopping = threading.Event()
-        for target, name in ((self._watch_server, "orca-server-watch"), (self._watch_ready, "orca-ready-watch")):
-            threading.Thread(target=target, name=name, daemon=True).start()
+        threading.Thread(target=self._watch_server, name="orca-server-watch", daemon=True).start()
         self._reaper = _start_reaper()
         logger.info("orca_gpt ready: %s, n_slots=%d", self.engine.checkpoint, self.engine.n_slots)
 
@@ -174,19 +172,17 @@ class TritonPythonModel:
 
     # -- the watcher threads -----------------------------------------------------------------------
     def _watch_server(self) -> None:
-        """Notices tritonserver's shutdown: first its HTTP service closes new connections (while it waits up to
-        the exit timeout for the open ones), then the model stops being ready (while Triton waits to unload
-        it; _watch_ready). From then new requests are refused (UNAVAILABLE, "the engine is shutting down"),
-        the requests in flight have until shortly before the exit timeout ends, and the rest are cancelled
-        then, so each gets its FINAL before Triton exits. This thread calls nothing of
-        Triton's (a call can block while the server stops)."""
+        """Notices tritonserver's shutdown through its HTTP port (_HttpProbe): Triton first closes new HTTP
+        connections while it waits up to the exit timeout for the open ones, then stops its HTTP service and
+        waits (the rest of the timeout) for the models to unload. From then new requests are refused
+        (UNAVAILABLE, "the engine is shutting down"), the requests in flight have until shortly before the
+        exit timeout ends, and the rest are cancelled then, so each gets its FINAL before Triton exits.
+        Nothing here calls into Triton: polling pb_utils.is_model_ready from a thread of the stub, tried
+        first, crashed tritonserver under load (a boost interprocess lock_exception in the next execute)."""
         args = _cmdline(os.getppid())
         exit_timeout = _exit_timeout(args)
         probe = _HttpProbe(args)
-        while not self._server_stopping.is_set():
-            if probe.closed():
-                self._server_stopping.set()
-                break
+        while not probe.closed():
             if self._finalizing.wait(_WATCH_S):
                 return
         if self._finalizing.is_set() or self.loop.failed is not None:
@@ -203,19 +199,6 @@ class TritonPythonModel:
         logger.warning("%s: the exit timeout is ending: cancelling the %d requests still in flight",
                        self._model_name, left)
         self.loop.abort_all()
-
-    def _watch_ready(self) -> None:
-        """Tells _watch_server when the model stops being ready after it was (Triton unloads it)."""
-        seen_ready = False
-        while not self._finalizing.wait(_WATCH_S) and not self._server_stopping.is_set():
-            try:
-                ready = bool(pb_utils.is_model_ready(model_name=self._model_name))
-            except Exception:  # noqa: BLE001 - the server refuses to answer: it is stopping
-                ready = False
-            if ready:
-                seen_ready = True
-            elif seen_ready:
-                self._server_stopping.set()
 
     # -- execute's side --------------------------------------------------------------------------
     def _submit(self, request: Any) -> None:
@@ -418,10 +401,11 @@ def _exit_timeout(args: list[str]) -> float:
 
 
 class _HttpProbe:
-    """Opens a fresh connection to tritonserver's HTTP port each time. Once shutting down, Triton accepts new
-    connections and closes (or resets) them unanswered while it waits for the open ones; closed() is True
-    after two of those in a row. A port that refuses connections (not yet listening, HTTP off) or a slow
-    answer counts for nothing."""
+    """Opens a fresh connection to tritonserver's HTTP port each time. While shutting down, Triton first
+    accepts new connections and closes (or resets) them unanswered, then closes its port. closed() is True
+    after two such answers in a row: unanswered connections, or (having been answered before) refused ones.
+    A port that refuses connections before it ever answered (Triton still loading models) and a slow
+    answer count for nothing; with HTTP off (--allow-http=false) nothing is noticed."""
 
     def __init__(self, args: list[str]) -> None:
         address = _flag(args, "http-address") or "0.0.0.0"
@@ -430,15 +414,19 @@ class _HttpProbe:
             int(_flag(args, "http-port") or 8000),
         )
         self.enabled = (_flag(args, "allow-http") or "true").lower() not in ("false", "0")
-        self.unanswered = 0
+        self.answered = False
+        self.misses = 0
 
     def closed(self) -> bool:
         if not self.enabled:
             return False
         try:
             sock = socket.create_connection(self.address, timeout=2)
-        except OSError:
+        except TimeoutError:
             return False
+        except OSError:  # refused: not listening (yet, or any more)
+            self.misses = self.misses + 1 if self.answered else 0
+            return self.misses >= 2
         with sock:
             try:
                 sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: triton\r\nConnection: close\r\n\r\n")
@@ -447,8 +435,11 @@ class _HttpProbe:
                 return False
             except OSError:
                 reply = b""
-        self.unanswered = 0 if reply.startswith(b"HTTP/") else self.unanswered + 1
-        return self.unanswered >= 2
+        if reply.startswith(b"HTTP/"):
+            self.answered, self.misses = True, 0
+        else:
+            self.misses += 1
+        return self.misses >= 2
 
 
 def _send_error(sender: Any, message: str, code: Any) -> None:
