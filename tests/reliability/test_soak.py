@@ -37,7 +37,7 @@ from _reliability import (
     wait_idle,
 )
 
-# Text prompts for SmolLM2, short to long (about 5 to 150 tokens).
+# Text prompts for SmolLM2, short to long (about 5 to 100 tokens).
 TEXTS = [
     "The capital of France is",
     "Once upon a time",
