@@ -79,7 +79,7 @@ class SoakSize:
 
 
 def ci_size() -> SoakSize:
-    return SoakSize("orca_tiny_soak", int(size("ORCA_CI_SOAK_REQUESTS", 150)), size("ORCA_CI_SOAK_RATE", 40.0), 12,
+    return SoakSize("orca_tiny_soak", int(size("ORCA_CI_SOAK_REQUESTS", 150)), size("ORCA_CI_SOAK_RATE", 100.0), 12,
                     (4, 48), False, size("ORCA_CI_SOAK_RSS_GROWTH_MIB", 256), 300)
 
 
