@@ -33,17 +33,24 @@ from checkpoints import make_gpt2
 from orca_server.launcher import TritonServer
 
 MODEL = "orca_sigterm"
+MODEL_TP2 = "orca_sigterm_tp2"  # tensor parallel over two `python -m orca.worker` processes
+MODELS = {MODEL: {"max_bs": "4", "n_slots": "16384"},
+          MODEL_TP2: {"max_bs": "4", "n_slots": "8192", "tensor_parallel_size": "2", "device": "cpu"}}
 
 
 def _repository(root: Path) -> Path:
     repo = root / "model_repository"
     tiny = make_gpt2(root / "tiny-gpt2", n_positions=2048)
-    (repo / MODEL / "1").mkdir(parents=True)
-    shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / MODEL / "1" / "model.py")
-    config = _with_parameters((SHIPPED_MODEL / "config.pbtxt").read_text(), MODEL,
-                              {"model": str(tiny), "max_bs": "4", "n_slots": "16384"})
-    (repo / MODEL / "config.pbtxt").write_text(config)
+    for name, params in MODELS.items():
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / name / "1" / "model.py")
+        config = _with_parameters((SHIPPED_MODEL / "config.pbtxt").read_text(), name, {"model": str(tiny), **params})
+        (repo / name / "config.pbtxt").write_text(config)
     return repo
+
+
+def _model(index: int) -> str:
+    return MODEL_TP2 if index % 4 == 3 else MODEL  # every fourth stream on the tensor-parallel model
 
 
 def test_sigterm_under_load_answers_every_stream_once_and_leaves_no_process(tmp_path: Path) -> None:
@@ -57,6 +64,9 @@ def test_sigterm_under_load_answers_every_stream_once_and_leaves_no_process(tmp_
     server.start()
     pgid = server.pid
     try:
+        running = [cmd for _, cmd in group_processes(pgid)]
+        assert sum("triton_python_backend_stub" in c for c in running) == 2, running
+        assert sum("orca.worker" in c for c in running) == 2, running  # what must not outlive the server
         # Short requests finish before the signal or soon after; long ones (2000 tokens, 4 at a time)
         # outlive the exit timeout.
         specs = [Spec(i, input_ids=tuple(range(1 + i, 9 + i)), max_tokens=2000 if i % 3 == 0 else 20 + i)
@@ -68,8 +78,9 @@ def test_sigterm_under_load_answers_every_stream_once_and_leaves_no_process(tmp_
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             try:
                 tasks = [asyncio.ensure_future(
-                    grpc_request(client, MODEL, s, s.key, timeout=600) if s.key % 2 == 0
-                    else http_request(session, server.http_url, MODEL, s, s.key, timeout=600)) for s in specs]
+                    grpc_request(client, _model(s.key), s, s.key, timeout=600) if s.key % 2 == 0
+                    else http_request(session, server.http_url, _model(s.key), s, s.key, timeout=600))
+                    for s in specs]
                 # Under load: once every request has reached the engine and some have finished, SIGTERM.
                 deadline = time.monotonic() + 120
                 while True:
@@ -77,9 +88,12 @@ def test_sigterm_under_load_answers_every_stream_once_and_leaves_no_process(tmp_
                     assert time.monotonic() < deadline, "the streams never started"
                     done = [t for t in tasks if t.done()]
                     assert not [t for t in done if t.exception()], [t.exception() for t in done]
-                    m = metrics(server.metrics_url, MODEL)
-                    finished = sum(finished_by_reason(m).values())
-                    seen = finished + m.get("orca_running_requests", 0) + m.get("orca_waiting_requests", 0)
+                    finished = seen = 0
+                    for name in MODELS:
+                        m = metrics(server.metrics_url, name)
+                        done_here = sum(finished_by_reason(m).values())
+                        finished += done_here
+                        seen += done_here + m.get("orca_running_requests", 0) + m.get("orca_waiting_requests", 0)
                     if seen == len(tasks) and finished >= 2:
                         break
                 sigterm_at.append(time.monotonic())
