@@ -346,6 +346,7 @@ class TritonPythonModel:
 # process, not a thread: a stub whose server died can block every thread of its own, the GIL included.
 _REAPER = """
 import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: Triton decides, then we see
 stub, server = int(sys.argv[1]), int(sys.argv[2])
 def started(pid):
     try:
