@@ -163,7 +163,10 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self._finalizing.set()
-        self.loop.shutdown()  # cancels what is in flight: each gets its FINAL through the queue
+        # Cancels what is in flight: each gets its FINAL through the queue. A failed engine has answered
+        # everything already, and its thread may be hung for good (an iteration that never returns): do not
+        # hold up Triton's unload (and exit) waiting for it.
+        self.loop.shutdown(timeout=30.0 if self.loop.failed is None else 1.0)
         self._responses.put(None)
         self._response_thread.join(timeout=30)
         if self._reaper is not None:
