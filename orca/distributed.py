@@ -139,7 +139,9 @@ class DistributedExecutor:
                 "--node-index", "0", "--local-index", str(i), "--num-ranks", str(local),
                 "--cpu-threads", str(threads),
             ]
-            self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+            # A session of their own: a Ctrl-C in the terminal (SIGINT to the whole process group) reaches
+            # Triton, which shuts the model down; the workers must live until the driver lets them go.
+            self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
         hellos = self._accept(self.layout.world_size)
         order = sorted(hellos, key=lambda h: (h[1].node_index, h[1].local_index))
         self._conns = [conn for conn, _ in order]

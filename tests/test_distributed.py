@@ -271,6 +271,44 @@ def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:
         driver.kill()
 
 
+def test_ctrl_c_to_the_process_group_leaves_the_workers_to_the_driver(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the whole process group (`make serve`: Triton and its stubs): the driver
+    shuts down in order, so its worker processes must not die of the same SIGINT under it."""
+    script = textwrap.dedent(
+        f"""
+        import json, signal, sys
+        from orca import EngineConfig, LLMEngine, SamplingParams
+        e = LLMEngine(EngineConfig(model={str(tiny_checkpoint("llama"))!r}, device="cpu", tensor_parallel_size=2,
+                                   n_slots=64, block_size=4))
+        signal.signal(signal.SIGINT, lambda *_: print("driver got SIGINT", flush=True))
+        print(json.dumps(e.executor.worker_pids), flush=True)
+        sys.stdin.readline()  # the test sends SIGINT to this process group, then a line
+        e.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        out = None
+        while e.has_unfinished():
+            out = e.step()[-1]
+        print(json.dumps([out.finish_reason, len(out.token_ids)]), flush=True)
+        e.shutdown()
+        """
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        pids = json.loads(driver.stdout.readline())
+        os.killpg(driver.pid, signal.SIGINT)
+        assert driver.stdout.readline().strip() == "driver got SIGINT"
+        driver.stdin.write("go\n")
+        driver.stdin.flush()
+        assert json.loads(driver.stdout.readline()) == ["length", 5]  # both ranks still served the iterations
+        assert driver.wait(timeout=60) == 0
+        deadline = time.monotonic() + 15
+        while not all(_gone(p) for p in pids):
+            assert time.monotonic() < deadline, "workers outlived their driver's shutdown"
+            time.sleep(0.1)
+    finally:
+        driver.kill()
+
+
 def test_a_rank_on_another_node_joins_with_the_leaderworkerset_environment(monkeypatch) -> None:
     """local_workers 1 of tp 2: the driver starts rank 0 and waits for the other rank, which runs
     `python -m orca.worker` with nothing but LeaderWorkerSet's environment (started first: it retries
