@@ -325,6 +325,38 @@ def group_processes(pgid: int) -> list[tuple[int, str]]:
     return out
 
 
+def descendants(root: int) -> list[tuple[int, str]]:
+    """Live processes under `root` in the process tree, whatever their group or session (the engine's
+    orca.worker processes run in a session of their own, out of Ctrl-C's reach)."""
+    parents: dict[int, int] = {}
+    for pid in pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parents[pid] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found.extend(children)
+        frontier = children
+    return [(pid, _cmdline(pid)) for pid in found]
+
+
+def alive(pid_list: list[int]) -> list[tuple[int, str]]:
+    """Those of `pid_list` still running (not zombies)."""
+    out = []
+    for pid in pid_list:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            out.append((pid, _cmdline(pid)))
+    return out
+
+
 def processes_matching(text: str) -> list[tuple[int, str]]:
     """Live processes whose command line contains `text` (the server's shm prefix, its repository)."""
     return [(pid, cmd) for pid in pids() if text in (cmd := _cmdline(pid)) and pid != os.getpid()]

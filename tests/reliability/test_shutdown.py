@@ -19,6 +19,8 @@ import tritonclient.grpc.aio as aiogrpc
 from _reliability import (
     Outcome,
     Spec,
+    alive,
+    descendants,
     finished_by_reason,
     group_processes,
     grpc_request,
@@ -66,7 +68,10 @@ def test_sigterm_under_load_answers_every_stream_once_and_leaves_no_process(tmp_
     try:
         running = [cmd for _, cmd in group_processes(pgid)]
         assert sum("triton_python_backend_stub" in c for c in running) == 2, running
-        assert sum("orca.worker" in c for c in running) == 2, running  # what must not outlive the server
+        # The tp-2 model's workers (a session of their own, so found in the process tree): they must not
+        # outlive the server either.
+        workers = [pid for pid, cmd in descendants(server.pid) if "orca.worker" in cmd]
+        assert len(workers) == 2, descendants(server.pid)
         # Short requests finish before the signal or soon after; long ones (2000 tokens, 4 at a time)
         # outlive the exit timeout.
         specs = [Spec(i, input_ids=tuple(range(1 + i, 9 + i)), max_tokens=2000 if i % 3 == 0 else 20 + i)
@@ -118,9 +123,11 @@ def test_sigterm_under_load_answers_every_stream_once_and_leaves_no_process(tmp_
         exited = time.monotonic()
 
         # Nothing left (before stop(), which would kill it): no process of tritonserver's group (its stubs),
-        # nothing naming its repository or its shared-memory regions. A stub still exiting gets 10 s.
+        # none of the tp-2 model's workers, nothing naming its repository or its shared-memory regions. A
+        # stub still exiting gets 10 s.
         def leftovers() -> list[tuple[int, str]]:
-            return group_processes(pgid) + processes_matching(str(repo)) + processes_matching(server.shm_prefix)
+            return (group_processes(pgid) + processes_matching(str(repo)) + processes_matching(server.shm_prefix)
+                    + alive(workers))
 
         deadline = time.monotonic() + 10
         while leftovers() and time.monotonic() < deadline:
