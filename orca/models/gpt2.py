@@ -15,8 +15,8 @@ from torch import nn
 
 from orca.config import ModelConfig
 from orca.models.attention import AttentionMetadata, selective_attention
-from orca.models.layers import embedding, plain_embedding, row_linear, vocab_logits
-from orca.parallel import COLUMN, REPLICATED, ROW, VOCAB, ParallelContext, Source, packed_qkv_shard, vocab_per_rank
+from orca.models.layers import embedding, plain_embedding, row_linear, stage_input, stage_logits, untied_lm_head
+from orca.parallel import COLUMN, REPLICATED, ROW, VOCAB, ParallelContext, Source, packed_qkv_shard
 
 
 class GPT2Block(nn.Module):
@@ -57,9 +57,7 @@ class GPT2Model(nn.Module):
         self.wpe = plain_embedding(cfg.max_position_embeddings, cfg.hidden_size) if first else None
         self.h = nn.ModuleList(GPT2Block(cfg, i, par) for i in par.layers)
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if last else None
-        self.lm_head = None
-        if last and not tied:
-            self.lm_head = nn.Linear(cfg.hidden_size, vocab_per_rank(cfg.vocab_size, par.tp_size), bias=False)
+        self.lm_head = untied_lm_head(cfg, par)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -67,22 +65,14 @@ class GPT2Model(nn.Module):
     ) -> torch.Tensor:
         """(T, E) before the final norm (compute_logits applies it to the rows it needs). The first stage
         embeds input_ids; a later stage starts from `hidden`, the previous stage's output."""
-        if self.par.is_first_stage:
-            x = self.wte(input_ids) + self.wpe(positions)  # (T, E)
-        elif hidden is None:
-            raise ValueError(f"pipeline stage {self.par.stage} needs the previous stage's hidden states")
-        else:
-            x = hidden
+        x = stage_input(self.par, hidden, lambda: self.wte(input_ids) + self.wpe(positions))  # (T, E)
         for block in self.h:
             x = block(x, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, V) float32 logits of (B, E) hidden rows; last stage only."""
-        if self.ln_f is None:
-            raise RuntimeError(f"pipeline stage {self.par.stage} is not the last: it has no LM head")
-        head = self.wte.weight if self.lm_head is None else self.lm_head.weight  # weight tying; (V/tp, E)
-        return vocab_logits(self.ln_f(hidden), head, self.config.vocab_size, self.par)
+        return stage_logits(hidden, self.ln_f, self.wte, self.lm_head, self.config, self.par)
 
     @staticmethod
     def hf_weight_map(cfg: ModelConfig, par: ParallelContext | None = None) -> dict[str, list[Source]]:

@@ -5,10 +5,13 @@ code it always ran."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orca.config import ModelConfig
 from orca.parallel import ParallelContext, vocab_per_rank
 
 
@@ -66,3 +69,34 @@ def vocab_logits(hidden: torch.Tensor, head: torch.Tensor, vocab_size: int, par:
     if par.tp_size > 1:
         logits = par.all_gather(logits, dim=-1)[:, :vocab_size]  # (B, V): padding rows dropped
     return logits.float()
+
+
+# -- what every family's pipeline stage does alike ------------------------------------------------------
+def untied_lm_head(cfg: ModelConfig, par: ParallelContext) -> nn.Linear | None:
+    """The last stage's own LM head (this rank's vocabulary rows), or None where the model ties it to the
+    input embedding or this stage is not the last."""
+    if not par.is_last_stage or cfg.tie_word_embeddings:
+        return None
+    return nn.Linear(cfg.hidden_size, vocab_per_rank(cfg.vocab_size, par.tp_size), bias=False)
+
+
+def stage_input(par: ParallelContext, hidden: torch.Tensor | None, embed: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """(T, E): the first stage embeds (`embed()`); a later stage starts from `hidden`, the previous stage's
+    output."""
+    if par.is_first_stage:
+        return embed()
+    if hidden is None:
+        raise ValueError(f"pipeline stage {par.stage} needs the previous stage's hidden states")
+    return hidden
+
+
+def stage_logits(
+    hidden: torch.Tensor, norm: nn.Module | None, embedding: nn.Embedding | None, lm_head: nn.Linear | None,
+    cfg: ModelConfig, par: ParallelContext,
+) -> torch.Tensor:
+    """(B, V) float32 logits of (B, E) hidden rows through the final norm and the LM head (the embedding's
+    weight when tied); last stage only (the one holding `norm`)."""
+    if norm is None:
+        raise RuntimeError(f"pipeline stage {par.stage} is not the last: it has no LM head")
+    head = embedding.weight if lm_head is None else lm_head.weight  # (V/tp, E)
+    return vocab_logits(norm(hidden), head, cfg.vocab_size, par)

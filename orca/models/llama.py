@@ -22,7 +22,7 @@ from torch import nn
 
 from orca.config import ModelConfig
 from orca.models.attention import AttentionMetadata, selective_attention
-from orca.models.layers import embedding, row_linear, vocab_logits
+from orca.models.layers import embedding, row_linear, stage_input, stage_logits, untied_lm_head
 from orca.models.moe import SparseMoE
 from orca.parallel import (
     COLUMN,
@@ -34,7 +34,6 @@ from orca.parallel import (
     head_shard,
     kv_head_shard,
     local_kv_heads,
-    vocab_per_rank,
 )
 
 
@@ -148,9 +147,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(LlamaBlock(cfg, i, par) for i in par.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if last else None
-        self.lm_head = None
-        if last and not tied:
-            self.lm_head = nn.Linear(cfg.hidden_size, vocab_per_rank(cfg.vocab_size, par.tp_size), bias=False)
+        self.lm_head = untied_lm_head(cfg, par)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -158,12 +155,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """(T, E) before the final norm. The first stage embeds input_ids; a later stage starts from
         `hidden`, the previous stage's output."""
-        if self.par.is_first_stage:
-            x = self.embed_tokens(input_ids)  # (T, E)
-        elif hidden is None:
-            raise ValueError(f"pipeline stage {self.par.stage} needs the previous stage's hidden states")
-        else:
-            x = hidden
+        x = stage_input(self.par, hidden, lambda: self.embed_tokens(input_ids))  # (T, E)
         rope = self.rotary.tables(positions, x.dtype)
         for block in self.layers:
             x = block(x, rope, meta)
@@ -171,10 +163,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, V) float32 logits of (B, E) hidden rows; last stage only."""
-        if self.norm is None:
-            raise RuntimeError(f"pipeline stage {self.par.stage} is not the last: it has no LM head")
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V/tp, E)
-        return vocab_logits(self.norm(hidden), head, self.config.vocab_size, self.par)
+        return stage_logits(hidden, self.norm, self.embed_tokens, self.lm_head, self.config, self.par)
 
     @staticmethod
     def hf_weight_map(cfg: ModelConfig, par: ParallelContext | None = None) -> dict[str, list[Source]]:
