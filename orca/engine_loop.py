@@ -137,8 +137,7 @@ class EngineLoop:
         """Refuses new requests from now on (QueueFullError, "shutting down") and aborts every request
         submitted so far: each gets its 'cancelled' final output after the current iteration. The loop
         keeps running (the Triton model calls this when tritonserver's exit timeout is about to end)."""
-        with self._lock:
-            self._stopping = True
+        self.drain()
         self._commands.put(_ABORT_ALL)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -220,8 +219,7 @@ class EngineLoop:
             if cmd is _STOP:
                 return False
             if cmd is _ABORT_ALL:
-                for request_id in self.engine.request_ids():
-                    self.engine.abort_request(request_id)
+                self._abort_every_request()
                 continue
             if isinstance(cmd, _Add):
                 with self._lock:
@@ -257,9 +255,13 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - one bad callback must not stop the loop
                 logger.exception("on_output failed for request %s", out.request_id)
 
-    def _cancel_all(self) -> list[RequestOutput]:
+    def _abort_every_request(self) -> None:
+        """Each unfinished request's 'cancelled' output comes from the engine's next step()."""
         for request_id in self.engine.request_ids():
             self.engine.abort_request(request_id)
+
+    def _cancel_all(self) -> list[RequestOutput]:
+        self._abort_every_request()
         return self.engine.step()
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
@@ -290,12 +292,12 @@ class _InjectedCrash(BaseException):
 
 
 def _inject(kind: str) -> None:
+    """hang or crash (EngineLoop.__init__ refused other kinds; the loop hands raise to the worker)."""
     if kind == "hang":
         while True:
             time.sleep(3600)
     if kind == "crash":
         raise _InjectedCrash("fault injected by $ORCA_ENGINE_FAULT")
-    raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {kind!r} ({', '.join(_FAULT_KINDS)})")
 
 
 def _failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
