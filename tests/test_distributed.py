@@ -176,6 +176,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _wait_gone(pids: list[int], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
 def _start_failing_engine(**options) -> tuple[LLMEngine, list[int]]:
     e = engine("llama", tensor_parallel_size=2, **options)
     pids = e.executor.worker_pids
@@ -208,10 +215,7 @@ def _assert_failed_cleanly(e: LLMEngine, final: dict[str, RequestOutput], pids: 
     assert e.failed is not None
     with pytest.raises(EngineFailedError, match="failed"):
         e.add_request("late", [1, 2, 3], SamplingParams(max_tokens=2))
-    deadline = time.monotonic() + 10
-    while not all(_gone(p) for p in pids):
-        assert time.monotonic() < deadline, "a worker process was left behind"
-        time.sleep(0.1)
+    _wait_gone(pids, 10, "a worker process was left behind")
     e.shutdown()  # idempotent after a failure
 
 
@@ -263,10 +267,7 @@ def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:
         assert len(pids) == 2 and not any(_gone(p) for p in pids)
         driver.kill()
         driver.wait()
-        deadline = time.monotonic() + 15
-        while not all(_gone(p) for p in pids):
-            assert time.monotonic() < deadline, "workers outlived their driver"
-            time.sleep(0.1)
+        _wait_gone(pids, 15, "workers outlived their driver")
     finally:
         driver.kill()
 
@@ -301,10 +302,7 @@ def test_ctrl_c_to_the_process_group_leaves_the_workers_to_the_driver(tmp_path: 
         driver.stdin.flush()
         assert json.loads(driver.stdout.readline()) == ["length", 5]  # both ranks still served the iterations
         assert driver.wait(timeout=60) == 0
-        deadline = time.monotonic() + 15
-        while not all(_gone(p) for p in pids):
-            assert time.monotonic() < deadline, "workers outlived their driver's shutdown"
-            time.sleep(0.1)
+        _wait_gone(pids, 15, "workers outlived their driver's shutdown")
     finally:
         driver.kill()
 
