@@ -11,10 +11,8 @@ import asyncio
 import json
 import os
 import random
-import re
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +22,8 @@ import grpc
 import requests
 import tritonclient.grpc.aio as aiogrpc
 from orca_client.client import build_inputs, parse_result
+from test_server_e2e import IDLE_GAUGES, metrics, wait_for
 
-IDLE_GAUGES = ("orca_running_requests", "orca_waiting_requests", "orca_kv_allocated_blocks", "orca_kv_used_tokens",
-               "orca_kv_reserved_slots")
 QUEUE_FULL = "the waiting queue is full"
 
 
@@ -254,18 +251,6 @@ async def alone_references(url: str, model: str, pool: list[Spec], timeout: floa
 
 
 # -- the engine's gauges, the model's state -------------------------------------------------------------
-def metrics(metrics_url: str, model: str) -> dict[str, float]:
-    """orca_* samples of one model, keyed by name plus the labels other than model and version."""
-    out: dict[str, float] = {}
-    for line in requests.get(metrics_url, timeout=30).text.splitlines():
-        m = re.match(r"^(orca_\w+)\{([^}]*)\} (\S+)$", line)
-        if not m or f'model="{model}"' not in m.group(2):
-            continue
-        labels = [kv for kv in m.group(2).split(",") if not kv.startswith(("model=", "version="))]
-        out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
-    return out
-
-
 def gauges(m: dict[str, float]) -> dict[str, float | None]:
     return {g: m.get(g) for g in IDLE_GAUGES}
 
@@ -275,17 +260,9 @@ def finished_by_reason(m: dict[str, float]) -> dict[str, float]:
     return {k[len(prefix) + 1:-2]: v for k, v in m.items() if k.startswith(prefix)}
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
-
-
-def wait_idle(metrics_url: str, model: str, timeout: float = 120.0) -> dict[str, float]:
-    wait_for(lambda: all(v == 0 for v in gauges(metrics(metrics_url, model)).values()), f"{model} idle", timeout)
-    return metrics(metrics_url, model)
+def wait_idle(server: Any, model: str, timeout: float = 120.0) -> dict[str, float]:
+    wait_for(lambda: all(v == 0 for v in gauges(metrics(server, model)).values()), f"{model} idle", timeout)
+    return metrics(server, model)
 
 
 def model_ready(http_url: str, model: str) -> bool:
@@ -311,31 +288,24 @@ def pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, ppid, ...), or None: gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields
+
+
 def group_processes(pgid: int) -> list[tuple[int, str]]:
     """Live processes of a process group (Triton starts in a session of its own: its stubs join it)."""
-    out = []
-    for pid in pids():
-        if _pgid(pid) == pgid:
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if state != "Z":
-                out.append((pid, _cmdline(pid)))
-    return out
+    return alive([pid for pid in pids() if _pgid(pid) == pgid])
 
 
 def descendants(root: int) -> list[tuple[int, str]]:
     """Live processes under `root` in the process tree, whatever their group or session (the engine's
     orca.worker processes run in a session of their own, out of Ctrl-C's reach)."""
-    parents: dict[int, int] = {}
-    for pid in pids():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            parents[pid] = int(fields[1])
+    parents = {pid: int(fields[1]) for pid in pids() if (fields := _stat(pid)) is not None}
     found, frontier = [], [root]
     while frontier:
         children = [pid for pid, parent in parents.items() if parent in frontier]
@@ -346,15 +316,7 @@ def descendants(root: int) -> list[tuple[int, str]]:
 
 def alive(pid_list: list[int]) -> list[tuple[int, str]]:
     """Those of `pid_list` still running (not zombies)."""
-    out = []
-    for pid in pid_list:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "Z":
-            out.append((pid, _cmdline(pid)))
-    return out
+    return [(pid, _cmdline(pid)) for pid in pid_list if _stat(pid) is not None]
 
 
 def processes_matching(text: str) -> list[tuple[int, str]]:
@@ -381,8 +343,8 @@ def rss_kib(pid: int) -> int:
 class Sampler:
     """A thread sampling, every `period` s, the stub's resident memory and the model's waiting gauge."""
 
-    def __init__(self, pid: int, metrics_url: str, model: str, period: float = 1.0) -> None:
-        self.pid, self.metrics_url, self.model, self.period = pid, metrics_url, model, period
+    def __init__(self, pid: int, server: Any, model: str, period: float = 1.0) -> None:
+        self.pid, self.server, self.model, self.period = pid, server, model, period
         self.samples: list[dict[str, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -396,7 +358,7 @@ class Sampler:
     def sample(self) -> None:
         sample: dict[str, float] = {"t": round(time.monotonic() - self._t0, 2), "rss_mib": rss_kib(self.pid) / 1024}
         try:
-            m = metrics(self.metrics_url, self.model)
+            m = metrics(self.server, self.model)
             sample.update(waiting=m.get("orca_waiting_requests", -1), running=m.get("orca_running_requests", -1),
                           kv_blocks=m.get("orca_kv_allocated_blocks", -1))
         except requests.RequestException:

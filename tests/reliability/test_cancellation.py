@@ -116,15 +116,15 @@ async def _storm(server: Any, s: StormSize, short: list[Spec], long_: list[Spec]
 def run_storm(server: Any, s: StormSize, tmp_path: Any, name: str) -> None:
     assert model_ready(server.http_url, s.model)
     short, long_ = make_pool(s)
-    wait_idle(server.metrics_url, s.model, timeout=600)
+    wait_idle(server, s.model, timeout=600)
     refs = asyncio.run(alone_references(server.grpc_url, s.model, short + long_))
-    before = wait_idle(server.metrics_url, s.model)
+    before = wait_idle(server, s.model)
     stub = stub_pid(server, s.model)
     log = LogWatch(server.log_path)
     t0 = time.monotonic()
     results = asyncio.run(_storm(server, s, short, long_))
     duration = time.monotonic() - t0
-    after = wait_idle(server.metrics_url, s.model, timeout=300)  # every K/V block is back
+    after = wait_idle(server, s.model, timeout=300)  # every K/V block is back
 
     problems = []
     for out, spec in results:

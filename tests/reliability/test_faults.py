@@ -95,7 +95,7 @@ def test_an_exception_in_one_iteration_fails_only_its_requests_and_the_model_kee
     request after them; the model stays ready and idle, on the same stub."""
     model = "orca_tiny_raise"
     llm = LLM(str(orca_server.tiny_checkpoint))
-    before = metrics(orca_server.metrics_url, model)
+    before = metrics(orca_server, model)
     stub = stub_pid(orca_server, model)
     log = LogWatch(orca_server.log_path)
     a = Spec(0, input_ids=(5, 6, 7), max_tokens=2)
@@ -129,7 +129,7 @@ def test_an_exception_in_one_iteration_fails_only_its_requests_and_the_model_kee
         if not o.errors:
             assert o.finals == 1 and o.closed and o.tokens == ref[s.key], o
     assert last.finals == 1 and last.tokens == ref[9] and not last.errors
-    after = wait_idle(orca_server.metrics_url, model)
+    after = wait_idle(orca_server, model)
     errors = finished_by_reason(after).get("error", 0) - finished_by_reason(before).get("error", 0)
     assert errors == len(failed)
     assert model_ready(orca_server.http_url, model) and stub_pid(orca_server, model) == stub
@@ -149,7 +149,7 @@ def test_a_client_that_stops_reading_blocks_no_other_stream(orca_server: Any) ->
     delivers every token and one FINAL; the HTTP one is closed unread; every K/V block comes back."""
     model = "orca_tiny"
     server = orca_server
-    wait_idle(server.metrics_url, model)
+    wait_idle(server, model)
     heavy_tokens = 1500
     heavy = {"input_ids": [1, 2, 3], "max_tokens": heavy_tokens, "temperature": 0, "ignore_eos": True,
              "logprobs": 20, "return_logprobs": True}
@@ -212,5 +212,5 @@ def test_a_client_that_stops_reading_blocks_no_other_stream(orca_server: Any) ->
     assert len(chunks) == len(got), got[-1]
     assert sum(len(c.output_ids) for c in chunks) == heavy_tokens
     assert [c.final for c in chunks].count(True) == 1 and chunks[-1].final
-    wait_idle(server.metrics_url, model, timeout=300)
+    wait_idle(server, model, timeout=300)
     assert not log.problems(), log.problems()

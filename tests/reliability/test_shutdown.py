@@ -95,7 +95,7 @@ def test_sigterm_under_load_answers_every_stream_once_and_leaves_no_process(tmp_
                     assert not [t for t in done if t.exception()], [t.exception() for t in done]
                     finished = seen = 0
                     for name in MODELS:
-                        m = metrics(server.metrics_url, name)
+                        m = metrics(server, name)
                         done_here = sum(finished_by_reason(m).values())
                         finished += done_here
                         seen += done_here + m.get("orca_running_requests", 0) + m.get("orca_waiting_requests", 0)

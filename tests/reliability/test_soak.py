@@ -133,14 +133,14 @@ def _pct(values: list[float], q: float) -> float:
 def run_soak(server: Any, s: SoakSize, tmp_path: Any, name: str) -> None:
     assert model_ready(server.http_url, s.model)
     pool = make_pool(s)
-    wait_idle(server.metrics_url, s.model, timeout=600)
+    wait_idle(server, s.model, timeout=600)
     refs = asyncio.run(alone_references(server.grpc_url, s.model, pool))
-    before = wait_idle(server.metrics_url, s.model)
+    before = wait_idle(server, s.model)
     stub = stub_pid(server, s.model)
     log = LogWatch(server.log_path)
-    with Sampler(stub, server.metrics_url, s.model, period=1.0 if s.requests > 300 else 0.25) as sampler:
+    with Sampler(stub, server, s.model, period=1.0 if s.requests > 300 else 0.25) as sampler:
         outcomes, chosen, streaming, start = asyncio.run(_soak(server, s, pool, seed=1))
-        after = wait_idle(server.metrics_url, s.model, timeout=300)
+        after = wait_idle(server, s.model, timeout=300)
     assert stub_pid(server, s.model) == stub  # the same stub served throughout (never restarted)
     assert model_ready(server.http_url, s.model)
 
