@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from test_server_e2e import wait_for
 from tritonclient.utils import InferenceServerException
 
 from orca_server.launcher import (
@@ -77,14 +78,6 @@ def metric(server: TritonServer, name: str, **labels: str) -> float | None:
         if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
             return float(m.group(2))
     return None
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @contextmanager
@@ -371,7 +364,7 @@ def test_cancellation_reaches_the_model(smoke_server: TritonServer) -> None:
     assert responses.get(timeout=30)[1] is None
     client.stop_stream(cancel_requests=True)
     client.close()
-    wait_for(lambda: cancelled() == (start[0] + 1, start[1] + 1), "the model to see the gRPC cancellation")
+    wait_for(lambda: cancelled() == (start[0] + 1, start[1] + 1), "the model to see the gRPC cancellation", timeout=30)
 
     request = urllib.request.Request(
         f"{smoke_server.http_url}/v2/models/smoke/generate_stream",
@@ -379,7 +372,7 @@ def test_cancellation_reaches_the_model(smoke_server: TritonServer) -> None:
     )
     with urllib.request.urlopen(request, timeout=30) as response:
         assert response.readline().startswith(b"data: ")
-    wait_for(lambda: cancelled() == (start[0] + 2, start[1] + 2), "the model to see the HTTP disconnect")
+    wait_for(lambda: cancelled() == (start[0] + 2, start[1] + 2), "the model to see the HTTP disconnect", timeout=30)
 
 
 def test_custom_metrics_on_the_metrics_port(smoke_server: TritonServer) -> None:
