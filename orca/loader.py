@@ -21,6 +21,7 @@ from torch import nn
 
 from orca.config import ModelConfig
 from orca.models.gpt2 import GPT2Model
+from orca.models.layers import prepack_linears
 from orca.models.llama import LlamaModel
 from orca.parallel import ParallelContext, shard_tensor
 
@@ -165,10 +166,13 @@ def _hf_name_aliases(name: str, reader: _SafetensorsReader) -> str:
 
 
 def load_model(
-    checkpoint: Path, dtype: torch.dtype, device: torch.device, par: ParallelContext | None = None
+    checkpoint: Path, dtype: torch.dtype, device: torch.device, par: ParallelContext | None = None,
+    linear_backend: str = "reference",
 ) -> tuple[nn.Module, ModelConfig]:
     """Builds our selectively-batched model for a Hugging Face checkpoint directory: the whole model, or
-    with `par` one rank's part of it (its stage's layers, its tensor-parallel shard of each)."""
+    with `par` one rank's part of it (its stage's layers, its tensor-parallel shard of each). With
+    linear_backend "onednn" (EngineConfig.linear_backend, resolved) its linear weights are then packed
+    for oneDNN (orca/models/layers.py PackedLinear)."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)
@@ -197,6 +201,8 @@ def load_model(
                 )
             params[ours].copy_(tensor)
     model.eval()
+    if linear_backend == "onednn":
+        prepack_linears(model)
     return model, cfg
 
 

@@ -70,6 +70,11 @@ class GPT2Model(nn.Module):
             x = block(x, meta)
         return x
 
+    @property
+    def input_embedding(self) -> nn.Embedding | None:
+        """The token embedding (None on a middle pipeline stage, which neither embeds nor ties a head)."""
+        return self.wte
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, V) float32 logits of (B, E) hidden rows; last stage only."""
         return stage_logits(hidden, self.ln_f, self.wte, self.lm_head, self.config, self.par)

@@ -63,9 +63,12 @@ def plain_embedding(num: int, hidden: int) -> nn.Embedding:
     return nn.Embedding(num, hidden, _weight=torch.empty(num, hidden))
 
 
-def vocab_logits(hidden: torch.Tensor, head: torch.Tensor, vocab_size: int, par: ParallelContext) -> torch.Tensor:
-    """(B, V) float32 logits of normed hidden states (B, E) under this rank's head rows (V/tp, E)."""
-    logits = F.linear(hidden, head)  # (B, V / tp)
+def vocab_logits(
+    hidden: torch.Tensor, head: torch.Tensor | nn.Module, vocab_size: int, par: ParallelContext
+) -> torch.Tensor:
+    """(B, V) float32 logits of normed hidden states (B, E) under this rank's head rows (V/tp, E): a weight,
+    or the head as a (packed) linear module."""
+    logits = head(hidden) if isinstance(head, nn.Module) else F.linear(hidden, head)  # (B, V / tp)
     if par.tp_size > 1:
         logits = par.all_gather(logits, dim=-1)[:, :vocab_size]  # (B, V): padding rows dropped
     return logits.float()
@@ -98,5 +101,80 @@ def stage_logits(
     weight when tied); last stage only (the one holding `norm`)."""
     if norm is None:
         raise RuntimeError(f"pipeline stage {par.stage} is not the last: it has no LM head")
-    head = embedding.weight if lm_head is None else lm_head.weight  # (V/tp, E)
+    head = embedding.weight if lm_head is None else lm_head  # (V/tp, E), or the (packed) head module
     return vocab_logits(norm(hidden), head, cfg.vocab_size, par)
+
+
+# -- oneDNN-packed linears (EngineConfig.linear_backend) --------------------------------------------------
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack (and so multiply) weights of this dtype on this CPU: always float32 where
+    torch has oneDNN; bfloat16 and float16 only where the CPU has the instructions oneDNN needs for them."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """EngineConfig.linear_backend to what runs: "onednn" or "reference". auto = onednn on a CPU that
+    packs `dtype`; an explicit onednn where it cannot run is refused with the reason."""
+    packs = device.type == "cpu" and onednn_packs(dtype)
+    if choice == "onednn" and not packs:
+        where = f"device {device}" if device.type != "cpu" else f"{dtype} on this CPU"
+        raise ValueError(f"linear_backend onednn cannot run {where} (oneDNN packs CPU weights only, float32 "
+                         f"always, bfloat16/float16 where the CPU has the instructions): use auto or reference")
+    return "onednn" if choice == "onednn" or (choice == "auto" and packs) else "reference"
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight lives in oneDNN's blocked layout, packed once at load, multiplied by
+    oneDNN's matmul (the op inductor's freezing pass puts in place of CPU linears). At the few rows of a
+    decode iteration torch's default CPU matmul streams the weights at about half the memory bandwidth;
+    this reads them at close to all of it. With `par` (a row-parallel layer) the partial products are
+    all-reduced before the bias is added once, as RowParallelLinear does."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, par: ParallelContext | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # Buffers, not parameters: the packed layout is opaque (no views, no state_dict round trip).
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.par = par
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if self.par is None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            y = self.par.all_reduce(torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], ""))
+            y = y if self.bias is None else y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Replaces every linear layer of `model` (plain and row-parallel; a mixture's stacked expert
+    matrices stay as they are) by a PackedLinear, and gives a last stage whose head is tied to its input
+    embedding (`model.input_embedding`) a packed copy of it as its head (the embedding keeps its rows for
+    lookups). Returns how many were packed."""
+    packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+            elif type(child) is RowParallelLinear:
+                setattr(parent, name, PackedLinear(child.weight, child.bias, child.par))
+            else:
+                continue
+            packed += 1
+    if model.par.is_last_stage and model.config.tie_word_embeddings:
+        model.lm_head = PackedLinear(model.input_embedding.weight, None)
+        packed += 1
+    return packed

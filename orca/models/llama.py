@@ -161,6 +161,11 @@ class LlamaModel(nn.Module):
             x = block(x, rope, meta)
         return x
 
+    @property
+    def input_embedding(self) -> nn.Embedding | None:
+        """The token embedding (None on a middle pipeline stage, which neither embeds nor ties a head)."""
+        return self.embed_tokens
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, V) float32 logits of (B, E) hidden rows; last stage only."""
         return stage_logits(hidden, self.norm, self.embed_tokens, self.lm_head, self.config, self.par)

@@ -24,6 +24,7 @@ from orca.config import EngineConfig, ModelConfig
 from orca.kv_cache import KVLayout, blocks_from_gpu_memory
 from orca.loader import load_model, resolve_checkpoint
 from orca.models.attention import AttentionMetadata, PhaseTimer
+from orca.models.layers import resolve_linear_backend
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.sampler import SamplingTensors, sample, token_logprobs
@@ -52,7 +53,8 @@ class Worker:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.checkpoint = resolve_checkpoint(config.model)
-        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend)
         mc: ModelConfig = self.model_config
         self.par = par or ParallelContext.single(mc.num_layers)
         kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
