@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orca.device import upload
 from orca.plan import SamplingSpec, TokenLogprobs
 from orca.sampling_params import MIN_TEMPERATURE
 
@@ -74,11 +75,11 @@ class SamplingTensors:
         """specs[i] and steps[i] (the index of the output token being drawn) of the batch's i-th row."""
         greedy = [s.temperature < MIN_TEMPERATURE for s in specs]
         return cls(
-            temperature=torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
-            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device),
-            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
-            seeds=torch.tensor([_signed(s.seed) for s in specs], dtype=torch.int64, device=device),
-            steps=torch.tensor(steps, dtype=torch.int64, device=device),
+            temperature=upload([s.temperature for s in specs], torch.float32, device),
+            top_k=upload([s.top_k for s in specs], torch.int64, device),
+            top_p=upload([s.top_p for s in specs], torch.float32, device),
+            seeds=upload([_signed(s.seed) for s in specs], torch.int64, device),
+            steps=upload(steps, torch.int64, device),
             all_greedy=all(greedy),
             any_filter=any(not g and (s.top_k > 0 or s.top_p < 1) for s, g in zip(specs, greedy)),
         )
@@ -125,7 +126,7 @@ def token_logprobs(
     """The drawn tokens' log-probabilities for `rows` of the batch (requests whose spec asks): fp32
     log_softmax of the raw logits (before temperature, top-k, top-p, as vLLM returns by default), the
     drawn token's rank (1 + how many tokens are strictly more likely) and the spec.logprobs most likely."""
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    index = upload(rows, torch.int64, logits.device)
     lp = logits.index_select(0, index).float().log_softmax(dim=-1)  # (R, V)
     chosen = token_ids.index_select(0, index)  # (R,)
     chosen_lp = lp.gather(1, chosen.unsqueeze(1))  # (R, 1)

@@ -88,3 +88,16 @@ def test_seeded_sampling_draws_the_cpus_tokens() -> None:
     on = {device: _run(LLMEngine(EngineConfig(model=path, device=device, dtype="float32", **POOL)), jobs, **params)
           for device in ("cpu", "cuda")}
     assert on["cuda"] == on["cpu"]
+
+
+def test_iteration_inputs_reach_the_gpu_through_pinned_non_blocking_copies() -> None:
+    """orca/device.py: what upload returns is on the GPU with the host values once the stream has run, and
+    its staging buffer was pinned (a pageable source would have made the copy synchronous)."""
+    from orca.device import upload
+
+    values = list(range(1000))
+    out = upload(values, torch.int64, torch.device("cuda"))
+    assert out.device.type == "cuda"
+    torch.cuda.current_stream().synchronize()
+    assert out.tolist() == values
+    assert torch.tensor(values, pin_memory=True).is_pinned()

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from orca.device import upload
+
 
 @dataclass
 class PhaseTimer:
@@ -93,9 +95,9 @@ class AttentionMetadata:
             lengths=list(lengths),
             context_lens=list(context_lens),
             num_increment=num_increment,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=upload(slots, torch.int64, device),
             views=views,
-            gather_index=torch.tensor(gather, dtype=torch.int64, device=device) if gather else None,
+            gather_index=upload(gather, torch.int64, device) if gather else None,
             gather_sizes=gather_sizes,
             kv_pool=kv_pool,
             timer=timer,

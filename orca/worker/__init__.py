@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from orca.config import EngineConfig, ModelConfig
+from orca.device import upload
 from orca.kv_cache import KVLayout, blocks_from_gpu_memory
 from orca.loader import load_model, resolve_checkpoint
 from orca.models.attention import AttentionMetadata, PhaseTimer
@@ -239,11 +240,11 @@ class Worker:
                 steps.append(pr.sample_step)
                 sampled_ids.append(pr.request_id)
         meta = AttentionMetadata.build(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool, timer)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)  # (T,)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)  # (T,)
+        ids = upload(input_ids, torch.int64, self.device)  # (T,)
+        pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None
         if rows:
-            sample_rows = (torch.tensor(rows, dtype=torch.int64, device=self.device), specs, steps, sampled_ids)
+            sample_rows = (upload(rows, torch.int64, self.device), specs, steps, sampled_ids)
         return ids, pos, meta, sample_rows
 
     @property
