@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -903,7 +904,7 @@ def run_orca_offline(
             },
             "breakdown": iteration_breakdown(engine, prompts, params),
         }
-        runs = iter(range(1 << 30))
+        runs = itertools.count()
 
         def one(prompt: list[int], n: int, engine: Any = engine) -> list[int]:
             sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
