@@ -203,6 +203,11 @@ class LLMEngine:
                 f"max_tokens {params.max_tokens} is too large: prompt ({n} tokens) + max_tokens must be <= "
                 f"{self.max_model_len}, so max_tokens must be in [1, {self.max_model_len - n}]"
             )
+        if n >= self.n_slots:
+            raise ValueError(
+                f"the prompt has {n} tokens; the K/V cache holds {self.n_slots} slots, so a prompt may have at "
+                f"most {self.n_slots - 1}"
+            )
         if n + params.max_tokens > self.n_slots:
             raise ValueError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the K/V cache of "

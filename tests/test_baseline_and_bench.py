@@ -393,6 +393,7 @@ def test_orca_bench_offline_both_policies_against_transformers(tmp_path: Path) -
     assert result["kv_admission"] == ["reserve", "on_demand"]
     runs = result["orca_policies"]
     assert list(runs) == ["reserve", "on_demand"] and result["orca"] == runs["on_demand"]
+    assert result["linear_backend"] == "onednn"  # what auto resolved to on this CPU
     hf = result["transformers"]
     assert hf["generated_tokens"] == expected_tokens(result) and hf["tokens_per_second"] > 0 and hf["mfu"] > 0
     assert hf["same_tokens_as_orca"] == 5  # greedy in fp32: the same tokens from both
@@ -447,6 +448,19 @@ def test_orca_bench_distributed_measures_the_control_plane(tmp_path: Path) -> No
         assert 0 < r["plan_bytes_median"] < 1000 and 0 <= r["overhead_ms_median"] < r["iteration_ms_median"]
     # What is sent per iteration does not grow with the tokens held (only integer widths may).
     assert abs(parallel[1]["plan_bytes_median"] - parallel[0]["plan_bytes_median"]) <= 32
+
+
+def test_orca_bench_linears_times_both_backends_over_the_models_weights(tmp_path: Path) -> None:
+    out = tmp_path / "linears.json"
+    argv = ["linears", "--model", str(tiny_checkpoint("llama")), "--rows", "1,4", "--repeats", "3", "--json", str(out)]
+    assert orca_bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    # The tiny Llama: 3 layers x (qkv, o, gate_up, down) + its untied head.
+    assert result["linears"] == 13 and result["sum_bandwidth_gb_per_s"] > 0
+    assert [r["rows"] for r in result["runs"]] == [1, 4]
+    for r in result["runs"]:
+        assert r["reference"]["ms"] > 0 and r["onednn"]["ms"] > 0
+        assert r["ratio_reference_to_onednn"] == pytest.approx(r["reference"]["ms"] / r["onednn"]["ms"])
 
 
 def test_kv_usage_weights_iterations_by_duration() -> None:

@@ -162,6 +162,7 @@ def engine() -> LLMEngine:
         ([1] * 128, SamplingParams(max_tokens=1), "at most 127"),
         ([1] * 100, SamplingParams(max_tokens=29), r"max_tokens must be in \[1, 28\]"),
         ([1] * 10, SamplingParams(max_tokens=55), r"K/V cache of 64 slots: max_tokens must be in \[1, 54\]"),
+        ([1] * 64, SamplingParams(max_tokens=1), "K/V cache holds 64 slots, so a prompt may have at most 63"),
         ([1] * 10, SamplingParams(max_tokens=5, stop=["x"]), "tokenizer"),
     ],
 )

@@ -31,9 +31,9 @@ identical, the K/V pool's use (utilization = used tokens / slots of allocated bl
 iterations weighted by their duration; mean and peak allocated blocks; preemptions), and where an
 iteration spends its time (a second run with the engine's profiling hook, engine.profile). Engine
 options: --kv-admission (reserve, on_demand, or both: one engine per policy on the same requests, side
-by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype. Every system also gets
-the single-stream figure: one request alone (a 64-token prompt, 128 new tokens, after a warm-up), decode
-tokens/s = 127 / (its time - the time of the same prompt with 1 new token), medians of 3. --peers
+by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype, --linear-backend. Every
+system also gets the single-stream figure: one request alone (a 64-token prompt, 128 new tokens, after a
+warm-up), decode tokens/s = 127 / (its time - the time of the same prompt with 1 new token), medians of 3. --peers
 vllm,llama_cpp runs CPU peer systems on the same requests (greedy, EOS ignored), each in the venv its
 setup script makes (scripts/peers/, docs/PEERS.md), in a subprocess: vLLM's CPU backend on orca's
 checkpoint, llama.cpp on GGUFs converted from it (NAME:VARIANT picks vLLM's dtype or llama.cpp's GGUF:
@@ -46,6 +46,14 @@ length (--context-lens), decode iterations only measured. Per iteration: the pla
 driver's submit-to-collect time, and the workers' own execute time (the ranks' earliest start to latest
 end, engine.profile on); overhead = the first minus the second, the control plane's share (pickling,
 socket writes and reads, the result's way back). Medians; n_workers 1 so iterations do not overlap.
+
+``orca-bench linears``: the model's linear layers alone, as one decode iteration meets them: every
+layer's projections in order, then the LM head, on --rows token rows (the batch size of a decode
+iteration), with each linear_backend (reference: torch's F.linear on the checkpoint layout; onednn: the
+weights packed for oneDNN, orca.models.layers.PackedLinear), in turn in this process; median of --repeats
+passes after a warm-up. Beside them, the memory bandwidth of a sum over as many bytes as the weights
+(the bound a pass at one row cannot beat: every weight is read once). Reports ms per pass, the weights'
+GB/s and GFLOP/s per backend and rows, and the ratio reference / onednn.
 
 Benchmarks print numbers; they do not pass or fail.
 """
@@ -740,10 +748,12 @@ def offline_policies(choice: str) -> tuple[str, ...]:
 def cmd_offline(args: argparse.Namespace) -> int:
     import torch
 
-    from orca.loader import resolve_checkpoint
+    from orca.loader import read_model_config, resolve_checkpoint
 
     spec = _spec(args, "offline")
     checkpoint = resolve_checkpoint(args.model)
+    # The single stream must fit the model's positions and, when --n-slots is given, the K/V pool.
+    context = min(read_model_config(checkpoint)[0].max_position_embeddings, args.n_slots or 1 << 62)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
     high = min(spec.token_ids[1], vocab)
     spec = spec.with_options(token_ids=(min(spec.token_ids[0], high - 1), high))
@@ -751,7 +761,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     prompts = [list(r.prompt_token_ids) for r in trace]
     max_new = [r.max_new_tokens for r in trace]
     policies = offline_policies(args.kv_admission)
-    single = single_stream_workload(spec)
+    single = single_stream_workload(spec, context)
     peers = check_peers(args.peers)
     result: dict[str, Any] = {
         "benchmark": "offline", "machine": machine_info(), "command": sys.argv, "checkpoint": str(checkpoint),
@@ -874,10 +884,13 @@ def run_orca_offline(
     engine = LLMEngine(EngineConfig(
         model=args.model, max_bs=args.max_bs, dtype=args.dtype, kv_admission=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or None, n_slots=args.n_slots,
+        linear_backend=args.linear_backend,
     ))
     try:
         result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
         result["device"] = str(engine.config.torch_device)
+        # What auto resolved to (the in-process worker's; the offline engine always has one).
+        result["linear_backend"] = getattr(getattr(engine.executor, "worker", None), "linear_backend", None)
         result["model"] = model_shape(engine.model_config)
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
         warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -1074,11 +1087,15 @@ def run_transformers_offline(
     return tokens
 
 
-def single_stream_workload(spec: TraceSpec) -> dict[str, Any]:
+def single_stream_workload(spec: TraceSpec, context: int) -> dict[str, Any]:
     """The single-stream request every system runs: a 64-token prompt drawn like the trace's (same token
-    range, the next seed), 128 new tokens, 3 timed repeats."""
-    one = spec.with_options(num_requests=1, prompt_len=(64, 64), max_new_tokens=(128, 128), seed=spec.seed + 1)
-    return {"prompt": list(make_trace(one, None)[0].prompt_token_ids), "max_tokens": 128, "repeats": 3}
+    range, the next seed), 128 new tokens, 3 timed repeats; within a shorter `context` (the model's
+    positions), half of it for the prompt and the rest for new tokens."""
+    prompt_len = min(64, context // 2)
+    new = min(128, context - prompt_len)
+    one = spec.with_options(num_requests=1, prompt_len=(prompt_len, prompt_len), max_new_tokens=(new, new),
+                            seed=spec.seed + 1)
+    return {"prompt": list(make_trace(one, None)[0].prompt_token_ids), "max_tokens": new, "repeats": 3}
 
 
 def check_peers(text: str | None) -> list[Any]:
@@ -1293,6 +1310,75 @@ def print_single_and_peers(result: dict[str, Any]) -> None:
 
 
 # -- shared ---------------------------------------------------------------------------------------------------
+# -- the linears command ----------------------------------------------------------------------------------
+def cmd_linears(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from orca.config import DTYPES, EngineConfig
+    from orca.loader import load_model, resolve_checkpoint
+    from orca.models.layers import PackedLinear, onednn_packs
+
+    dtype = EngineConfig(dtype=args.dtype, device="cpu").torch_dtype if args.dtype == "auto" else DTYPES[args.dtype]
+    if not onednn_packs(dtype):
+        raise ValueError(f"oneDNN cannot pack {dtype} on this CPU: nothing to compare")
+    model, _ = load_model(resolve_checkpoint(args.model), dtype, torch.device("cpu"))
+    # The weights in the order an iteration uses them; the head last (the embedding's when tied).
+    weights = [m.weight.detach() for m in model.modules() if type(m) is nn.Linear and m is not model.lm_head]
+    head = model.lm_head.weight if model.lm_head is not None else model.input_embedding.weight
+    weights.append(head.detach())
+    packed = [PackedLinear(w, None) for w in weights]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    params = sum(w.numel() for w in weights)
+    rows = [int(r) for r in args.rows.split(",")]
+    backends: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "reference": lambda x, i: F.linear(x, weights[i]),
+        "onednn": lambda x, i: packed[i](x),
+    }
+
+    def median_seconds(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    with torch.inference_mode():
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+        bandwidth = nbytes / median_seconds(buffer.sum) / 1e9
+        inputs = {n: {w.shape[1]: torch.randn(n, w.shape[1], dtype=dtype) for w in weights} for n in rows}
+        runs = []
+        for n in rows:
+            record: dict[str, Any] = {"rows": n}
+            for name, linear in backends.items():
+                def one_pass(n: int = n, linear: Callable = linear) -> None:
+                    for i, w in enumerate(weights):
+                        linear(inputs[n][w.shape[1]], i)
+                seconds = median_seconds(one_pass)
+                record[name] = {"ms": seconds * 1e3, "weights_gb_per_s": nbytes / seconds / 1e9,
+                                "gflop_per_s": 2 * params * n / seconds / 1e9}
+            record["ratio_reference_to_onednn"] = record["reference"]["ms"] / record["onednn"]["ms"]
+            runs.append(record)
+    result = {
+        "benchmark": "linears", "machine": machine_info(), "command": sys.argv, "dtype": str(dtype),
+        "threads": torch.get_num_threads(), "weight_bytes": nbytes, "linears": len(weights),
+        "sum_bandwidth_gb_per_s": bandwidth, "runs": runs,
+    }
+    print(f"{len(weights)} linear weights ({nbytes / 1e6:.0f} MB {str(dtype).removeprefix('torch.')}, the head "
+          f"last), {torch.get_num_threads()} threads; memory bandwidth (sum over as many bytes): {bandwidth:.1f} GB/s")
+    print(f"{'rows':>5} {'reference ms':>13} {'GB/s':>6} {'onednn ms':>10} {'GB/s':>6} {'GFLOP/s':>8} {'ratio':>6}")
+    for r in runs:
+        ref, one = r["reference"], r["onednn"]
+        print(f"{r['rows']:>5} {ref['ms']:>13.1f} {ref['weights_gb_per_s']:>6.1f} {one['ms']:>10.1f} "
+              f"{one['weights_gb_per_s']:>6.1f} {one['gflop_per_s']:>8.1f} {r['ratio_reference_to_onednn']:>5.2f}x")
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -1434,6 +1520,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     o.add_argument("--max-bs", type=int, default=32, help="orca's max_bs (default: %(default)s)")
     o.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
+    o.add_argument("--linear-backend", default="auto", choices=("auto", "onednn", "reference"),
+                   help="EngineConfig.linear_backend (default: %(default)s; onednn on a CPU)")
     o.add_argument("--kv-admission", choices=KV_ADMISSION_CHOICES, default="on_demand",
                    help="orca's K/V admission policy; both: reserve, then on_demand, on the same requests, side "
                         "by side (default: %(default)s)")
@@ -1456,6 +1544,16 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--peak-seconds", type=float, default=4.0, help="time spent measuring the matmul peak")
     workload(o, "offline")
     o.set_defaults(func=cmd_offline)
+
+    li = sub.add_parser("linears", help="the model's linear layers alone at decode's row counts, per linear_backend",
+                        description=_doc_paragraph("linears"))
+    li.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    li.add_argument("--dtype", default="float32", help="weights' dtype, or auto (default: %(default)s)")
+    li.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="token rows per pass, comma-separated "
+                    "(default: %(default)s)")
+    li.add_argument("--repeats", type=_positive_int, default=9, help="timed passes per point (default: %(default)s)")
+    li.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    li.set_defaults(func=cmd_linears)
 
     d = sub.add_parser("distributed", help="the control plane's cost per iteration for tp / pp layouts, in "
                        "this process (CPU, gloo)", description=_doc_paragraph("distributed"))
