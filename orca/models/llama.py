@@ -44,7 +44,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the model dtype, as the reference does: fp16 squares overflow.
+        if x.dtype == torch.float32:  # one fused op with the weight: the same numbers, a third less time
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Normalise in fp32 whatever the model dtype, as the reference does (fp16 squares overflow), and
+        # scale in the model dtype after rounding to it, in the reference's order.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
 
