@@ -26,19 +26,47 @@ def test_sizes_and_blocks_for() -> None:
     assert BlockManager(3, 1).blocks_for(7) == 7
 
 
-def test_grow_hands_out_lowest_ids_first_and_only_what_is_missing() -> None:
+def test_grow_places_a_request_mid_run_and_grows_it_in_place_only_by_what_is_missing() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     assert bm.blocks_needed("a", 5) == 2 and bm.can_grow("a", 5)
-    assert bm.grow("a", 5) == [0, 1]
-    assert bm.table("a") == [0, 1] and bm.num_held("a") == 2
+    assert bm.grow("a", 5) == [3, 4]  # the middle of the free run 0..7
+    assert bm.table("a") == [3, 4] and bm.num_held("a") == 2
     assert bm.grow("a", 8) == []  # 8 tokens still fit in 2 blocks
     assert bm.blocks_needed("a", 8) == 0 and bm.blocks_needed("a", 3) == 0  # never negative
-    assert bm.grow("b", 1) == [2]
-    assert bm.grow("a", 9) == [3]  # a's table need not be contiguous
-    assert bm.table("a") == [0, 1, 3]
-    assert bm.owners() == {"a": [0, 1, 3], "b": [2]}
+    assert bm.grow("b", 1) == [1]  # runs 0..2 and 5..7: the lowest of the largest, its middle
+    assert bm.grow("a", 9) == [5]  # right after a's last block
+    assert bm.owners() == {"a": [3, 4, 5], "b": [1]}
     assert (bm.num_free_blocks, bm.num_allocated_blocks) == (4, 4)
     assert bm.table("nobody") == [] and bm.num_held("nobody") == 0
+
+
+def test_a_full_pool_hands_out_the_lowest_free_ids() -> None:
+    bm = BlockManager(num_blocks=4, block_size=1)
+    assert bm.grow("a", 2) == [1, 2]
+    assert bm.grow("b", 2) == [0, 3]  # no run holds 2 x 2: lowest first; 1 is taken, so a table may have gaps
+    assert bm.num_free_blocks == 0
+
+
+def test_lowest_placement_is_first_fit() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, placement="lowest")
+    assert bm.grow("a", 5) == [0, 1] and bm.grow("b", 1) == [2] and bm.grow("a", 9) == [3]
+    bm.free("b")
+    assert bm.grow("c", 8) == [2, 4]
+    with pytest.raises(ValueError, match="placement must be one of contiguous, lowest, got 'best'"):
+        BlockManager(8, 4, placement="best")
+
+
+def test_requests_growing_together_keep_consecutive_tables_while_the_pool_has_room() -> None:
+    """The point of the placement: 32 prompts admitted at once, then every request grows a block at a time
+    in turn (a decode batch); each table stays one run of blocks, read by the worker as one view."""
+    bm = BlockManager(num_blocks=1456, block_size=16)
+    for i in range(32):
+        bm.grow(f"r{i}", 100 + i)
+    for tokens in range(100, 300, 16):  # up to 20 blocks each: 640 of the 1,456
+        for i in range(32):
+            bm.grow(f"r{i}", tokens + i + 16)
+    for table in bm.owners().values():
+        assert table == list(range(table[0], table[0] + len(table)))
 
 
 def test_grow_beyond_the_pool_raises_and_changes_nothing() -> None:
@@ -53,15 +81,15 @@ def test_grow_beyond_the_pool_raises_and_changes_nothing() -> None:
 
 def test_free_returns_blocks_once_and_they_are_reused_lowest_first() -> None:
     bm = BlockManager(num_blocks=6, block_size=1)
-    bm.grow("a", 2)  # [0, 1]
-    bm.grow("b", 2)  # [2, 3]
-    bm.grow("c", 1)  # [4]
+    assert bm.grow("a", 2) == [2, 3]  # mid-run
+    assert bm.grow("b", 2) == [0, 1]  # no run holds 2 x 2: lowest first
+    assert bm.grow("c", 1) == [4]  # the run 4..5
     assert bm.free("b") == 2
     assert bm.free("b") == 0  # idempotent: a second free must not return someone else's blocks
     assert bm.free("never") == 0
     assert bm.free("a") == 2
     assert bm.num_free_blocks == 5
-    assert bm.grow("d", 3) == [0, 1, 2]  # the heap gives back the lowest free ids
+    assert bm.grow("d", 3) == [0, 1, 2]  # 0..3 free: no run holds 2 x 3, so lowest first
     assert bm.grow("e", 2) == [3, 5]
     assert bm.owners() == {"c": [4], "d": [0, 1, 2], "e": [3, 5]}
 
@@ -72,7 +100,30 @@ def test_table_and_owners_are_copies() -> None:
     bm.table("a").append(99)
     bm.owners()["a"].append(99)
     bm.owners()["x"] = [3]
-    assert bm.owners() == {"a": [0, 1]} and bm.num_held("a") == 2
+    assert bm.owners() == {"a": [1, 2]} and bm.num_held("a") == 2
+
+
+def expected_new_blocks(free: list[int], table: list[int], want: int) -> list[int]:
+    """The placement rule, written out plainly: a first allocation goes to the middle of the longest
+    free run (the lowest on ties) when it holds 2 x want; a block follows the table's last when free;
+    else the lowest free id."""
+    added: list[int] = []
+    if want and not table:
+        runs: list[list[int]] = []
+        for b in free:
+            if runs and runs[-1][-1] == b - 1:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        longest = max(runs, key=len, default=[])  # max keeps the first of equals
+        if len(longest) >= 2 * want:
+            start = longest[0] + (len(longest) - want) // 2
+            added = list(range(start, start + want))
+    while len(added) < want:
+        last = (table + added)[-1] if table + added else None
+        available = [b for b in free if b not in added]
+        added.append(last + 1 if last is not None and last + 1 in available else min(available))
+    return added
 
 
 @settings(max_examples=200, deadline=None)
@@ -103,7 +154,7 @@ def test_block_manager_against_a_model(num_blocks: int, block_size: int, ops: li
                     bm.grow(rid, tokens)
             else:
                 added = bm.grow(rid, tokens)
-                assert added == free_before[:want]  # lowest ids first
+                assert added == expected_new_blocks(free_before, model.get(rid, []), want)
                 if want or rid in model:
                     model.setdefault(rid, []).extend(added)
         else:

@@ -40,7 +40,10 @@ def make_scheduler(
     kv_admission: str = "reserve",
     max_num_batched_tokens: int | None = None,
 ) -> OrcaScheduler:
-    return OrcaScheduler(max_bs, BlockManager(num_blocks, block_size), n_workers, kv_admission, max_num_batched_tokens)
+    # First-fit block placement: the expectations below name block ids that follow from arithmetic alone
+    # (the default placement is tested in tests/test_block_manager.py and by the model-based test here).
+    blocks = BlockManager(num_blocks, block_size, placement="lowest")
+    return OrcaScheduler(max_bs, blocks, n_workers, kv_admission, max_num_batched_tokens)
 
 
 def finish_iteration(
