@@ -33,11 +33,17 @@ class BlockManager:
         self.placement = placement
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: set[int] = set(range(num_blocks))
-        # Lowest id first. Lazy: a block taken by placement stays in the heap until popped (and skipped
-        # then, being no longer free); a block freed twice over its life may be in it twice.
-        self._lowest: list[int] = list(range(num_blocks))
+        # The free blocks as maximal runs of consecutive ids, [start, end] inclusive, indexed both ways, with
+        # two lazy heaps over them: by length (longest first, then lowest start) for placement and by
+        # start for first fit. A heap entry is current while its run still exists; stale ones are skipped
+        # when met, and the heaps are rebuilt when they have grown stale enough.
+        self._num_free = num_blocks
+        self._run_end: dict[int, int] = {}
+        self._run_start: dict[int, int] = {}
+        self._longest: list[tuple[int, int, int]] = []  # (-length, start, end)
+        self._lowest: list[int] = []  # run starts
         self._tables: dict[str, list[int]] = {}
+        self._add_run(0, num_blocks - 1)
 
     @property
     def n_slots(self) -> int:
@@ -45,11 +51,11 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_allocated_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold num_tokens tokens."""
@@ -70,30 +76,30 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - self.num_held(request_id))
 
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= len(self._free)
+        return self.blocks_needed(request_id, num_tokens) <= self._num_free
 
     def grow(self, request_id: str, num_tokens: int) -> list[int]:
         """Extends the request's table to hold num_tokens tokens; returns the blocks added (maybe none).
         RuntimeError when the pool has too few free blocks: callers check can_grow first."""
         need = self.blocks_needed(request_id, num_tokens)
-        if need > len(self._free):
-            raise RuntimeError(f"{request_id} needs {need} more blocks, {len(self._free)} are free")
+        if need > self._num_free:
+            raise RuntimeError(f"{request_id} needs {need} more blocks, {self._num_free} are free")
         table = self._tables.setdefault(request_id, [])
         new: list[int] = []
         if self.placement == "lowest":
-            new = [self._pop_lowest() for _ in range(need)]
+            while len(new) < need:
+                new.append(self._take_first(self._lowest_start()))
         elif need and not table:
-            start = self._placement(need)
-            if start is not None:
-                new = list(range(start, start + need))
-                self._free.difference_update(new)
+            run = self._longest_run()
+            if run is not None and run[1] - run[0] + 1 >= 2 * need:  # room for it and as much again
+                first = run[0] + (run[1] - run[0] + 1 - need) // 2
+                self._carve(run, first, need)
+                new = list(range(first, first + need))
         while len(new) < need:
             last = new[-1] if new else (table[-1] if table else None)
-            if last is not None and last + 1 in self._free:
-                self._free.remove(last + 1)
-                new.append(last + 1)
-            else:
-                new.append(self._pop_lowest())
+            # The block after an allocated one, when free, starts a run.
+            after = last + 1 if last is not None and last + 1 in self._run_end else None
+            new.append(self._take_first(after if after is not None else self._lowest_start()))
         table.extend(new)
         return new
 
@@ -101,30 +107,60 @@ class BlockManager:
         """Returns every block of the request to the pool; the number freed."""
         table = self._tables.pop(request_id, [])
         for block in table:
-            self._free.add(block)
-            heapq.heappush(self._lowest, block)
-        if len(self._lowest) > 2 * self.num_blocks:  # stale entries: rebuild from the free set
-            self._lowest = sorted(self._free)
+            start, end = block, block
+            if block - 1 in self._run_start:  # joins the run ending just before it
+                start = self._run_start[block - 1]
+                self._remove_run(start)
+            if block + 1 in self._run_end:  # and the one starting just after it
+                end = self._run_end[block + 1]
+                self._remove_run(block + 1)
+            self._add_run(start, end)
+            self._num_free += 1
         return len(table)
 
-    def _pop_lowest(self) -> int:
-        while True:
-            block = heapq.heappop(self._lowest)
-            if block in self._free:
-                self._free.remove(block)
-                return block
+    # -- the free runs ----------------------------------------------------------------------------
+    def _add_run(self, start: int, end: int) -> None:
+        self._run_end[start], self._run_start[end] = end, start
+        heapq.heappush(self._longest, (start - end - 1, start, end))
+        heapq.heappush(self._lowest, start)
+        if len(self._longest) > 4 * len(self._run_end) + 64:  # mostly stale: rebuild both
+            self._longest = [(s - e - 1, s, e) for s, e in self._run_end.items()]
+            heapq.heapify(self._longest)
+            self._lowest = sorted(self._run_end)
 
-    def _placement(self, need: int) -> int | None:
-        """Where a request's first `need` blocks go: the middle of the largest run of free blocks (the
-        lowest such run), if it holds at least 2 x need; else None."""
-        best_start, best_len = 0, 0
-        run_start, prev = -2, -2
-        for block in sorted(self._free):
-            if block != prev + 1:
-                run_start = block
-            prev = block
-            if block - run_start + 1 > best_len:
-                best_start, best_len = run_start, block - run_start + 1
-        if best_len < 2 * need:
-            return None
-        return best_start + (best_len - need) // 2
+    def _remove_run(self, start: int) -> None:
+        del self._run_start[self._run_end.pop(start)]
+
+    def _longest_run(self) -> tuple[int, int] | None:
+        """The longest free run (the lowest of equals) as (start, end), or None when no block is free."""
+        while self._longest:
+            _, start, end = self._longest[0]
+            if self._run_end.get(start) == end:
+                return start, end
+            heapq.heappop(self._longest)
+        return None
+
+    def _lowest_start(self) -> int:
+        """The lowest free block (the start of the lowest run); some block must be free."""
+        while self._lowest[0] not in self._run_end:
+            heapq.heappop(self._lowest)
+        return self._lowest[0]
+
+    def _take_first(self, start: int) -> int:
+        """Takes the first block of the free run starting at `start`; returns it."""
+        end = self._run_end[start]
+        self._remove_run(start)
+        if start < end:
+            self._add_run(start + 1, end)
+        self._num_free -= 1
+        return start
+
+    def _carve(self, run: tuple[int, int], first: int, count: int) -> None:
+        """Takes blocks [first, first + count) out of the free run `run`, leaving what is left either side."""
+        start, end = run
+        self._remove_run(start)
+        if start < first:
+            self._add_run(start, first - 1)
+        if first + count <= end:
+            self._add_run(first + count, end)
+        self._num_free -= count
