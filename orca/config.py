@@ -204,8 +204,8 @@ class EngineConfig:
       references on any host).
     - linear_backend: how the model's linear layers multiply. "onednn": their weights are packed once at
       load into oneDNN's blocked layout and every call runs oneDNN's matmul on them (CPU only; what
-      inductor's freezing pass does to CPU linears, without compiling: 1.3-3x faster than torch's default
-      matmul at the few rows of decode iterations, docs/BENCHMARKS.md). "reference": torch's F.linear on
+      inductor's freezing pass does to CPU linears, without compiling: 1.4-2.4x faster than torch's default
+      matmul at the 1-32 rows of decode iterations here, docs/BENCHMARKS.md). "reference": torch's F.linear on
       the checkpoint layout. "auto": onednn on a CPU where oneDNN packs the dtype, reference elsewhere
       (CUDA: cuBLAS).
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;

@@ -69,6 +69,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import sys
 import threading
 import time
@@ -1309,18 +1310,18 @@ def print_single_and_peers(result: dict[str, Any]) -> None:
         print("  (same tokens: requests whose greedy tokens equal orca's; * the single-stream tokens differ)")
 
 
-# -- shared ---------------------------------------------------------------------------------------------------
 # -- the linears command ----------------------------------------------------------------------------------
 def cmd_linears(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    from orca.config import DTYPES, EngineConfig
+    from orca.config import EngineConfig
     from orca.loader import load_model, resolve_checkpoint
     from orca.models.layers import PackedLinear, onednn_packs
+    from orca_client.peers.runner_common import timed
 
-    dtype = EngineConfig(dtype=args.dtype, device="cpu").torch_dtype if args.dtype == "auto" else DTYPES[args.dtype]
+    dtype = EngineConfig(dtype=args.dtype, device="cpu").torch_dtype  # validated: a bad name is a ValueError
     if not onednn_packs(dtype):
         raise ValueError(f"oneDNN cannot pack {dtype} on this CPU: nothing to compare")
     model, _ = load_model(resolve_checkpoint(args.model), dtype, torch.device("cpu"))
@@ -1338,13 +1339,8 @@ def cmd_linears(args: argparse.Namespace) -> int:
     }
 
     def median_seconds(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+        fn()  # warm-up
+        return statistics.median(timed(fn)[1] for _ in range(args.repeats))
 
     with torch.inference_mode():
         buffer = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -1379,6 +1375,7 @@ def cmd_linears(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- shared ---------------------------------------------------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
