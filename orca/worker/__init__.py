@@ -24,7 +24,7 @@ from orca.config import EngineConfig, ModelConfig
 from orca.device import upload
 from orca.kv_cache import KVLayout, blocks_from_gpu_memory
 from orca.loader import load_model, resolve_checkpoint
-from orca.models.attention import AttentionMetadata, PhaseTimer
+from orca.models.attention import AttentionMetadata, PhaseTimer, resolve_attention_backend
 from orca.models.layers import resolve_linear_backend
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
@@ -55,7 +55,12 @@ class Worker:
         self.dtype = config.torch_dtype
         self.checkpoint = resolve_checkpoint(config.model)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend)
+        if self.attention_backend == "flex" and self.device.type != "cuda":
+            logger.warning("attention_backend flex on %s runs PyTorch's unfused flex_attention, which evaluates "
+                           "its mask over the whole K/V pool at every layer: correct, slow (reference is the fast "
+                           "choice here)", self.device)
         mc: ModelConfig = self.model_config
         self.par = par or ParallelContext.single(mc.num_layers)
         kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
@@ -91,7 +96,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         # A profiling iteration: `num_tokens` prompt tokens in sequences of max_len, on a scratch pool.
         blocks = -(-num_tokens // cfg.block_size) + cfg.max_bs
-        self.kv_pool = self.kv_layout.allocate(blocks, self.device)
+        self.kv_pool = self.kv_layout.allocate(blocks, self.device, zeroed=self.attention_backend == "flex")
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
         plan_requests, next_block = [], 0
         for i, n in enumerate(lengths):
@@ -121,7 +126,33 @@ class Worker:
     def init_kv_pool(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the K/V pool needs at least one block")
-        self.kv_pool = self.kv_layout.allocate(num_blocks, self.device)
+        self.kv_pool = self.kv_layout.allocate(num_blocks, self.device, zeroed=self.attention_backend == "flex")
+        if self.attention_backend == "flex" and self.device.type == "cuda":
+            self._warm_up_flex()
+
+    def _warm_up_flex(self) -> None:
+        """Compiles the flex attention kernels now rather than in the first user request: a two-token
+        prompt, then its one-token increment (dynamic shapes specialise a single row), through every layer
+        (sliding-window layers compile their own mask). Writes only to the first blocks, which no request
+        owns yet."""
+        block_size = self.kv_layout.block_size
+        prompt_blocks, total_blocks = -(-2 // block_size), -(-3 // block_size)
+        if self.kv_pool is None or self.kv_pool.shape[3] < total_blocks * block_size:
+            return
+        logger.info("compiling flex attention kernels for %s (once, at load) ...", self.device)
+        t0 = time.perf_counter()
+        spec = SamplingSpec(1.0, 0, 1.0, 0)
+        plans = (
+            StepPlan(-1, (PlannedRequest("warm-up", (0, 0), 0, tuple(range(prompt_blocks)), spec, sample_step=0),)),
+            StepPlan(-1, (PlannedRequest("warm-up", (0,), 2, tuple(range(prompt_blocks, total_blocks)),
+                                         sample_step=1),)),
+        )
+        for plan in plans:
+            result = self.execute(plan)
+            if result.error:
+                raise RuntimeError(f"warming up flex attention failed: {result.error}")
+        self._requests.clear()
+        logger.info("flex attention compiled in %.1f s", time.perf_counter() - t0)
 
     # -- iterations ------------------------------------------------------------------------------
     def inject_fault(self, message: str) -> None:
@@ -239,7 +270,8 @@ class Worker:
                 specs.append(state.sampling)
                 steps.append(pr.sample_step)
                 sampled_ids.append(pr.request_id)
-        meta = AttentionMetadata.build(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool, timer)
+        meta = AttentionMetadata.build(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool, timer,
+                                       backend=self.attention_backend)
         ids = upload(input_ids, torch.int64, self.device)  # (T,)
         pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None

@@ -1,0 +1,174 @@
+"""EngineConfig.attention_backend: the flex backend (one flex_attention call per layer over the whole K/V pool,
+orca/models/attention.py) gives the reference's numbers (per-request SDPA, fp32, 1e-4) on mixed iterations
+(prompts, chunks after a cached prefix, increments at different positions, partly filled last blocks,
+shuffled block tables, GQA and MHA, sliding windows) at block sizes 1, 4 and 16; its block-sparse
+structure covers every (query, slot) pair the mask keeps, which is what lets the compiled kernel skip the
+rest; whole generations with it are transformers' greedy tokens under chunking and preemption.
+
+On this CPU flex runs PyTorch's unfused implementation (the compiled kernels are CUDA's): these tests check
+the layout and the mask, which both share."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_reference
+from checkpoints import make_mistral
+
+from orca import EngineConfig, LLMEngine, SamplingParams
+from orca.models.attention import (
+    FLEX_Q_BLOCK,
+    AttentionMetadata,
+    FlexLayout,
+    resolve_attention_backend,
+    selective_attention,
+)
+from orca.worker import Worker
+
+BLOCK_SIZES = (1, 4, 16)
+# (new tokens, cached tokens) per request, increments first as the worker orders them: two increments at
+# different positions, a whole prompt, a prompt chunk after a cached prefix, a one-token prompt, another
+# chunk; 40 rows, so three query tiles of FLEX_Q_BLOCK, one shared by several requests.
+MIXED = [(1, 9), (1, 3), (1, 30), (12, 0), (5, 6), (1, 0), (9, 17), (10, 0)]
+
+
+def _tables(rng: random.Random, block_size: int, num_blocks: int) -> list[list[int]]:
+    """Each request's blocks drawn at random from the pool: tables neither consecutive nor ordered."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    return [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in MIXED]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_matches_reference_on_a_mixed_iteration(
+    block_size: int, heads: int, kv_heads: int, window: int | None
+) -> None:
+    rng = random.Random(block_size)
+    num_blocks, dim = 160 // block_size + 8, 8
+    tables = _tables(rng, block_size, num_blocks)
+    lengths, context = [n for n, _ in MIXED], [p for _, p in MIXED]
+    torch.manual_seed(0)
+    pool = torch.randn(3, 2, kv_heads, num_blocks * block_size, dim)  # cached keys/values everywhere
+    q = torch.randn(sum(lengths), heads, dim)
+    kv = torch.randn(sum(lengths), 2, kv_heads, dim)
+    out, pools = {}, {}
+    for backend in ("reference", "flex"):
+        pools[backend] = pool.clone()
+        meta = AttentionMetadata.build(lengths, context, tables, block_size, pools[backend], backend=backend)
+        assert (meta.flex is not None) == (backend == "flex")
+        out[backend] = selective_attention(q, kv, meta, 1, 0.3, window)
+    torch.testing.assert_close(out["flex"], out["reference"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(pools["flex"], pools["reference"], atol=0, rtol=0)  # the same K/V written
+    assert out["reference"].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_the_block_sparse_structure_covers_every_kept_pair(block_size: int) -> None:
+    rng = random.Random(10 + block_size)
+    num_blocks = 160 // block_size + 8
+    tables = _tables(rng, block_size, num_blocks)
+    lengths, context = [n for n, _ in MIXED], [p for _, p in MIXED]
+    layout = FlexLayout.build(lengths, context, tables, block_size, num_blocks * block_size, torch.device("cpu"))
+    rows, slots = layout.num_tokens, layout.num_slots
+    keep = layout.mask_mod(None)(0, 0, torch.arange(rows)[:, None], torch.arange(slots)[None, :])  # (T, S)
+    # Each row keeps exactly its request's slots up to its own position: past + j + 1 of them.
+    expected = [past + j + 1 for n, past in MIXED for j in range(n)]
+    assert keep.sum(-1).tolist() == expected
+    # The tiles each query tile visits, from the BlockMask, against the tiles its kept pairs fall in.
+    q_tiles, kv_tiles = -(-rows // FLEX_Q_BLOCK), -(-slots // layout.kv_block)
+    padded = torch.zeros(q_tiles * FLEX_Q_BLOCK, kv_tiles * layout.kv_block, dtype=torch.bool)
+    padded[:rows, :slots] = keep
+    needed = padded.view(q_tiles, FLEX_Q_BLOCK, kv_tiles, layout.kv_block).any(3).any(1)
+    visited = layout.block_mask().to_dense()[0, 0].bool()
+    assert visited.shape == needed.shape
+    assert not (needed & ~visited).any(), "a tile the mask keeps pairs in is skipped"
+    # Every visited tile is one a request with rows in that query tile owns a block of, and no more: the
+    # skipped share is what the fused kernel saves.
+    owner = layout.block_owner.repeat_interleave(block_size)
+    row_requests = layout.q_request
+    for t in range(q_tiles):
+        requests = set(row_requests[t * FLEX_Q_BLOCK : (t + 1) * FLEX_Q_BLOCK].tolist())
+        for j in range(kv_tiles):
+            tile_owners = set(owner[j * layout.kv_block : (j + 1) * layout.kv_block].tolist())
+            assert bool(visited[t, j]) == bool(requests & tile_owners), (t, j)
+    if block_size == 16:  # (smaller blocks, shuffled over the pool, touch most tiles)
+        assert visited.sum() < visited.numel() / 2
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("family", [*FAMILIES, "mistral"])
+def test_the_model_gives_the_same_hidden_states_with_either_backend(
+    family: str, block_size: int, tmp_path: Path
+) -> None:
+    # Mistral: grouped-query attention with a sliding window (8) shorter than the prompts.
+    path = make_mistral(tmp_path / "mistral", seed=3) if family == "mistral" else tiny_checkpoint(family)
+    hidden = {}
+    tables = [[5, 1, 9, 0], [2, 7, 3, 8, 6], [4, 10, 11, 12, 13]] if block_size == 4 else None
+    for backend in ("reference", "flex"):
+        worker = Worker(EngineConfig(model=str(path), block_size=block_size, n_slots=14 * max(block_size, 4) * 4,
+                                     attention_backend=backend))
+        assert worker.attention_backend == backend
+        worker.init_kv_pool(56 if block_size == 1 else 14 if block_size == 4 else 4)
+        if backend == "flex":  # its kernels weigh masked slots by 0: unwritten memory must not be NaN
+            assert not worker.kv_pool.any()
+        rng = random.Random(4)
+        if block_size == 4:
+            t = tables
+        elif block_size == 1:
+            free = list(range(56))
+            rng.shuffle(free)
+            t = [free[:10], free[10:23], free[23:40]]
+        else:
+            t = [[2], [0, 3], [1]]
+        prefix_a, prefix_b = ([rng.randrange(0, 190) for _ in range(n)] for n in (9, 11))
+        increment, chunk, prompt = ([rng.randrange(0, 190) for _ in range(n)] for n in (1, 2, 14))
+        with torch.inference_mode():
+            # Cached prefixes of 9 and 11 tokens, then one iteration: an increment, a 2-token chunk after
+            # the 11 cached, and a whole 14-token prompt.
+            worker.model(torch.tensor(prefix_a + prefix_b), torch.tensor([*range(9), *range(11)]),
+                         AttentionMetadata.build([9, 11], [0, 0], t[:2], block_size, worker.kv_pool,
+                                                 backend=worker.attention_backend))
+            meta = AttentionMetadata.build([1, 2, 14], [9, 11, 0], t, block_size, worker.kv_pool,
+                                           backend=worker.attention_backend)
+            hidden[backend] = worker.model(torch.tensor(increment + chunk + prompt),
+                                           torch.tensor([9, 11, 12, *range(14)]), meta)
+    torch.testing.assert_close(hidden["flex"], hidden["reference"], atol=1e-4, rtol=0)
+
+
+KV_CONFIGS = {
+    "slot-exact": dict(n_slots=96, block_size=1, kv_admission="reserve"),
+    "paged-chunked-preempting": dict(n_slots=40, block_size=4, kv_admission="on_demand", max_num_batched_tokens=8),
+    "block-16": dict(n_slots=96, block_size=16, kv_admission="on_demand", max_num_batched_tokens=16),
+}
+
+
+@pytest.mark.parametrize("kv", list(KV_CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_with_flex_is_transformers_greedy(family: str, kv: str) -> None:
+    rng = random.Random(2)
+    jobs = [([rng.randrange(0, 190) for _ in range(rng.randint(1, 20))], rng.randint(1, 14)) for _ in range(10)]
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), max_bs=4, attention_backend="flex",
+                                    **KV_CONFIGS[kv]))
+    for i, (prompt, n) in enumerate(jobs):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    final = drain(engine)
+    if kv == "paged-chunked-preempting":
+        assert engine.stats().preemptions > 0
+    reference = tiny_reference(family)
+    for i, (prompt, n) in enumerate(jobs):
+        assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
+
+
+def test_auto_is_the_measured_choice_and_bad_names_are_refused() -> None:
+    for device in ("cpu", "cuda"):
+        assert resolve_attention_backend("auto", torch.device(device)) == "reference"
+        assert resolve_attention_backend("flex", torch.device(device)) == "flex"
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, flex, got 'fused'"):
+        EngineConfig(attention_backend="fused")
+    cfg = EngineConfig.from_parameters({"attention_backend": "flex"})
+    assert cfg.attention_backend == "flex"
