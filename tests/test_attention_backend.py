@@ -3,7 +3,8 @@ orca/models/attention.py) gives the reference's numbers (per-request SDPA, fp32,
 (prompts, chunks after a cached prefix, increments at different positions, partly filled last blocks,
 shuffled block tables, GQA and MHA, sliding windows) at block sizes 1, 4 and 16; its block-sparse
 structure covers every (query, slot) pair the mask keeps, which is what lets the compiled kernel skip the
-rest; whole generations with it are transformers' greedy tokens under chunking and preemption.
+rest; whole generations with it are transformers' greedy tokens under chunking and preemption, and under
+tensor parallelism.
 
 On this CPU flex runs PyTorch's unfused implementation (the compiled kernels are CUDA's): these tests check
 the layout and the mask, which both share."""
@@ -172,3 +173,21 @@ def test_auto_is_the_measured_choice_and_bad_names_are_refused() -> None:
         EngineConfig(attention_backend="fused")
     cfg = EngineConfig.from_parameters({"attention_backend": "flex"})
     assert cfg.attention_backend == "flex"
+
+
+def test_flex_under_tensor_parallelism_is_transformers_greedy() -> None:
+    """Two ranks, each with its share of the query and K/V heads and its own pool, each building the same
+    layout from the same plan."""
+    rng = random.Random(5)
+    jobs = [([rng.randrange(0, 190) for _ in range(rng.randint(2, 20))], 8) for _ in range(6)]
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), tensor_parallel_size=2, max_bs=4,
+                                    attention_backend="flex", block_size=4, n_slots=256))
+    try:
+        for i, (prompt, n) in enumerate(jobs):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        final = drain(engine)
+    finally:
+        engine.shutdown()
+    reference = tiny_reference("llama")
+    for i, (prompt, n) in enumerate(jobs):
+        assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"

@@ -31,7 +31,8 @@ identical, the K/V pool's use (utilization = used tokens / slots of allocated bl
 iterations weighted by their duration; mean and peak allocated blocks; preemptions), and where an
 iteration spends its time (a second run with the engine's profiling hook, engine.profile). Engine
 options: --kv-admission (reserve, on_demand, or both: one engine per policy on the same requests, side
-by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype, --linear-backend. Every
+by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype, --linear-backend,
+--attention-backend. Every
 system also gets the single-stream figure: one request alone (a 64-token prompt, 128 new tokens, after a
 warm-up), decode tokens/s = 127 / (its time - the time of the same prompt with 1 new token), medians of 3. --peers
 vllm,llama_cpp runs CPU peer systems on the same requests (greedy, EOS ignored), each in the venv its
@@ -885,13 +886,15 @@ def run_orca_offline(
     engine = LLMEngine(EngineConfig(
         model=args.model, max_bs=args.max_bs, dtype=args.dtype, kv_admission=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or None, n_slots=args.n_slots,
-        linear_backend=args.linear_backend,
+        linear_backend=args.linear_backend, attention_backend=args.attention_backend,
     ))
     try:
         result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
         result["device"] = str(engine.config.torch_device)
         # What auto resolved to (the in-process worker's; the offline engine always has one).
-        result["linear_backend"] = getattr(getattr(engine.executor, "worker", None), "linear_backend", None)
+        worker = getattr(engine.executor, "worker", None)
+        result["linear_backend"] = getattr(worker, "linear_backend", None)
+        result["attention_backend"] = getattr(worker, "attention_backend", None)
         result["model"] = model_shape(engine.model_config)
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
         warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -1519,6 +1522,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
     o.add_argument("--linear-backend", default="auto", choices=("auto", "onednn", "reference"),
                    help="EngineConfig.linear_backend (default: %(default)s; onednn on a CPU)")
+    o.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "flex"),
+                   help="EngineConfig.attention_backend (default: %(default)s; reference on a CPU)")
     o.add_argument("--kv-admission", choices=KV_ADMISSION_CHOICES, default="on_demand",
                    help="orca's K/V admission policy; both: reserve, then on_demand, on the same requests, side "
                         "by side (default: %(default)s)")
