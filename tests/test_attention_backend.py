@@ -27,7 +27,7 @@ from orca.models.attention import (
     resolve_attention_backend,
     selective_attention,
 )
-from orca.worker import Worker
+from orca.worker import Worker, flex_warm_up_plans
 
 BLOCK_SIZES = (1, 4, 16)
 # (new tokens, cached tokens) per request, increments first as the worker orders them: two increments at
@@ -191,3 +191,57 @@ def test_flex_under_tensor_parallelism_is_transformers_greedy() -> None:
     reference = tiny_reference("llama")
     for i, (prompt, n) in enumerate(jobs):
         assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
+
+
+def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> None:
+    """torch.compile(flex_attention, dynamic=True), as CUDA runs it, with a counting backend (dynamo's
+    guards are what decide recompiles; the backend only runs the graph): a new layout and mask function every
+    iteration, token counts from 1 to 47, and two window sizes. Graphs: per window, one for a single query
+    row, one for a single query tile, one for more; the worker's warm-up plans run each of those shapes, after
+    which nothing compiles again."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    graphs = []
+
+    def counting(gm, example_inputs):  # noqa: ANN001, ANN202
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(flex_attention, backend=counting, dynamic=True)
+    block_size, slots = 4, 512
+    pool = torch.zeros(2, 2, slots, 8)
+    rng = random.Random(0)
+    seen_after_warm_up = None
+    warm_up = [([len(pr.token_ids) for pr in plan.requests], [pr.start for pr in plan.requests])
+               for plan in flex_warm_up_plans(block_size)]
+    for iteration in range(16):
+        # The warm-up's shapes first, then random batches.
+        if iteration < len(warm_up):
+            lengths, context = warm_up[iteration]
+        else:
+            increments = rng.randint(0, 5)
+            lengths = [1] * increments + [rng.choice([1, 2, 9, 30, 45])]
+            context = [rng.randint(1, 20) for _ in range(increments)] + [0]
+        tables, next_block = [], 0
+        for n, past in zip(lengths, context):
+            used = -(-(n + past) // block_size)
+            tables.append(list(range(next_block, next_block + used)))
+            next_block += used
+        layout = FlexLayout.build(lengths, context, tables, block_size, slots, torch.device("cpu"))
+        q = torch.randn(1, 6, sum(lengths), 8)
+        for window in (None, 4):
+            compiled(q, pool[0][None], pool[1][None], block_mask=layout.block_mask(window), enable_gqa=True)
+        if iteration == len(warm_up) - 1:
+            seen_after_warm_up = len(graphs)
+    assert seen_after_warm_up == len(graphs) <= 8, "a batch after the warm-up's shapes compiled again"
+
+
+def test_the_warm_up_runs_its_plans_and_leaves_no_request(tmp_path: Path) -> None:
+    """The worker's flex warm-up (run at load on CUDA, where it compiles): its plans are valid iterations
+    on any pool large enough, and it leaves the worker holding no request."""
+    worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), block_size=4, n_slots=64,
+                                 attention_backend="flex"))
+    worker.init_kv_pool(16)  # on a CPU init_kv_pool does not warm up: run it by hand
+    worker._warm_up_flex()
+    assert worker.num_requests == 0
+    assert worker.kv_pool.any()  # it did run the model into the pool

@@ -24,7 +24,7 @@ from orca.config import EngineConfig, ModelConfig
 from orca.device import upload
 from orca.kv_cache import KVLayout, blocks_from_gpu_memory
 from orca.loader import load_model, resolve_checkpoint
-from orca.models.attention import AttentionMetadata, PhaseTimer, resolve_attention_backend
+from orca.models.attention import FLEX_Q_BLOCK, AttentionMetadata, PhaseTimer, resolve_attention_backend
 from orca.models.layers import resolve_linear_backend
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
@@ -131,22 +131,14 @@ class Worker:
             self._warm_up_flex()
 
     def _warm_up_flex(self) -> None:
-        """Compiles the flex attention kernels now rather than in the first user request: a two-token
-        prompt, then its one-token increment (dynamic shapes specialise a single row), through every layer
-        (sliding-window layers compile their own mask). Writes only to the first blocks, which no request
-        owns yet."""
-        block_size = self.kv_layout.block_size
-        prompt_blocks, total_blocks = -(-2 // block_size), -(-3 // block_size)
-        if self.kv_pool is None or self.kv_pool.shape[3] < total_blocks * block_size:
+        """Compiles the flex attention kernels now rather than in a user's request (flex_warm_up_plans).
+        Writes only to blocks no request owns yet; skipped when the pool is too small to hold them."""
+        plans = flex_warm_up_plans(self.kv_layout.block_size)
+        needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
+        if self.kv_pool is None or self.kv_pool.shape[3] < needed * self.kv_layout.block_size:
             return
         logger.info("compiling flex attention kernels for %s (once, at load) ...", self.device)
         t0 = time.perf_counter()
-        spec = SamplingSpec(1.0, 0, 1.0, 0)
-        plans = (
-            StepPlan(-1, (PlannedRequest("warm-up", (0, 0), 0, tuple(range(prompt_blocks)), spec, sample_step=0),)),
-            StepPlan(-1, (PlannedRequest("warm-up", (0,), 2, tuple(range(prompt_blocks, total_blocks)),
-                                         sample_step=1),)),
-        )
         for plan in plans:
             result = self.execute(plan)
             if result.error:
@@ -283,6 +275,29 @@ class Worker:
     def num_requests(self) -> int:
         """Requests this worker holds state for."""
         return len(self._requests)
+
+
+def flex_warm_up_plans(block_size: int) -> tuple[StepPlan, ...]:
+    """The iterations that compile every graph compiled flex attention needs. Token counts are dynamic,
+    but dynamo specialises a few (tests/test_attention_backend.py counts the graphs): two rows, one row,
+    one query tile of more rows, several tiles. So: a two-token prompt, its one-token increment, a 5-token
+    prompt and a prompt of more than two tiles, in blocks taken in order from the first. Every layer runs
+    (sliding-window layers compile their own mask)."""
+    spec = SamplingSpec(1.0, 0, 1.0, 0)
+    plans: list[StepPlan] = []
+    next_block = 0
+
+    def blocks(before: int, after: int) -> tuple[int, ...]:
+        nonlocal next_block
+        n = -(-after // block_size) - -(-before // block_size)
+        next_block += n
+        return tuple(range(next_block - n, next_block))
+
+    plans.append(StepPlan(-1, (PlannedRequest("warm-up-a", (0, 0), 0, blocks(0, 2), spec, sample_step=0),)))
+    plans.append(StepPlan(-1, (PlannedRequest("warm-up-a", (0,), 2, blocks(2, 3), sample_step=1),)))
+    for name, n in (("warm-up-b", 5), ("warm-up-c", 2 * FLEX_Q_BLOCK + 1)):
+        plans.append(StepPlan(-1, (PlannedRequest(name, (0,) * n, 0, blocks(0, n), spec, sample_step=0),)))
+    return tuple(plans)
 
 
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
