@@ -275,7 +275,10 @@ def selective_attention(
     if timer is not None:
         timer.sync()
         t0 = time.perf_counter()
-    out = (_flex_attention if meta.flex is not None else _attention)(q, kv, meta, layer, scale, window)
+    # Write this iteration's keys and values into their slots: one scatter for every token of every request.
+    pool = meta.kv_pool[layer]  # (2, KVH, slots, D)
+    pool.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
+    out = (_flex_attention if meta.flex is not None else _attention)(q, pool, meta, scale, window)
     if timer is not None:
         timer.sync()
         timer.add("attention", time.perf_counter() - t0)
@@ -283,14 +286,12 @@ def selective_attention(
 
 
 def _attention(
-    q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, layer: int, scale: float, window: int | None
+    q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
 ) -> torch.Tensor:
+    """The reference: per request, over its keys and values in `pool` (this layer's, new ones written)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = kv.shape[2]
+    num_kv_heads = pool.shape[1]
     group = num_heads // num_kv_heads  # query heads per K/V head (grouped-query attention)
-    pool = meta.kv_pool[layer]  # (2, KVH, slots, D)
-    # Write this iteration's keys and values into their slots: one scatter for every token of every request.
-    pool.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
     gathered = iter(())
     if meta.gather_index is not None:
         gathered = iter(pool.index_select(2, meta.gather_index).split(meta.gather_sizes, dim=2))
@@ -348,12 +349,11 @@ def _flex_function(device_type: str) -> Callable:
 
 
 def _flex_attention(
-    q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, layer: int, scale: float, window: int | None
+    q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None
 ) -> torch.Tensor:
+    """One flex_attention call over the whole of `pool` (this layer's, new keys and values written)."""
     num_tokens, num_heads, head_dim = q.shape
     layout = meta.flex
-    pool = meta.kv_pool[layer]  # (2, KVH, slots, D)
-    pool.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
     options = {"BLOCK_M": FLEX_Q_BLOCK, "BLOCK_N": FLEX_KV_BLOCK} if q.device.type == "cuda" else None
     with warnings.catch_warnings():  # the unfused CPU path warns that it is unfused, at every call
         warnings.simplefilter("ignore", UserWarning)

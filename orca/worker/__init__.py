@@ -96,7 +96,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         # A profiling iteration: `num_tokens` prompt tokens in sequences of max_len, on a scratch pool.
         blocks = -(-num_tokens // cfg.block_size) + cfg.max_bs
-        self.kv_pool = self.kv_layout.allocate(blocks, self.device, zeroed=self.attention_backend == "flex")
+        self.kv_pool = self._allocate_pool(blocks)
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
         plan_requests, next_block = [], 0
         for i, n in enumerate(lengths):
@@ -126,9 +126,13 @@ class Worker:
     def init_kv_pool(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the K/V pool needs at least one block")
-        self.kv_pool = self.kv_layout.allocate(num_blocks, self.device, zeroed=self.attention_backend == "flex")
+        self.kv_pool = self._allocate_pool(num_blocks)
         if self.attention_backend == "flex" and self.device.type == "cuda":
             self._warm_up_flex()
+
+    def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
+        """A pool of num_blocks blocks; zeroed for flex, whose kernels weigh masked slots by 0 (kv_cache.py)."""
+        return self.kv_layout.allocate(num_blocks, self.device, zeroed=self.attention_backend == "flex")
 
     def _warm_up_flex(self) -> None:
         """Compiles the flex attention kernels now rather than in a user's request (flex_warm_up_plans).

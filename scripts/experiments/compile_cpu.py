@@ -52,7 +52,7 @@ def stack() -> None:
 
     @torch.library.custom_op("orca_experiment::attention", mutates_args=("pool",))
     def attention(q: torch.Tensor, kv: torch.Tensor, pool: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-        return A._attention(q, kv, current["meta"], layer, scale, None)
+        return A.selective_attention(q, kv, current["meta"], layer, scale)
 
     @attention.register_fake
     def _(q, kv, pool, layer, scale):  # noqa: ANN001, ANN202
