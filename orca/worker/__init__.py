@@ -29,6 +29,7 @@ from orca.models.layers import resolve_linear_backend
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.sampler import SamplingTensors, sample, token_logprobs
+from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, why_no_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,11 @@ class Worker:
         kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
         self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, self.dtype, config.block_size)
         self.kv_pool: torch.Tensor | None = None
+        # CUDA graphs for decode iterations (orca/worker/cuda_graphs.py): captured in init_kv_pool when
+        # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
+        self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
+                                              self.par.layout.world_size, self.model)
+        self.decode_graphs: DecodeGraphs | None = None
         self._requests: dict[str, _RequestState] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []  # activations on their way to the next stage
         self._fault: str | None = None  # inject_fault: the next plan raises this message mid-iteration
@@ -126,9 +132,21 @@ class Worker:
     def init_kv_pool(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the K/V pool needs at least one block")
-        self.kv_pool = self._allocate_pool(num_blocks)
+        if self.no_graphs_reason is None:
+            self.kv_pool = self._allocate_pool(num_blocks + 1)  # the last block: padding rows' slots
+        else:
+            self.kv_pool = self._allocate_pool(num_blocks)
         if self.attention_backend == "flex" and self.device.type == "cuda":
             self._warm_up_flex()
+        if self.no_graphs_reason is None:
+            # Captured on CUDA; elsewhere (only when a test lifts why_no_graphs' reasons) the same padded
+            # iterations run eagerly on the static buffers.
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_pool, self.kv_layout.block_size, pad_slot=num_blocks * self.kv_layout.block_size,
+                sizes=graph_sizes(self.config.max_bs), capture=self.device.type == "cuda",
+            )
+        elif self.device.type == "cuda":
+            logger.info("decode iterations run without CUDA graphs: %s", self.no_graphs_reason)
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         """A pool of num_blocks blocks; zeroed for flex, whose kernels weigh masked slots by 0 (kv_cache.py)."""
@@ -177,11 +195,15 @@ class Worker:
         for request_id in plan.free_request_ids:
             self._requests.pop(request_id, None)
         ordered = _execution_order(plan.requests)
-        ids, pos, meta, sample_rows = self._prepare(ordered, timer)
+        graph_size = self._graph_size(ordered) if timer is None else None
+        ids, pos, meta, sample_rows = self._prepare(ordered, timer, graph_size)
         t1 = time.perf_counter()
         par = self.par
-        received = None if par.is_first_stage else self._receive_activations(ids.shape[0])
-        hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)
+        if graph_size is not None:
+            hidden = self.decode_graphs.run(ids, pos, meta)  # (graph_size, E), padding rows last
+        else:
+            received = None if par.is_first_stage else self._receive_activations(ids.shape[0])
+            hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)
         if self._fault is not None:
             message, self._fault = self._fault, None
             raise RuntimeError(message)
@@ -234,11 +256,20 @@ class Worker:
         handle = dist.isend(hidden, dst=self.par.layout.rank(self.par.stage + 1, self.par.tp_rank))
         self._sends = [(handle, hidden)]
 
+    def _graph_size(self, ordered: list[PlannedRequest]) -> int | None:
+        """The CUDA graph size a decode iteration of these requests pads to; None when graphs are off or
+        some request feeds more than one token (or none after a cached prefix)."""
+        if self.decode_graphs is None or not all(len(pr.token_ids) == 1 and pr.start > 0 for pr in ordered):
+            return None
+        return graph_size_for(len(ordered), self.decode_graphs.sizes)
+
     def _prepare(
-        self, ordered: list[PlannedRequest], timer: PhaseTimer | None
+        self, ordered: list[PlannedRequest], timer: PhaseTimer | None, padded_to: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, tuple | None]:
         """Flat input ids and positions (T,), the attention metadata, and the sampling rows: (row indices
-        (B,), specs, steps, request ids) of the requests that draw a token, or None when none does."""
+        (B,), specs, steps, request ids) of the requests that draw a token, or None when none does. With
+        `padded_to`, padding rows follow the requests' up to that many rows (a CUDA graph's size); no
+        sampling row is ever one of them."""
         input_ids: list[int] = []
         positions: list[int] = []
         lengths: list[int] = []
@@ -266,8 +297,12 @@ class Worker:
                 specs.append(state.sampling)
                 steps.append(pr.sample_step)
                 sampled_ids.append(pr.request_id)
+        padding = 0 if padded_to is None else padded_to - len(input_ids)
+        input_ids.extend([0] * padding)
+        positions.extend([0] * padding)
+        pad_slot = self.decode_graphs.pad_slot if padding else 0
         meta = AttentionMetadata.build(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool, timer,
-                                       backend=self.attention_backend)
+                                       backend=self.attention_backend, padding=padding, pad_slot=pad_slot)
         ids = upload(input_ids, torch.int64, self.device)  # (T,)
         pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None

@@ -1,0 +1,140 @@
+"""CUDA graphs for decode iterations: the model's forward pass replayed as one graph launch instead of
+hundreds of kernel launches from Python.
+
+A decode iteration (every request feeds one token after its cached prefix) under the flex backend has
+tensors whose shapes depend on its token count only: the token rows, and the whole pool for keys and values
+(orca/models/attention.py). So one graph per batch size serves every decode iteration of that size,
+whatever the requests' lengths and blocks: the iteration's values are copied into static buffers the
+graph reads, and the graph is replayed.
+
+Sizes: 1, 2, 4, then every multiple of 8 below max_bs, and max_bs (vLLM's default steps). A batch of n
+requests runs in the smallest size >= n; its rows after the n-th are padding: token 0 at position 0,
+writing its keys and values to a slot of a block reserved for it (no request ever owns it), attending to
+nothing (FlexLayout's padding rows), and never sampled (the worker samples the requests' rows only).
+Graphs are captured at load, largest first, sharing one memory pool, after flex is compiled.
+
+Used when the device is CUDA, attention is flex, the model is dense (a mixture-of-experts layer counts its
+tokens per expert on the host) and the worker is alone (no tensor or pipeline parallelism: neither has
+been run under graphs yet); `cuda_graphs: off` turns them off. Elsewhere nothing here runs and nothing
+costs. On a CPU the same static-buffer path can run without capture (``capture=False``): that is how the
+tests check padding and the buffer copies where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from orca.models.attention import AttentionMetadata, FlexLayout
+from orca.models.moe import SparseMoE
+
+logger = logging.getLogger(__name__)
+
+SMALL_SIZES = (1, 2, 4)
+SIZE_STEP = 8
+
+
+def graph_sizes(max_bs: int) -> tuple[int, ...]:
+    """The batch sizes captured: 1, 2, 4, each multiple of 8 below max_bs, and max_bs."""
+    sizes = {s for s in SMALL_SIZES if s < max_bs} | set(range(SIZE_STEP, max_bs, SIZE_STEP)) | {max_bs}
+    return tuple(sorted(sizes))
+
+
+def graph_size_for(num_rows: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds `num_rows` rows (sizes ascending); None when none does."""
+    i = bisect.bisect_left(sizes, num_rows)
+    return sizes[i] if i < len(sizes) and num_rows > 0 else None
+
+
+def why_no_graphs(choice: str, device: torch.device, attention_backend: str, world_size: int,
+                  model: nn.Module) -> str | None:
+    """Why decode iterations are not captured (EngineConfig.cuda_graphs and the conditions above), or None
+    when they are."""
+    if choice == "off":
+        return "cuda_graphs is off"
+    if device.type != "cuda":
+        return f"the device is {device.type}, not CUDA"
+    if attention_backend != "flex":
+        return f"attention_backend is {attention_backend} (graphs need flex's fixed shapes)"
+    if world_size > 1:
+        return "the worker is one of several ranks"
+    if any(isinstance(m, SparseMoE) for m in model.modules()):
+        return "the model has mixture-of-experts layers (their routing reads token counts on the host)"
+    return None
+
+
+class DecodeGraphs:
+    """Static buffers for decode iterations of up to max(sizes) rows and, with `capture`, one CUDA graph of
+    the model's forward pass per size over them. `run` copies an iteration's inputs in and replays (or, when
+    not captured, runs the model eagerly on the same buffers)."""
+
+    def __init__(self, model: nn.Module, kv_pool: torch.Tensor, block_size: int, pad_slot: int,
+                 sizes: Sequence[int], capture: bool) -> None:
+        self.model, self.kv_pool, self.sizes = model, kv_pool, tuple(sizes)
+        self.pad_slot = pad_slot
+        device, rows = kv_pool.device, self.sizes[-1]
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((rows,), pad_slot, dtype=torch.int64, device=device)
+        # An all-padding layout of the largest size; every size reads its head.
+        layout = FlexLayout.build([], [], [], block_size, kv_pool.shape[3], device, padding=rows)
+        self._metas = {
+            n: AttentionMetadata(
+                lengths=[], context_lens=[], num_increment=n, slot_mapping=self.slot_mapping[:n], views=[],
+                gather_index=None, gather_sizes=[], kv_pool=kv_pool, flex=layout.head(n),
+            )
+            for n in self.sizes
+        }
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # iterations run through this object (the GPU tests check graphs were used)
+        if capture:
+            self._capture()
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def _forward(self, n: int) -> torch.Tensor:
+        return self.model(self.input_ids[:n], self.positions[:n], self._metas[n])
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """One graph per size, largest first so the smaller ones reuse its memory pool. Each size runs once
+        before its capture (it builds the size's masks and compiles what is not compiled yet). The buffers
+        hold padding rows meanwhile, which write only to the reserved slot."""
+        logger.info("capturing CUDA graphs for decode batches of %s requests ...", ", ".join(map(str, self.sizes)))
+        t0 = time.perf_counter()
+        pool = None
+        for n in reversed(self.sizes):
+            self._forward(n)
+            torch.cuda.synchronize(self.kv_pool.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[n] = self._forward(n)
+            pool = graph.pool()
+            self._graphs[n] = graph
+        torch.cuda.synchronize(self.kv_pool.device)
+        logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - t0)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The (n, E) hidden states of a decode iteration already padded to a captured size n (its
+        metadata built with the padding rows: AttentionMetadata.build(..., padding=, pad_slot=))."""
+        n = input_ids.shape[0]
+        if n not in self._metas:
+            raise ValueError(f"{n} rows is not one of the captured sizes {self.sizes}")
+        static = self._metas[n]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        static.slot_mapping.copy_(meta.slot_mapping, non_blocking=True)
+        static.flex.copy_(meta.flex)
+        self.replays += 1
+        if n in self._graphs:
+            self._graphs[n].replay()
+            return self._outputs[n]
+        return self._forward(n)
