@@ -463,6 +463,39 @@ def test_orca_bench_linears_times_both_backends_over_the_models_weights(tmp_path
         assert r["ratio_reference_to_onednn"] == pytest.approx(r["reference"]["ms"] / r["onednn"]["ms"])
 
 
+def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofline(tmp_path: Path) -> None:
+    """The GPU benchmark (orca_client/decode_sweep.py) at CPU size: a random tiny Llama built on the spot,
+    orca's reference backend and flex, transformers' continuous batching, three batch sizes."""
+    out = tmp_path / "decode.json"
+    argv = ["decode", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,3,4", "--prompt-len", "6",
+            "--new-tokens", "5", "--repeats", "1", "--systems", "orca-reference,orca-flex,transformers",
+            "--json", str(out)]
+    assert orca_bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "float32" and result["systems"] == ["orca-reference", "orca-flex", "transformers"]
+    assert result["shape"]["num_layers"] == 2 and result["copy_bandwidth_bytes_per_second"] > 0
+    assert [r["batch"] for r in result["runs"]] == [1, 3, 4]
+    bounds = [r["roofline_tokens_per_second"] for r in result["runs"]]
+    assert bounds == sorted(bounds) and bounds[0] > 0  # more rows per weight read
+    for r in result["runs"]:
+        for system in result["systems"]:
+            run = r[system]
+            assert run["decode_tokens_per_second"] > 0 and 0 < run["fraction_of_roofline"] < 1
+        assert r["orca-flex"]["attention_backend"] == "flex" and r["orca-flex"]["cuda_graph_sizes"] is None
+        # Greedy in fp32 on the same weights: the same tokens as transformers.
+        assert r["orca-reference"]["same_tokens_as_transformers"] == r["orca-flex"]["same_tokens_as_transformers"] \
+            == r["batch"]
+    assert orca_bench.main(["decode", "--systems", "vllm"]) == 2  # refused before any work
+
+
+def test_decode_roofline_counts_weights_once_and_kv_per_request() -> None:
+    from orca_client.decode_sweep import roofline
+
+    # 1 GB of weights and 1 kB per token of context at 1 TB/s: one request of 1000 tokens reads 1.001 GB.
+    assert roofline(10**9, 1000, 1, 1000, 10**12) == pytest.approx(1 / 1.001e-3)
+    assert roofline(10**9, 1000, 8, 1000, 10**12) == pytest.approx(8 / 1.008e-3)
+
+
 def test_kv_usage_weights_iterations_by_duration() -> None:
     usage = orca_bench.KVUsage(block_size=4)
     for duration, used, blocks, batch in ((1.0, 8, 4, 2), (3.0, 16, 4, 3), (5.0, 0, 0, 1)):

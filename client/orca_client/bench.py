@@ -1562,6 +1562,14 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     li.set_defaults(func=cmd_linears)
 
+    from orca_client import decode_sweep
+
+    dc = sub.add_parser("decode", help="decode tokens/s against batch size (1-256) for orca's attention backends and "
+                        "CUDA graphs, transformers' continuous batching and the bandwidth roofline (the GPU benchmark)",
+                        description=" ".join(decode_sweep.__doc__.split("\n\n")[1].split()))
+    decode_sweep.add_arguments(dc)
+    dc.set_defaults(func=decode_sweep.cmd_decode)
+
     d = sub.add_parser("distributed", help="the control plane's cost per iteration for tp / pp layouts, in "
                        "this process (CPU, gloo)", description=_doc_paragraph("distributed"))
     d.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
