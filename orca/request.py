@@ -75,8 +75,9 @@ class Request:
 
     @property
     def in_increment(self) -> bool:
-        """Orca's increment phase: admitted, with only its last sampled token left to feed."""
-        return self.admitted and self.num_computed_tokens > 0 and self.num_uncomputed_tokens == 1
+        """Orca's increment phase: admitted, with only its last sampled token left to feed (a prompt's last
+        token alone, its final chunk under a token budget, is still initiation)."""
+        return self.admitted and bool(self.output_token_ids) and self.num_uncomputed_tokens == 1
 
     @property
     def max_tokens(self) -> int:

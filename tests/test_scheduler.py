@@ -309,6 +309,24 @@ def test_chunked_prefill_spreads_a_long_prompt_over_iterations() -> None:
     assert shape(batch) == [("r0", 5, 1, True), ("r1", 10, 1, True)]  # r1 is in increment now
 
 
+def test_a_prompts_last_token_alone_is_initiation_not_increment() -> None:
+    # Budget 4: a 5-token prompt runs as a 4-token chunk, then its last token alone, which feeds one token
+    # after a computed prefix like an increment but is the prompt's: initiation, and it samples.
+    sched = make_scheduler(num_blocks=4, block_size=4, kv_admission="on_demand", max_num_batched_tokens=4)
+    r0 = make_request(0, 5, 2)
+    sched.add(r0)
+    batch = schedule(sched)
+    assert shape(batch) == [("r0", 0, 4, False)]
+    finish_iteration(sched, batch)
+    assert not r0.in_increment
+    batch = schedule(sched)
+    assert shape(batch) == [("r0", 4, 1, True)] and [m.increment for m in batch.members] == [False]
+    finish_iteration(sched, batch)
+    assert r0.in_increment
+    batch = schedule(sched)
+    assert shape(batch) == [("r0", 5, 1, True)] and [m.increment for m in batch.members] == [True]
+
+
 def test_chunked_prefill_under_reserve_reserves_at_the_first_chunk() -> None:
     sched = make_scheduler(num_blocks=8, block_size=2, max_num_batched_tokens=3)
     r0 = make_request(0, 7, 4)  # 11 tokens -> 6 blocks, all at admission
