@@ -27,7 +27,7 @@ from orca.models.attention import (
     resolve_attention_backend,
     selective_attention,
 )
-from orca.worker import Worker, flex_warm_up_plans
+from orca.worker import FLEX_DECODING_ROWS, Worker, flex_warm_up_plans
 
 BLOCK_SIZES = (1, 4, 16)
 # (new tokens, cached tokens) per request, increments first as the worker orders them: two increments at
@@ -213,7 +213,7 @@ def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> 
     rng = random.Random(0)
     seen_after_warm_up = None
     warm_up = [([len(pr.token_ids) for pr in plan.requests], [pr.start for pr in plan.requests])
-               for plan in flex_warm_up_plans(block_size)]
+               for plan in flex_warm_up_plans(block_size, 64)]
     for iteration in range(16):
         # The warm-up's shapes first, then random batches.
         if iteration < len(warm_up):
@@ -238,10 +238,16 @@ def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> 
 
 def test_the_warm_up_runs_its_plans_and_leaves_no_request(tmp_path: Path) -> None:
     """The worker's flex warm-up (run at load on CUDA, where it compiles): its plans are valid iterations
-    on any pool large enough, and it leaves the worker holding no request."""
-    worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), block_size=4, n_slots=64,
+    on any pool large enough, and it leaves the worker holding no request. Its shapes include a prompt
+    past FLEX_DECODING_ROWS, where inductor switches from its decoding kernel to its main one."""
+    plans = flex_warm_up_plans(4, 128)  # the tiny Llama's positions: the last iteration is two prompts
+    rows = [sum(len(pr.token_ids) for pr in plan.requests) for plan in plans]
+    assert rows[:2] == [2, 1] and any(FLEX_Q_BLOCK < n < FLEX_DECODING_ROWS for n in rows)
+    assert max(rows) > FLEX_DECODING_ROWS
+    blocks = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
+    worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), block_size=4, n_slots=4 * blocks,
                                  attention_backend="flex"))
-    worker.init_kv_pool(16)  # on a CPU init_kv_pool does not warm up: run it by hand
+    worker.init_kv_pool(blocks)  # on a CPU init_kv_pool does not warm up: run it by hand
     worker._warm_up_flex()
     assert worker.num_requests == 0
-    assert worker.kv_pool.any()  # it did run the model into the pool
+    assert worker.kv_pool[:, :, :, -4:].any()  # it did run the model into the pool, to its last block

@@ -34,6 +34,9 @@ from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, w
 logger = logging.getLogger(__name__)
 
 PROFILE_TOKENS_WITHOUT_BUDGET = 8192
+# Inductor lowers flex_attention to its decoding kernel below this many query rows and to its main kernel
+# from there (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding): a guard on the row count.
+FLEX_DECODING_ROWS = 128
 
 
 @dataclass
@@ -88,10 +91,14 @@ class Worker:
             return layout.blocks_for_budget(cfg.effective_kv_cache_bytes)
         return self._profile_gpu_blocks()
 
+    def _max_len(self) -> int:
+        """The longest sequence the model takes: max_model_len within its positions."""
+        positions = self.model_config.max_position_embeddings
+        return min(self.config.max_model_len or positions, positions)
+
     def _profile_gpu_blocks(self) -> int:
         cfg = self.config
-        max_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
-                      self.model_config.max_position_embeddings)
+        max_len = self._max_len()
         # The largest iteration: the token budget; without one, max_bs whole prompts could in principle run
         # at once, which is no useful bound (32 x 8192 tokens for SmolLM2), so the profile stops at
         # PROFILE_TOKENS_WITHOUT_BUDGET (or one full-length prompt). Set max_num_batched_tokens on a GPU to
@@ -155,7 +162,7 @@ class Worker:
     def _warm_up_flex(self) -> None:
         """Compiles the flex attention kernels now rather than in a user's request (flex_warm_up_plans).
         Writes only to blocks no request owns yet; skipped when the pool is too small to hold them."""
-        plans = flex_warm_up_plans(self.kv_layout.block_size)
+        plans = flex_warm_up_plans(self.kv_layout.block_size, self._max_len())
         needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
         if self.kv_pool is None or self.kv_pool.shape[3] < needed * self.kv_layout.block_size:
             return
@@ -316,12 +323,14 @@ class Worker:
         return len(self._requests)
 
 
-def flex_warm_up_plans(block_size: int) -> tuple[StepPlan, ...]:
+def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
     """The iterations that compile every graph compiled flex attention needs. Token counts are dynamic,
     but dynamo specialises a few (tests/test_attention_backend.py counts the graphs): two rows, one row,
-    one query tile of more rows, several tiles. So: a two-token prompt, its one-token increment, a 5-token
-    prompt and a prompt of more than two tiles, in blocks taken in order from the first. Every layer runs
-    (sliding-window layers compile their own mask)."""
+    one query tile of more rows, several tiles; and inductor's lowering guards on FLEX_DECODING_ROWS (its
+    decoding kernel below that many query rows, its main kernel from there). So: a two-token prompt, its
+    one-token increment, then iterations of 5 rows, of more than two tiles and of more than
+    FLEX_DECODING_ROWS, each as prompts of at most `max_len` tokens (the model's positions), in blocks
+    taken in order from the first. Every layer runs (sliding-window layers compile their own mask)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
     plans: list[StepPlan] = []
     next_block = 0
@@ -334,8 +343,11 @@ def flex_warm_up_plans(block_size: int) -> tuple[StepPlan, ...]:
 
     plans.append(StepPlan(-1, (PlannedRequest("warm-up-a", (0, 0), 0, blocks(0, 2), spec, sample_step=0),)))
     plans.append(StepPlan(-1, (PlannedRequest("warm-up-a", (0,), 2, blocks(2, 3), sample_step=1),)))
-    for name, n in (("warm-up-b", 5), ("warm-up-c", 2 * FLEX_Q_BLOCK + 1)):
-        plans.append(StepPlan(-1, (PlannedRequest(name, (0,) * n, 0, blocks(0, n), spec, sample_step=0),)))
+    for name, rows in (("warm-up-b", 5), ("warm-up-c", 2 * FLEX_Q_BLOCK + 1), ("warm-up-d", FLEX_DECODING_ROWS + 1)):
+        lengths = [max_len] * (rows // max_len) + ([rows % max_len] if rows % max_len else [])
+        plans.append(StepPlan(-1, tuple(
+            PlannedRequest(f"{name}-{i}", (0,) * n, 0, blocks(0, n), spec, sample_step=0) for i, n in enumerate(lengths)
+        )))
     return tuple(plans)
 
 
