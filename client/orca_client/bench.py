@@ -63,12 +63,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import itertools
 import json
 import math
-import os
-import platform
 import re
 import statistics
 import sys
@@ -85,6 +82,7 @@ import tritonclient.grpc as grpcclient
 from tqdm import tqdm
 from tritonclient.utils import InferenceServerException
 
+from orca_client.bench_common import cb_generate, machine_info, write_json
 from orca_client.client import OrcaClient, parse_result
 from orca_client.trace import PRESETS, TraceRequest, TraceSpec, make_trace, parse_range
 
@@ -1075,9 +1073,9 @@ def run_transformers_offline(
     with model.continuous_batching_context_manager(
         generation_config=gen, continuous_batching_config=cb_config, workload_hints=hints, timeout=60
     ) as cb:
-        _cb_generate(cb, prompts[:2], [2, 2], "warmup")  # warm-up, as for orca
+        cb_generate(cb, prompts[:2], [2, 2], ["warmup-0", "warmup-1"])  # warm-up, as for orca
         start = time.perf_counter()
-        tokens = _cb_generate(cb, prompts, max_new, "bench")
+        tokens = cb_generate(cb, prompts, max_new, [f"bench-{i}" for i in range(len(prompts))])
         seconds = time.perf_counter() - start
         resolved = cb.continuous_batching_config  # what transformers made of cb_config and the hints
     result["transformers"] = {
@@ -1153,22 +1151,6 @@ def run_peers_offline(
         peer["mfu"] = peer["model_flops"] / peer["seconds"] / result["peak_flops"]
         peer["ratio_orca_to_peer"] = orca["tokens_per_second"] / peer["tokens_per_second"]
         result["peers"][spec.label] = peer
-
-
-def _cb_generate(manager: Any, prompts: list[list[int]], max_new: list[int], tag: str) -> list[list[int]]:
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for request_id, prompt, n in zip(ids, prompts, max_new):
-        manager.add_request(prompt, request_id=request_id, max_new_tokens=n, eos_token_id=-1)
-    finished: dict[str, Any] = {}
-    while len(finished) < len(ids):
-        out = manager.get_result(timeout=600)
-        if out is None:
-            raise RuntimeError(f"transformers' continuous batching stopped with {len(ids) - len(finished)} left")
-        if out.is_finished():
-            if out.error is not None:
-                raise RuntimeError(f"transformers' continuous batching failed {out.request_id}: {out.error}")
-            finished[out.request_id] = out
-    return [list(finished[i].generated_tokens) for i in ids]
 
 
 def model_shape(config: Any) -> dict[str, int]:
@@ -1381,34 +1363,6 @@ def cmd_linears(args: argparse.Namespace) -> int:
 
 
 # -- shared ---------------------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1, allow_nan=False, default=_json_default) + "\n")
-    print(f"wrote {path}")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
 def _spec(args: argparse.Namespace, preset: str) -> TraceSpec:
     return PRESETS[preset].with_options(
         num_requests=args.num_requests,

@@ -27,11 +27,9 @@ are installed (the GPU machine).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,6 +37,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from orca_client.bench_common import cb_generate, machine_info, write_json
 
 SHAPES: dict[str, dict[str, int]] = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -182,26 +182,11 @@ def run_transformers(checkpoint: Path, args: argparse.Namespace, prompts: list[l
     ) as cb:
         for b in batches:
             def generate(n: int, b: int = b) -> list[list[int]]:
-                return _transformers_generate(cb, prompts[:b], n, [f"t{next(counter)}" for _ in range(b)])
+                return cb_generate(cb, prompts[:b], [n] * b, [f"t{next(counter)}" for _ in range(b)])
 
             runs[b] = decode_rate(generate, args.new_tokens, args.repeats, b, device)
             print(f"  transformers B={b}: {runs[b]['decode_tokens_per_second'] or 0:.1f} decode tok/s", flush=True)
     return runs
-
-
-def _transformers_generate(cb: Any, prompts: list[list[int]], n: int, ids: list[str]) -> list[list[int]]:
-    for rid, prompt in zip(ids, prompts):
-        cb.add_request(prompt, request_id=rid, max_new_tokens=n, eos_token_id=-1)
-    finished: dict[str, list[int]] = {}
-    while len(finished) < len(ids):
-        out = cb.get_result(timeout=600)
-        if out is None:
-            raise RuntimeError(f"transformers' continuous batching stopped with {len(ids) - len(finished)} left")
-        if out.is_finished():
-            if out.error is not None:
-                raise RuntimeError(f"transformers' continuous batching failed {out.request_id}: {out.error}")
-            finished[out.request_id] = list(out.generated_tokens)
-    return [finished[rid] for rid in ids]
 
 
 def _free(device: Any) -> None:
@@ -306,14 +291,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _machine(device: Any) -> dict[str, Any]:
+    """machine_info, with the GPU's name on CUDA and torch's threads elsewhere."""
     import torch
 
-    info = {"platform": platform.platform(), "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    info = machine_info()
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
-        info["cpu"] = platform.processor() or platform.machine()
         info["threads"] = torch.get_num_threads()
     return info
 
@@ -356,9 +340,7 @@ def cmd_decode(args: argparse.Namespace) -> int:
     result = run(args)
     print_result(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1, default=lambda v: None) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 
