@@ -64,7 +64,7 @@ def test_graphs_apply_only_where_they_can(tmp_path: Path) -> None:
     assert worker.kv_pool.shape[3] == 16 * 4
 
 
-def _prompts_then_decode(worker: Worker, prompts: list[list[int]], block_size: int) -> list:
+def _prompts_then_decode(worker: Worker, prompts: list[list[int]]) -> list:
     """Admits `prompts` (one iteration), then runs two decode iterations of all of them; returns the
     results of the decode iterations. Blocks are handed out interleaved, so no table is consecutive."""
     tables = [[2 * j + i for j in range(4)][::-1] for i in range(len(prompts))]
@@ -79,7 +79,9 @@ def _prompts_then_decode(worker: Worker, prompts: list[list[int]], block_size: i
     return results
 
 
-def test_a_padded_decode_iteration_equals_the_unpadded_one(graphs_on_cpu: None, monkeypatch) -> None:
+def test_a_padded_decode_iteration_equals_the_unpadded_one(
+    graphs_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three requests decode in the 4-row size: the same logits as without padding, only the three are
     sampled, and the pool's blocks other than the reserved one hold the same keys and values."""
     options = dict(model=str(tiny_checkpoint("llama")), attention_backend="flex", block_size=4, n_slots=64, max_bs=6)
@@ -91,8 +93,8 @@ def test_a_padded_decode_iteration_equals_the_unpadded_one(graphs_on_cpu: None, 
     plain = Worker(EngineConfig(**options))
     plain.init_kv_pool(16)
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4], [11]]
-    got = _prompts_then_decode(padded, prompts, 4)
-    want = _prompts_then_decode(plain, prompts, 4)
+    got = _prompts_then_decode(padded, prompts)
+    want = _prompts_then_decode(plain, prompts)
     assert padded.decode_graphs.replays == 2
     for g, w in zip(got, want):
         assert g.error is None and w.error is None
