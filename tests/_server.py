@@ -71,6 +71,12 @@ def _with_parameters(config: str, name: str, params: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The tiny models run eagerly: they test queueing, cancellation and failures, and compiling each at the
+# server's start would cost tens of seconds apiece. The shipped models compile as shipped (torch_compile
+# auto on this CPU): the compiled forward pass is served end to end.
+TINY_ENGINE_DEFAULTS = {"torch_compile": "off"}
+
+
 def build_test_repository(root: Path) -> tuple[Path, Path]:
     """Returns (model repository, tiny GPT-2 checkpoint directory)."""
     repo = root / "model_repository"
@@ -81,7 +87,7 @@ def build_test_repository(root: Path) -> tuple[Path, Path]:
     for name, params in TINY_MODELS.items():
         (repo / name / "1").mkdir(parents=True)
         shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / name / "1" / "model.py")
-        text = _with_parameters(config, name, {"model": str(tiny), **params})
+        text = _with_parameters(config, name, {"model": str(tiny), **TINY_ENGINE_DEFAULTS, **params})
         (repo / name / "config.pbtxt").write_text(text)
     _add_request_level_tiny(repo, tiny)
     return repo, tiny
@@ -90,7 +96,8 @@ def build_test_repository(root: Path) -> tuple[Path, Path]:
 def _add_request_level_tiny(repo: Path, tiny: Path) -> None:
     (repo / REQUEST_LEVEL_TINY / "1").mkdir(parents=True)
     shutil.copy(SHIPPED_BASELINE / "1" / "model.py", repo / REQUEST_LEVEL_TINY / "1" / "model.py")
-    text = _with_parameters((SHIPPED_BASELINE / "config.pbtxt").read_text(), REQUEST_LEVEL_TINY, {"model": str(tiny)})
+    text = _with_parameters((SHIPPED_BASELINE / "config.pbtxt").read_text(), REQUEST_LEVEL_TINY,
+                            {"model": str(tiny), **TINY_ENGINE_DEFAULTS})
     text, n_size = re.subn(r"^max_batch_size: \d+$", f"max_batch_size: {REQUEST_LEVEL_TINY_BATCH}", text, flags=re.M)
     text, n_delay = re.subn(
         r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {REQUEST_LEVEL_TINY_DELAY_US}", text

@@ -19,6 +19,10 @@ from orca_server.launcher import TritonServer
 # float32 references (transformers, runs alone), so every engine of the session, the Triton server's
 # included (it inherits this environment), takes float32 for "auto".
 os.environ["ORCA_DTYPE"] = "float32"
+# "auto" torch_compile compiles the forward pass at load on a CPU (tens of seconds per engine): the engines
+# of the suite run eagerly unless a test asks for compiling (tests/test_compiled.py). The Triton server
+# of the session compiles its shipped models as shipped (its environment drops this).
+os.environ["ORCA_TORCH_COMPILE"] = "off"
 
 
 def _startup_timeout() -> float:
@@ -35,7 +39,8 @@ def orca_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServ
 
     root = tmp_path_factory.mktemp("e2e")
     repo, tiny = build_test_repository(root)
-    env = {**os.environ, "ORCA_ENGINE_FAULT": ENGINE_FAULTS}
+    env = {k: v for k, v in os.environ.items() if k != "ORCA_TORCH_COMPILE"}  # shipped models: as shipped
+    env["ORCA_ENGINE_FAULT"] = ENGINE_FAULTS
     with TritonServer(repo, log_path=root / "tritonserver.log", startup_timeout=_startup_timeout(),
                       env=env) as server:
         server.tiny_checkpoint = tiny

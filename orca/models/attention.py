@@ -28,10 +28,12 @@ Two implementations (EngineConfig.attention_backend):
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -306,6 +308,8 @@ def selective_attention(
     scale: float,
     window: int | None = None,  # sliding window: a query sees its last `window` keys (itself included)
 ) -> torch.Tensor:  # (T, H * D)
+    if torch.compiler.is_compiling():  # inside a compiled forward pass: one opaque op (see iteration_scope)
+        return torch.ops.orca.selective_attention(q, kv, layer, scale, window)
     timer = meta.timer
     if timer is not None:
         timer.sync()
@@ -397,3 +401,42 @@ def _flex_attention(
             enable_gqa=num_heads != pool.shape[1], kernel_options=options,
         )  # (1, H, T, D)
     return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
+
+
+# -- attention inside a compiled forward pass (orca/worker/compiled.py) ----------------------------------
+# torch.compile turns the model's forward pass into one graph whatever the iteration's composition: every
+# op but attention runs on the flat [T, hidden] batch and depends on T only. Attention depends on the
+# iteration's layout (requests, lengths, blocks: Python lists the per-request split reads), so inside the
+# graph it is one opaque op, orca::selective_attention, that takes only tensors and the layer's constants;
+# the layout is the iteration's AttentionMetadata, which the worker puts in scope around the call (as
+# vLLM's forward context does for its compiled graphs). The op runs the same selective_attention as the
+# eager model, keys and values written into the pool included.
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def iteration_scope(meta: AttentionMetadata) -> Iterator[None]:
+    """The iteration whose layout orca::selective_attention reads, for the duration of a compiled call
+    (on this thread)."""
+    _scope.meta = meta
+    try:
+        yield
+    finally:
+        _scope.meta = None
+
+
+def _attention_op(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+    meta = getattr(_scope, "meta", None)
+    if meta is None:
+        raise RuntimeError("orca::selective_attention ran outside iteration_scope: it has no iteration layout")
+    return selective_attention(q, kv, meta, layer, scale, window).contiguous()
+
+
+def _attention_shape(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # (T, H * D), as selective_attention returns
+
+
+_OPS = torch.library.Library("orca", "FRAGMENT")
+_OPS.define("selective_attention(Tensor q, Tensor kv, int layer, float scale, int? window) -> Tensor")
+_OPS.impl("selective_attention", _attention_op, "CompositeExplicitAutograd")
+torch.library.register_fake("orca::selective_attention", _attention_shape, lib=_OPS)

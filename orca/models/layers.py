@@ -149,7 +149,10 @@ class PackedLinear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         bias_in_matmul = self.bias if self.par is None else None
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias_in_matmul, "none", [], "")
+        if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's op on a packed weight it is given
+            y = torch.ops.orca.packed_linear(x, self.packed_weight, bias_in_matmul, self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias_in_matmul, "none", [], "")
         if self.par is not None:
             y = self.par.all_reduce(y)
             if self.bias is not None:
@@ -158,6 +161,26 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+                   ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+                         ) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+# PackedLinear inside a compiled forward pass (orca/worker/compiled.py): oneDNN's matmul as an opaque op,
+# which the compiled graph calls as it is (inductor's own lowering of it wants weights it packed itself, at
+# freezing, and refuses one given as an input). `out_features` gives the output's shape: the packed weight's
+# layout is oneDNN's.
+_OPS = torch.library.Library("orca", "FRAGMENT")
+_OPS.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+_OPS.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("orca::packed_linear", _packed_linear_shape, lib=_OPS)
 
 
 def prepack_linears(model: nn.Module) -> None:

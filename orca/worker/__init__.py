@@ -29,6 +29,7 @@ from orca.models.layers import resolve_linear_backend
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.sampler import SamplingTensors, sample, token_logprobs
+from orca.worker.compiled import CompiledForward, why_not_compiled
 from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, why_no_graphs
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ PROFILE_TOKENS_WITHOUT_BUDGET = 8192
 # Inductor lowers flex_attention to its decoding kernel below this many query rows and to its main kernel
 # from there (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding): a guard on the row count.
 FLEX_DECODING_ROWS = 128
+COMPILE_WARM_UP_SLOTS = 3  # what compile_warm_up_plans' iterations write
 
 
 @dataclass
@@ -75,6 +77,11 @@ class Worker:
         self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
                                               self.par.layout.world_size, self.model)
         self.decode_graphs: DecodeGraphs | None = None
+        # The compiled forward pass (orca/worker/compiled.py): compiled in init_kv_pool when why_not_compiled
+        # finds no reason against.
+        self.no_compile_reason = why_not_compiled(config.effective_torch_compile, self.device,
+                                                  self.attention_backend, self.par.layout.world_size, self.model)
+        self.compiled: CompiledForward | None = None
         self._requests: dict[str, _RequestState] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []  # activations on their way to the next stage
         self._fault: str | None = None  # inject_fault: the next plan raises this message mid-iteration
@@ -154,6 +161,14 @@ class Worker:
             )
         elif self.device.type == "cuda":
             logger.info("decode iterations run without CUDA graphs: %s", self.no_graphs_reason)
+        if self.no_compile_reason is None and self.kv_pool.shape[3] < COMPILE_WARM_UP_SLOTS:
+            self.no_compile_reason = f"the K/V pool holds fewer than the {COMPILE_WARM_UP_SLOTS} slots the warm-up uses"
+        if self.no_compile_reason is None:
+            self.compiled = CompiledForward(self.model)
+            self.compiled.compile(lambda: self._warm_up(compile_warm_up_plans(self.kv_layout.block_size),
+                                                        "compiling the forward pass"), self.device)
+        else:
+            logger.info("the forward pass runs eagerly: %s", self.no_compile_reason)
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         """A pool of num_blocks blocks; zeroed for flex, whose kernels weigh masked slots by 0 (kv_cache.py)."""
@@ -168,12 +183,16 @@ class Worker:
             return
         logger.info("compiling flex attention kernels for %s (once, at load) ...", self.device)
         t0 = time.perf_counter()
+        self._warm_up(plans, "warming up flex attention")
+        logger.info("flex attention compiled in %.1f s", time.perf_counter() - t0)
+
+    def _warm_up(self, plans: tuple[StepPlan, ...], what: str) -> None:
+        """Executes load-time iterations (blocks no request owns yet) and forgets their requests."""
         for plan in plans:
             result = self.execute(plan)
             if result.error:
-                raise RuntimeError(f"warming up flex attention failed: {result.error}")
+                raise RuntimeError(f"{what} failed: {result.error}")
         self._requests.clear()
-        logger.info("flex attention compiled in %.1f s", time.perf_counter() - t0)
 
     # -- iterations ------------------------------------------------------------------------------
     def inject_fault(self, message: str) -> None:
@@ -208,6 +227,8 @@ class Worker:
         par = self.par
         if graph_size is not None:
             hidden = self.decode_graphs.run(ids, pos, meta)  # (graph_size, E), padding rows last
+        elif self.compiled is not None:
+            hidden = self.compiled(ids, pos, meta)  # (T, E)
         else:
             received = None if par.is_first_stage else self._receive_activations(ids.shape[0])
             hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)
@@ -349,6 +370,18 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
             PlannedRequest(f"{name}-{i}", (0,) * n, 0, blocks(0, n), spec, sample_step=0) for i, n in enumerate(lengths)
         )))
     return tuple(plans)
+
+
+def compile_warm_up_plans(block_size: int) -> tuple[StepPlan, ...]:
+    """The iterations that compile the forward pass's graphs (orca/worker/compiled.py): a two-token prompt
+    (the graph of two or more rows: token counts are dynamic) and its one-token increment (dynamo
+    specialises one row), in the pool's first blocks (COMPILE_WARM_UP_SLOTS slots)."""
+    spec = SamplingSpec(1.0, 0, 1.0, 0)
+    prompt_blocks, all_blocks = -(-2 // block_size), -(-COMPILE_WARM_UP_SLOTS // block_size)
+    return (
+        StepPlan(-1, (PlannedRequest("compile-a", (0, 0), 0, tuple(range(prompt_blocks)), spec, sample_step=0),)),
+        StepPlan(-1, (PlannedRequest("compile-a", (0,), 2, tuple(range(prompt_blocks, all_blocks)), sample_step=1),)),
+    )
 
 
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:

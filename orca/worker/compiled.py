@@ -1,0 +1,94 @@
+"""The compiled iteration: the model's forward pass as torch.compile graphs on a CPU.
+
+Eager PyTorch pays a fixed cost per op (dispatch, an output allocation, Python around it): a decode step
+of SmolLM2-135M runs about 2,000 of them, most on a few hundred numbers, and on this 2-core CPU they cost
+a fifth of the step beside the matmuls that stream the weights. Inductor fuses the norms, rotary
+embedding, SiLU and residual adds into a few C++ loops, and its wrapper calls them without Python in
+between.
+
+What a graph holds: the whole forward pass but two opaque ops, which it calls as they are:
+- attention, ``orca::selective_attention`` (orca/models/attention.py): the per-request split reads the
+  iteration's layout, which the worker puts in scope (``iteration_scope``) around each call;
+- the oneDNN-packed linears, ``orca::packed_linear`` (orca/models/layers.py): oneDNN's matmul on the weights
+  packed at load, the fastest matmul measured here (inductor would otherwise pick MKL's, slower at 1 row).
+
+Shapes: token counts are dynamic, so one graph serves every iteration of two or more rows (prompts,
+chunks, mixed and decode batches alike); dynamo specialises one row, so single-stream decode has a graph
+of its own. Both are compiled at load by two warm-up iterations, with a progress message; afterwards an
+input no graph fits (none is known) would run eagerly rather than compile inside a user's request
+(``torch.compiler.set_stance("eager_on_recompile")``). Compiled in the worker's own process
+(``compile_threads=1``: inside Triton's stub ``sys.executable`` is not Python, and inductor's compile
+workers are started from it).
+
+Used where measured to win: a CPU, attention_backend reference, a dense model, one worker. On CUDA decode
+iterations replay CUDA graphs instead (orca/worker/cuda_graphs.py) and compiling is not yet measured there;
+a mixture-of-experts layer reads per-expert token counts on the host; the distributed workers exchange
+activations between layers through gloo/NCCL calls that the graph does not hold. `torch_compile: off`, or
+any of these, runs the eager forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from orca.models.attention import AttentionMetadata, iteration_scope
+from orca.models.moe import SparseMoE
+
+logger = logging.getLogger(__name__)
+
+
+def why_not_compiled(choice: str, device: torch.device, attention_backend: str, world_size: int,
+                     model: nn.Module) -> str | None:
+    """Why the forward pass runs eagerly (EngineConfig.torch_compile, resolved, and the conditions above),
+    or None when it is compiled."""
+    if choice == "off":
+        return "torch_compile is off"
+    if device.type != "cpu":
+        return f"the device is {device.type}, not a CPU (compiling is measured on a CPU only; CUDA has cuda_graphs)"
+    if attention_backend != "reference":
+        return f"attention_backend is {attention_backend} (compiling runs the reference attention as one op)"
+    if world_size > 1:
+        return "several ranks (their activations cross processes between layers)"
+    if any(isinstance(m, SparseMoE) for m in model.modules()):
+        return "a mixture-of-experts layer counts its tokens per expert on the host"
+    return None
+
+
+class CompiledForward:
+    """``model(input_ids, positions, meta)`` through torch.compile (dynamic token counts). Call
+    ``compile(run)`` once at load: ``run`` executes the warm-up iterations through the worker, which calls
+    this object for each; then calls never compile."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.compiled = torch.compile(model, dynamic=True)
+        self.ready = False
+        self.compile_seconds: float | None = None
+        # After the warm-up: what torch.compile does with an input no graph fits (the tests make it fail).
+        self.stance = "eager_on_recompile"
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        with iteration_scope(meta):
+            if not self.ready:  # the warm-up: compiles, in this process
+                import torch._inductor.config as inductor_config
+
+                with inductor_config.patch(compile_threads=1):
+                    return self.compiled(input_ids, positions, None)
+            with torch.compiler.set_stance(self.stance):
+                return self.compiled(input_ids, positions, None)
+
+    def compile(self, warm_up: Callable[[], None], device: torch.device) -> None:
+        """Runs `warm_up()` (iterations of one and of several rows through this object) and marks the
+        graphs ready, logging the time it took."""
+        logger.info("compiling the model's forward pass for %s with torch.compile (once, at load; about a "
+                    "minute for a 135M model on 2 cores) ...", device)
+        t0 = time.perf_counter()
+        warm_up()
+        self.compile_seconds = time.perf_counter() - t0
+        self.ready = True
+        logger.info("forward pass compiled in %.1f s", self.compile_seconds)

@@ -1,0 +1,118 @@
+"""The compiled forward pass (orca/worker/compiled.py): where it applies and why not, and that it is the
+eager engine's numbers: logits within 1e-4 of the eager twin and transformers' greedy tokens on mixed
+iterations (chunked prompts, increments at different positions, preemptions, GQA), with no compilation
+after load (torch.compile's fail_on_recompile stance: every iteration ran one of the two graphs compiled at
+load)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _fixtures import FAMILIES, drain, hf_greedy, record_logits, tiny_checkpoint, tiny_reference
+from checkpoints import make_mixtral
+
+from orca import EngineConfig, LLMEngine, SamplingParams
+from orca.loader import load_model
+from orca.models.attention import AttentionMetadata, iteration_scope
+from orca.worker import Worker
+from orca.worker.compiled import why_not_compiled
+
+# Paged blocks of 4 tokens, a budget of 8 tokens per iteration (prompts in chunks, mixed with increments)
+# and a pool of 10 blocks for 5 requests at a time (preemptions).
+OPTIONS = dict(max_bs=5, n_slots=40, block_size=4, kv_admission="on_demand", max_num_batched_tokens=8)
+
+
+def _jobs() -> list[tuple[list[int], int]]:
+    rng = random.Random(5)
+    return [([rng.randrange(0, 190) for _ in range(rng.randint(1, 20))], rng.randint(1, 14)) for _ in range(10)]
+
+
+def _run(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], list[dict[str, torch.Tensor]]]:
+    logits = record_logits(engine, monkeypatch)
+    for i, (prompt, n) in enumerate(_jobs()):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return drain(engine), logits
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def compiled_engine(request: pytest.FixtureRequest) -> LLMEngine:
+    """An engine of the family with torch_compile auto as shipped (the suite's $ORCA_TORCH_COMPILE=off
+    lifted while it loads); after load any compilation fails the test."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(request.param)), **OPTIONS))
+    compiled = engine.executor.worker.compiled
+    assert compiled is not None and compiled.ready and compiled.compile_seconds > 0
+    compiled.stance = "fail_on_recompile"
+    engine.family = request.param
+    return engine
+
+
+def test_the_compiled_engine_is_the_eager_one(compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    family = compiled_engine.family
+    eager = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **OPTIONS))
+    assert eager.executor.worker.compiled is None
+    final, logits = _run(compiled_engine, monkeypatch)
+    want_final, want_logits = _run(eager, monkeypatch)
+    assert compiled_engine.stats().preemptions > 0
+    reference = tiny_reference(family)
+    for i, (prompt, n) in enumerate(_jobs()):
+        assert final[f"r{i}"].token_ids == want_final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
+    assert len(logits) == len(want_logits)
+    for got, want in zip(logits, want_logits):
+        assert sorted(got) == sorted(want)
+        for rid in want:
+            torch.testing.assert_close(got[rid], want[rid], atol=1e-4, rtol=0)
+
+
+def test_single_stream_decode_runs_the_one_row_graph(compiled_engine: LLMEngine) -> None:
+    """One request alone: its increments are one-row iterations, the graph dynamo specialised at load."""
+    prompt = [5, 17, 33, 2]
+    compiled_engine.add_request("alone", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    final = drain(compiled_engine)
+    assert final["alone"].token_ids == hf_greedy(tiny_reference(compiled_engine.family), prompt, 12)
+
+
+def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    dense, _ = load_model(tiny_checkpoint("llama"), torch.float32, cpu)
+    moe, _ = load_model(make_mixtral(tmp_path / "mixtral"), torch.float32, cpu)
+    assert why_not_compiled("auto", cpu, "reference", 1, dense) is None
+    assert why_not_compiled("off", cpu, "reference", 1, dense) == "torch_compile is off"
+    assert "not a CPU" in why_not_compiled("auto", torch.device("cuda"), "reference", 1, dense)
+    assert "attention_backend is flex" in why_not_compiled("auto", cpu, "flex", 1, dense)
+    assert "several ranks" in why_not_compiled("auto", cpu, "reference", 2, dense)
+    assert "mixture-of-experts" in why_not_compiled("auto", cpu, "reference", 1, moe)
+    with pytest.raises(ValueError, match="torch_compile must be one of auto, off, got 'on'"):
+        EngineConfig(torch_compile="on")
+    assert EngineConfig.from_parameters({"torch_compile": "off"}).torch_compile == "off"
+    # $ORCA_TORCH_COMPILE is what auto means (the suite sets off); an explicit value wins.
+    assert EngineConfig().effective_torch_compile == "off"
+    monkeypatch.delenv("ORCA_TORCH_COMPILE")
+    assert EngineConfig().effective_torch_compile == "auto"
+    monkeypatch.setenv("ORCA_TORCH_COMPILE", "off")
+    assert EngineConfig(torch_compile="off").effective_torch_compile == "off"
+    monkeypatch.setenv("ORCA_TORCH_COMPILE", "always")
+    with pytest.raises(ValueError, match=r"\$ORCA_TORCH_COMPILE must be one of auto, off, got 'always'"):
+        EngineConfig().effective_torch_compile  # noqa: B018 - the property raises
+    # A pool too small for the warm-up's three slots runs eagerly and says why (before compiling anything).
+    monkeypatch.delenv("ORCA_TORCH_COMPILE")
+    worker = Worker(EngineConfig(model=str(tiny_checkpoint("gpt2")), block_size=2, n_slots=2))
+    assert worker.no_compile_reason is None
+    worker.init_kv_pool(1)
+    assert worker.compiled is None and "fewer than the 3 slots" in worker.no_compile_reason
+
+
+def test_the_attention_op_needs_an_iteration_in_scope() -> None:
+    q, kv = torch.zeros(1, 2, 4), torch.zeros(1, 2, 1, 4)
+    with pytest.raises(RuntimeError, match="outside iteration_scope"):
+        torch.ops.orca.selective_attention(q, kv, 0, 0.5, None)
+    pool = torch.zeros(1, 2, 1, 4, 4)
+    meta = AttentionMetadata.build([1], [0], [[0]], 4, pool)
+    with iteration_scope(meta):
+        out = torch.ops.orca.selective_attention(q, kv, 0, 0.5, None)
+    assert out.shape == (1, 8)
