@@ -6,7 +6,10 @@ load)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +119,30 @@ def test_the_attention_op_needs_an_iteration_in_scope() -> None:
     with iteration_scope(meta):
         out = torch.ops.orca.selective_attention(q, kv, 0, 0.5, None)
     assert out.shape == (1, 8)
+
+
+def test_without_a_cxx_compiler_the_engine_serves_eagerly_and_says_why(tmp_path: Path) -> None:
+    """Inductor's C++ compiler missing (CXX pointing nowhere, its caches off): the worker logs why and
+    runs the eager forward pass; the engine still generates transformers' tokens. In a subprocess, so that
+    nothing compiled in this one is reused."""
+    script = tmp_path / "no_compiler.py"
+    script.write_text(
+        "import sys\n"
+        "from orca import EngineConfig, SamplingParams\n"
+        "from orca.llm import LLM\n"
+        f"llm = LLM({str(tiny_checkpoint('gpt2'))!r}, block_size=4, n_slots=64)\n"
+        "worker = llm.engine.executor.worker\n"
+        "print('REASON', worker.no_compile_reason, worker.compiled)\n"
+        "out = llm.generate([[5, 17, 33, 2]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))\n"
+        "print('TOKENS', out[0].token_ids)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ORCA_TORCH_COMPILE"}
+    env.update(CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reason = next(line for line in done.stdout.splitlines() if line.startswith("REASON"))
+    assert "compiling failed" in reason and reason.endswith("None"), reason
+    tokens = next(line for line in done.stdout.splitlines() if line.startswith("TOKENS"))
+    assert tokens == f"TOKENS {hf_greedy(tiny_reference('gpt2'), [5, 17, 33, 2], 6)}"
+    assert "the forward pass runs eagerly: compiling failed" in done.stderr

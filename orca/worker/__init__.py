@@ -165,8 +165,13 @@ class Worker:
             self.no_compile_reason = f"the K/V pool holds fewer than the {COMPILE_WARM_UP_SLOTS} slots the warm-up uses"
         if self.no_compile_reason is None:
             self.compiled = CompiledForward(self.model)
-            self.compiled.compile(lambda: self._warm_up(compile_warm_up_plans(self.kv_layout.block_size),
-                                                        "compiling the forward pass"), self.device)
+            try:
+                self.compiled.compile(lambda: self._warm_up(compile_warm_up_plans(self.kv_layout.block_size),
+                                                            "compiling the forward pass"), self.device)
+            except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly, say why
+                self.compiled = None
+                self.no_compile_reason = f"compiling failed ({str(exc).splitlines()[0][:300]})"
+                logger.warning("the forward pass runs eagerly: %s", self.no_compile_reason)
         else:
             logger.info("the forward pass runs eagerly: %s", self.no_compile_reason)
 
