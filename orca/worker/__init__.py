@@ -164,8 +164,8 @@ class Worker:
         if self.no_compile_reason is None and self.kv_pool.shape[3] < COMPILE_WARM_UP_SLOTS:
             self.no_compile_reason = f"the K/V pool holds fewer than the {COMPILE_WARM_UP_SLOTS} slots the warm-up uses"
         if self.no_compile_reason is None:
-            self.compiled = CompiledForward(self.model)
             try:
+                self.compiled = CompiledForward(self.model)
                 self.compiled.compile(lambda: self._warm_up(compile_warm_up_plans(self.kv_layout.block_size),
                                                             "compiling the forward pass"), self.device)
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly, say why
