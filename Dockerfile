@@ -4,9 +4,6 @@ FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 # The container's Python (3.10) runs the Python backend stub, so the engine goes into it. Plain `torch`
 # from PyPI is the CUDA build, which is what a GPU host wants.
-# A UTF-8 locale: the Python backend stub's embedded interpreter takes its text encoding from it (ASCII
-# otherwise), and inductor reads its UTF-8 templates with it.
-ENV LC_ALL=C.UTF-8
 # g++: torch_compile (auto) compiles the forward pass into C++ at load when the engine runs on a CPU
 # (without a compiler the engine logs why and runs eagerly).
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -273,3 +275,18 @@ def logprobs_json(logprobs: list[dict[int, Logprob]], codec: TextCodec | None) -
         }
         for entry in logprobs
     ])
+
+
+def log_to_stderr(*names: str) -> None:
+    """Sends the INFO records of the `orca` loggers (loading, compiling at load, the K/V pool) and of the
+    loggers `names` to stderr, which Triton's Python backend stub passes on to the server's log. Once per
+    process: a second call adds nothing."""
+    for name in ("orca", *names):
+        log = logging.getLogger(name)
+        log.setLevel(logging.INFO)
+        if not any(getattr(h, "_orca_stderr", False) for h in log.handlers):
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            handler._orca_stderr = True
+            log.addHandler(handler)
+            log.propagate = False

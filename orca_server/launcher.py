@@ -204,11 +204,6 @@ def server_env(
       ``libpython3.X.so`` of this interpreter, not a system one of the same
       minor version (``/lib/x86_64-linux-gnu`` has Debian's 3.11 here).
     * ``PYTHONUNBUFFERED``: model prints reach the server log promptly.
-    * ``LC_ALL=C.UTF-8`` unless the locale in effect is a UTF-8 one already: the
-      stub's isolated config has neither UTF-8 mode nor C-locale coercion, so its
-      Python takes its text encoding from the C library's locale, ASCII under
-      ``C``/``POSIX`` (or none set); inductor (``torch_compile``) then fails
-      reading its own UTF-8 templates.
 
     The repository root is *not* put on the stub's path by the environment
     (nothing but ``PATH`` is honoured): ``pip install -e .`` makes the project
@@ -228,15 +223,7 @@ def server_env(
     libdir = sysconfig.get_config_var("LIBDIR")
     env["LD_LIBRARY_PATH"] = _join_paths([paths.libs_dir, libdir, env.get("LD_LIBRARY_PATH")])
     env.setdefault("PYTHONUNBUFFERED", "1")
-    if not _utf8_locale(env):
-        env["LC_ALL"] = "C.UTF-8"
     return env
-
-
-def _utf8_locale(env: Mapping[str, str]) -> bool:
-    """Whether the character-type locale `env` selects (LC_ALL, else LC_CTYPE, else LANG) is a UTF-8 one."""
-    name = env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or ""
-    return "utf-8" in name.lower() or "utf8" in name.lower()
 
 
 def has_nvidia_gpu() -> bool:

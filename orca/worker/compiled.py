@@ -18,7 +18,9 @@ of its own. Both are compiled at load by two warm-up iterations, with a progress
 input no graph fits (none is known) would run eagerly rather than compile inside a user's request
 (``torch.compiler.set_stance("eager_on_recompile")``). Compiled in the worker's own process
 (``compile_threads=1``: inside Triton's stub ``sys.executable`` is not Python, and inductor's compile
-workers are started from it).
+workers are started from it). Inductor reads its own UTF-8 source templates with open()'s default
+encoding, the locale's; the stub embeds Python with an isolated configuration (no UTF-8 mode, the C
+locale kept), where that is ASCII, so compiling first switches such a process's LC_CTYPE to C.UTF-8.
 
 Used where measured to win: a CPU, attention_backend reference, a dense model, one worker. On CUDA decode
 iterations replay CUDA graphs instead (orca/worker/cuda_graphs.py) and compiling is not yet measured there;
@@ -29,6 +31,7 @@ any of these, runs the eager forward pass.
 
 from __future__ import annotations
 
+import locale
 import logging
 import time
 from collections.abc import Callable
@@ -65,6 +68,7 @@ class CompiledForward:
     this object for each; then calls never compile."""
 
     def __init__(self, model: nn.Module) -> None:
+        _utf8_text_encoding()
         self.model = model
         self.compiled = torch.compile(model, dynamic=True)
         self.ready = False
@@ -92,3 +96,11 @@ class CompiledForward:
         self.compile_seconds = time.perf_counter() - t0
         self.ready = True
         logger.info("forward pass compiled in %.1f s", self.compile_seconds)
+
+
+def _utf8_text_encoding() -> None:
+    """Makes UTF-8 open()'s default text encoding when the locale's is not (the C locale of Triton's stub)."""
+    encoding = locale.getpreferredencoding(False)
+    if encoding.lower().replace("-", "") != "utf8":
+        locale.setlocale(locale.LC_CTYPE, "C.UTF-8")
+        logger.info("text encoding %s -> UTF-8 (LC_CTYPE C.UTF-8), for inductor's UTF-8 sources", encoding)

@@ -40,7 +40,7 @@ import triton_python_backend_utils as pb_utils
 from orca import EngineConfig, EngineFailedError, LLMEngine, QueueFullError, RequestOutput
 from orca.engine import EngineStats, IterationStats
 from orca.engine_loop import EngineLoop, fault_from_env
-from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
+from orca.serving import INPUT_NAMES, GenerateRequest, log_to_stderr, parse_generate_request, response_tensors
 
 logger = logging.getLogger("orca_gpt")
 
@@ -130,6 +130,7 @@ class _Metrics:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        log_to_stderr(logger.name)  # the engine's load and compile progress, in the server's log
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("orca_gpt must be decoupled (model_transaction_policy)")

@@ -19,7 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from orca import EngineConfig, LLMEngine
 from orca.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
-from orca.serving import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
+from orca.serving import INPUT_NAMES, GenerateRequest, log_to_stderr, parse_generate_request, response_tensors
 
 logger = logging.getLogger("request_level_gpt")
 
@@ -31,6 +31,7 @@ _AS_FASTERTRANSFORMER = "the baseline reserves K/V up front and runs whole promp
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
+        log_to_stderr(logger.name)  # the engine's load and compile progress, in the server's log
         model_config = json.loads(args["model_config"])
         if pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("request_level_gpt must not be decoupled: it answers once per batch")
