@@ -32,7 +32,7 @@ iterations weighted by their duration; mean and peak allocated blocks; preemptio
 iteration spends its time (a second run with the engine's profiling hook, engine.profile). Engine
 options: --kv-admission (reserve, on_demand, or both: one engine per policy on the same requests, side
 by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype, --linear-backend,
---attention-backend, --cuda-graphs. Every
+--attention-backend, --cuda-graphs, --torch-compile. Every
 system also gets the single-stream figure: one request alone (a 64-token prompt, 128 new tokens, after a
 warm-up), decode tokens/s = 127 / (its time - the time of the same prompt with 1 new token), medians of 3. --peers
 vllm,llama_cpp runs CPU peer systems on the same requests (greedy, EOS ignored), each in the venv its
@@ -885,6 +885,7 @@ def run_orca_offline(
         model=args.model, max_bs=args.max_bs, dtype=args.dtype, kv_admission=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or None, n_slots=args.n_slots,
         linear_backend=args.linear_backend, attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
+        torch_compile=args.torch_compile,
     ))
     try:
         result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
@@ -895,6 +896,8 @@ def run_orca_offline(
         result["attention_backend"] = getattr(worker, "attention_backend", None)
         graphs = getattr(worker, "decode_graphs", None)
         result["cuda_graph_sizes"] = list(graphs.sizes) if graphs is not None and graphs.captured else None
+        compiled = getattr(worker, "compiled", None)
+        result["compiled_forward_seconds"] = compiled.compile_seconds if compiled is not None else None
         result["model"] = model_shape(engine.model_config)
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
         warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -1483,6 +1486,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
                    help="EngineConfig.cuda_graphs: decode iterations from CUDA graphs where they apply (CUDA, "
                         "attention backend flex) (default: %(default)s)")
+    o.add_argument("--torch-compile", default="auto", choices=("auto", "off"),
+                   help="EngineConfig.torch_compile: the forward pass compiled at load where that applies (a CPU, "
+                        "attention backend reference, one worker) (default: %(default)s)")
     o.add_argument("--kv-admission", choices=KV_ADMISSION_CHOICES, default="on_demand",
                    help="orca's K/V admission policy; both: reserve, then on_demand, on the same requests, side "
                         "by side (default: %(default)s)")
