@@ -223,8 +223,8 @@ class EngineConfig:
       attention_backend flex, a dense model, one worker (orca/worker/cuda_graphs.py). "off": never.
     - torch_compile: "auto" compiles the model's forward pass with torch.compile at load, where that is
       measured to win: a CPU, attention_backend reference, a dense model, one worker (orca/worker/compiled.py:
-      one graph for one-token iterations and one for the rest, every op fused but attention and the
-      linears; 1.1-1.3x a decode step here, about a minute of load time on 2 cores). "off": eager.
+      one graph for every token count, every op fused but attention and the
+      linears; 1.1-1.3x a decode step here, 20-45 s of load time on 2 cores). "off": eager.
       $ORCA_TORCH_COMPILE, when set, is what "auto" means (the tests set off: each compiling engine costs
       tens of seconds).
     - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;

@@ -1,7 +1,7 @@
 """The compiled forward pass (orca/worker/compiled.py): where it applies and why not, and that it is the
 eager engine's numbers: logits within 1e-4 of the eager twin and transformers' greedy tokens on mixed
 iterations (chunked prompts, increments at different positions, preemptions, GQA), with no compilation
-after load (torch.compile's fail_on_recompile stance: every iteration ran one of the two graphs compiled at
+after load (torch.compile's fail_on_recompile stance: every iteration ran the graph compiled at
 load)."""
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def test_the_compiled_engine_is_the_eager_one(compiled_engine: LLMEngine, monkey
             torch.testing.assert_close(got[rid], want[rid], atol=1e-4, rtol=0)
 
 
-def test_single_stream_decode_runs_the_one_row_graph(compiled_engine: LLMEngine) -> None:
-    """One request alone: its increments are one-row iterations, the graph dynamo specialised at load."""
+def test_single_stream_decode_runs_the_same_graph(compiled_engine: LLMEngine) -> None:
+    """One request alone: its increments are one-row iterations, which the graph of every token count
+    serves (no graph of its own: the stance fails any compilation)."""
     prompt = [5, 17, 33, 2]
     compiled_engine.add_request("alone", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     final = drain(compiled_engine)

@@ -378,9 +378,9 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
 
 
 def compile_warm_up_plans(block_size: int) -> tuple[StepPlan, ...]:
-    """The iterations that compile the forward pass's graphs (orca/worker/compiled.py): a two-token prompt
-    (the graph of two or more rows: token counts are dynamic) and its one-token increment (dynamo
-    specialises one row), in the pool's first blocks (COMPILE_WARM_UP_SLOTS slots)."""
+    """The iterations that compile the forward pass's graph (orca/worker/compiled.py): a two-token prompt
+    compiles it (the token count unbacked: any count) and its one-token increment runs it at one row, which a
+    backed size would have specialised, in the pool's first blocks (COMPILE_WARM_UP_SLOTS slots)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
     prompt_blocks, all_blocks = -(-2 // block_size), -(-COMPILE_WARM_UP_SLOTS // block_size)
     return (

@@ -12,10 +12,12 @@ What a graph holds: the whole forward pass but two opaque ops, which it calls as
 - the oneDNN-packed linears, ``orca::packed_linear`` (orca/models/layers.py): oneDNN's matmul on the weights
   packed at load, the fastest matmul measured here (inductor would otherwise pick MKL's, slower at 1 row).
 
-Shapes: token counts are dynamic, so one graph serves every iteration of two or more rows (prompts,
-chunks, mixed and decode batches alike); dynamo specialises one row, so single-stream decode has a graph
-of its own. Both are compiled at load by two warm-up iterations, with a progress message; afterwards an
-input no graph fits (none is known) would run eagerly rather than compile inside a user's request
+Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
+serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
+backed dynamic size would have dynamo specialise one row and compile single-stream decode a graph of its
+own, which cost 9 s more at load here and decoded no faster. It is compiled at load by the warm-up
+iterations (two rows, then one), with a progress message; afterwards an input the graph does not fit
+(none is known) would run eagerly rather than compile inside a user's request
 (``torch.compiler.set_stance("eager_on_recompile")``). Compiled in the worker's own process
 (``compile_threads=1``: inside Triton's stub ``sys.executable`` is not Python, and inductor's compile
 workers are started from it). Inductor reads its own UTF-8 source templates with open()'s default
@@ -81,16 +83,18 @@ class CompiledForward:
             if not self.ready:  # the warm-up: compiles, in this process
                 import torch._inductor.config as inductor_config
 
+                torch._dynamo.decorators.mark_unbacked(input_ids, 0)  # any token count, one included: one graph
+                torch._dynamo.decorators.mark_unbacked(positions, 0)
                 with inductor_config.patch(compile_threads=1):
                     return self.compiled(input_ids, positions, None)
             with torch.compiler.set_stance(self.stance):
                 return self.compiled(input_ids, positions, None)
 
     def compile(self, warm_up: Callable[[], None], device: torch.device) -> None:
-        """Runs `warm_up()` (iterations of one and of several rows through this object) and marks the
-        graphs ready, logging the time it took."""
-        logger.info("compiling the model's forward pass for %s with torch.compile (once, at load; about a "
-                    "minute for a 135M model on 2 cores) ...", device)
+        """Runs `warm_up()` (iterations through this object: the first compiles the graph, the next check
+        it serves them) and marks it ready, logging the time it took."""
+        logger.info("compiling the model's forward pass for %s with torch.compile (once, at load; 20-45 s "
+                    "for a 135M model on 2 cores) ...", device)
         t0 = time.perf_counter()
         warm_up()
         self.compile_seconds = time.perf_counter() - t0
