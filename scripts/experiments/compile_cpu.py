@@ -9,6 +9,10 @@ oneDNN-packed linears (what ships), and one torch.compile graph of the whole sta
 so it packs the weights itself), with attention as a registered custom op so that the graph holds every
 layer whatever the batch's composition: dynamic token counts, then a static graph for one row.
 
+What ships since (orca/worker/compiled.py, `torch_compile`) is the `stack` idea in another form: no
+freezing, the packed linears and attention as low-level torch.library ops, the iteration's layout in
+scope rather than in a global, the token count unbacked (docs/BENCHMARKS.md, the third step).
+
 `flex`: torch.compile(flex_attention) on the CPU with the engine's own FlexLayout mask (paged: the mask reads
 its request and position tables), for a decode batch, against the per-request reference.
 """
