@@ -65,9 +65,9 @@ def why_not_compiled(choice: str, device: torch.device, attention_backend: str, 
 
 
 class CompiledForward:
-    """``model(input_ids, positions, meta)`` through torch.compile (dynamic token counts). Call
-    ``compile(run)`` once at load: ``run`` executes the warm-up iterations through the worker, which calls
-    this object for each; then calls never compile."""
+    """``model(input_ids, positions, meta)`` through torch.compile, one graph for every token count. Call
+    ``compile(warm_up, device)`` once at load: ``warm_up`` executes the warm-up iterations through the
+    worker, which calls this object for each; later calls never compile."""
 
     def __init__(self, model: nn.Module) -> None:
         _utf8_text_encoding()
