@@ -2,6 +2,9 @@
 
     .venv/bin/python scripts/experiments/compile_cpu.py stack      # SmolLM2's layer stack, eager vs compiled
     .venv/bin/python scripts/experiments/compile_cpu.py flex       # flex attention compiled for the CPU
+    .venv/bin/python scripts/experiments/compile_cpu.py shipped    # the shipped compiled forward vs eager
+    .venv/bin/python scripts/experiments/compile_cpu.py regions    # small compiled regions vs eager
+    .venv/bin/python scripts/experiments/compile_cpu.py matvec     # one-row matmul forms over SmolLM2's weights
 
 `stack`: the forward of SmolLM2-135M's 30 decoder layers (no head) for a decode batch of 1, 4, 16 and 32
 requests with 100 cached tokens each, median of 20: eager with reference linears, eager with the
@@ -12,6 +15,15 @@ layer whatever the batch's composition: dynamic token counts, then a static grap
 What ships since (orca/worker/compiled.py, `torch_compile`) is the `stack` idea in another form: no
 freezing, the packed linears and attention as low-level torch.library ops, the iteration's layout in
 scope rather than in a global, the token count unbacked (docs/BENCHMARKS.md, the third step).
+
+`shipped`: the worker's own forward pass for the decode batches of `stack` (and the head), eager, then
+through orca.worker.compiled.CompiledForward (what `torch_compile auto` runs), median of 20.
+
+`regions`: add + RMSNorm, rotary and SiLU x up, each its own torch.compile function (dynamic), against
+eager, at 1 and 8 rows, microseconds a call (median of 2000).
+
+`matvec`: SmolLM2's 121 linear weights in a step's order (the head last) at one row, through oneDNN's
+packed matmul, F.linear, torch.mv, x @ W.t() on a transposed copy and MKL's packed matmul, GB/s.
 
 `flex`: torch.compile(flex_attention) on the CPU with the engine's own FlexLayout mask (paged: the mask reads
 its request and position tables), for a decode batch, against the per-request reference.
@@ -111,6 +123,97 @@ def flex() -> None:
             print("".join(traceback.format_exception_only(exc))[-600:])
 
 
+def shipped() -> None:
+    import os
+
+    os.environ.pop("ORCA_TORCH_COMPILE", None)
+    from orca.worker.compiled import CompiledForward
+
+    worker = Worker(EngineConfig(dtype="float32", device="cpu", n_slots=N_SLOTS, torch_compile="off"))
+    worker.init_kv_pool(N_SLOTS // 16)
+    model, compiled = worker.model, CompiledForward(worker.model)
+    with torch.inference_mode():
+        metas = {n: _decode_meta(worker, n, 100) for n in (1, 4, 16, 32)}
+        inputs = {n: (torch.randint(0, 1000, (n,)), torch.full((n,), 100)) for n in metas}
+        t0 = time.perf_counter()
+        compiled.compile(lambda: compiled(*inputs[4], metas[4]), worker.device)
+        print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+        for n, meta in metas.items():
+            ids, pos = inputs[n]
+            eager = _median_ms(lambda: model.compute_logits(model(ids, pos, meta)))  # noqa: B023
+            comp = _median_ms(lambda: model.compute_logits(compiled(ids, pos, meta)))  # noqa: B023
+            print(f"{n} rows: eager {eager:.1f} ms, compiled {comp:.1f} ms, {eager / comp:.2f}x", flush=True)
+
+
+def regions() -> None:
+    import torch.nn.functional as F
+
+    hidden, heads, kv_heads, dim, inter = 576, 9, 3, 64, 1536
+    weight = torch.randn(hidden)
+
+    def add_norm(x, d, w):  # noqa: ANN001, ANN202
+        x = x + d
+        return x, F.rms_norm(x, (hidden,), w, 1e-5)
+
+    def rotary(qkv, cos, sin):  # noqa: ANN001, ANN202
+        t = qkv.shape[0]
+        qk = qkv[:, : (heads + kv_heads) * dim].view(t, heads + kv_heads, dim)
+        x1, x2 = qk.chunk(2, dim=-1)
+        qk = qk * cos + torch.cat((-x2, x1), -1) * sin
+        kv = torch.cat((qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)), 1)
+        return qk[:, :heads], kv.view(t, 2, kv_heads, dim)
+
+    def swiglu(gate_up):  # noqa: ANN001, ANN202
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate) * up
+
+    def us(fn, *args) -> float:  # noqa: ANN001
+        for _ in range(50):
+            fn(*args)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn(*args)
+        return (time.perf_counter() - t0) / 2000 * 1e6
+
+    for t in (1, 8):
+        cases = {
+            "add + RMSNorm": (add_norm, (torch.randn(t, hidden), torch.randn(t, hidden), weight)),
+            "rotary": (rotary, (torch.randn(t, (heads + 2 * kv_heads) * dim), torch.randn(t, 1, dim),
+                                torch.randn(t, 1, dim))),
+            "SiLU x up": (swiglu, (torch.randn(t, 2 * inter),)),
+        }
+        for name, (fn, args) in cases.items():
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            print(f"{t} rows, {name}: eager {us(fn, *args):.1f} us, compiled {us(compiled, *args):.1f} us", flush=True)
+
+
+def matvec() -> None:
+    hidden, inter, vocab = 576, 1536, 49152
+    shapes = [(960, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * 30 + [(vocab, hidden)]
+    weights = [torch.randn(o, i) for o, i in shapes]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    forms = {
+        "oneDNN packed": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None),
+                          lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")),
+        "F.linear": (lambda w: w, lambda x, p: torch.nn.functional.linear(x, p)),
+        "torch.mv": (lambda w: w, lambda x, p: torch.mv(p, x[0])),
+        "x @ W.t() (transposed copy)": (lambda w: w.t().contiguous(), lambda x, p: x @ p),
+        "MKL packed": (lambda w: (torch.ops.mkl._mkl_reorder_linear_weight(w, 1), w),
+                       lambda x, p: torch.ops.mkl._mkl_linear(x, p[0], p[1], None, 1)),
+    }
+    xs = {i: torch.randn(1, i) for i in (hidden, inter)}
+    for name, (prepare, run) in forms.items():
+        packed = [prepare(w) for w in weights]
+
+        def once(packed: list = packed, run=run) -> None:  # noqa: ANN001
+            for (_, i), p in zip(shapes, packed):
+                run(xs[i], p)
+
+        ms = _median_ms(once, reps=7)
+        print(f"{name}: {ms:.1f} ms, {nbytes / ms / 1e6:.1f} GB/s", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
-    {"stack": stack, "flex": flex}[sys.argv[1] if len(sys.argv) > 1 else "stack"]()
+    modes = {"stack": stack, "flex": flex, "shipped": shipped, "regions": regions, "matvec": matvec}
+    modes[sys.argv[1] if len(sys.argv) > 1 else "stack"]()
