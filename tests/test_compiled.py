@@ -122,10 +122,10 @@ def test_the_attention_op_needs_an_iteration_in_scope() -> None:
     assert out.shape == (1, 8)
 
 
-def _generate_in_a_subprocess(tmp_path: Path, **env: str) -> tuple[str, str, str]:
-    """A tiny GPT-2 engine with torch_compile auto in a fresh interpreter with `env` added: (why the forward
-    pass is eager or None, its greedy tokens for one prompt, stderr). A fresh process reuses nothing this
-    one compiled."""
+def _generate_in_a_subprocess(tmp_path: Path, **env: str) -> tuple[str, str]:
+    """A tiny GPT-2 engine with torch_compile auto in a fresh interpreter with `env` added, which must
+    generate transformers' greedy tokens: (why the forward pass is eager or None, stderr). A fresh process
+    reuses nothing this one compiled."""
     script = tmp_path / "generate.py"
     script.write_text(
         "from orca import SamplingParams\n"
@@ -141,13 +141,13 @@ def _generate_in_a_subprocess(tmp_path: Path, **env: str) -> tuple[str, str, str
     assert done.returncode == 0, done.stderr[-3000:]
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in done.stdout.splitlines() if " " in line}
     assert lines["TOKENS"] == str(hf_greedy(tiny_reference("gpt2"), [5, 17, 33, 2], 6))
-    return lines["REASON"], lines["TOKENS"], done.stderr
+    return lines["REASON"], done.stderr
 
 
 def test_without_a_cxx_compiler_the_engine_serves_eagerly_and_says_why(tmp_path: Path) -> None:
     """Inductor's C++ compiler missing (CXX pointing nowhere, its caches off): the worker logs why and
     runs the eager forward pass; the engine still generates transformers' tokens."""
-    reason, _, stderr = _generate_in_a_subprocess(
+    reason, stderr = _generate_in_a_subprocess(
         tmp_path, CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
     assert reason.startswith("compiling failed"), reason
@@ -158,5 +158,5 @@ def test_compiling_works_in_the_c_locale(tmp_path: Path) -> None:
     """Triton's stub embeds Python in the C locale without UTF-8 mode: open()'s default encoding is ASCII,
     and inductor reads its own UTF-8 templates with it. The same here (no C-locale coercion, no UTF-8
     mode): the worker switches the text encoding to UTF-8 and compiles."""
-    reason, _, _ = _generate_in_a_subprocess(tmp_path, LC_ALL="C", LANG="C", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0")
+    reason, _ = _generate_in_a_subprocess(tmp_path, LC_ALL="C", LANG="C", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0")
     assert reason == "None"

@@ -38,7 +38,7 @@ PROFILE_TOKENS_WITHOUT_BUDGET = 8192
 # Inductor lowers flex_attention to its decoding kernel below this many query rows and to its main kernel
 # from there (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding): a guard on the row count.
 FLEX_DECODING_ROWS = 128
-COMPILE_WARM_UP_SLOTS = 3  # what compile_warm_up_plans' iterations write
+PROMPT_AND_INCREMENT_SLOTS = 3  # what prompt_and_increment_plans' iterations write
 
 
 @dataclass
@@ -161,12 +161,15 @@ class Worker:
             )
         elif self.device.type == "cuda":
             logger.info("decode iterations run without CUDA graphs: %s", self.no_graphs_reason)
-        if self.no_compile_reason is None and self.kv_pool.shape[3] < COMPILE_WARM_UP_SLOTS:
-            self.no_compile_reason = f"the K/V pool holds fewer than the {COMPILE_WARM_UP_SLOTS} slots the warm-up uses"
+        if self.no_compile_reason is None and self.kv_pool.shape[3] < PROMPT_AND_INCREMENT_SLOTS:
+            self.no_compile_reason = (f"the K/V pool holds fewer than the {PROMPT_AND_INCREMENT_SLOTS} slots the "
+                                      "warm-up uses")
         if self.no_compile_reason is None:
             try:
                 self.compiled = CompiledForward(self.model)
-                self.compiled.compile(lambda: self._warm_up(compile_warm_up_plans(self.kv_layout.block_size),
+                # The prompt compiles the graph (the token count unbacked: any count); the increment runs it
+                # at one row, which a backed size would have specialised.
+                self.compiled.compile(lambda: self._warm_up(prompt_and_increment_plans(self.kv_layout.block_size),
                                                             "compiling the forward pass"), self.device)
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly, say why
                 self.compiled = None
@@ -358,8 +361,8 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
     FLEX_DECODING_ROWS, each as prompts of at most `max_len` tokens (the model's positions), in blocks
     taken in order from the first. Every layer runs (sliding-window layers compile their own mask)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
-    plans: list[StepPlan] = []
-    next_block = 0
+    plans = list(prompt_and_increment_plans(block_size))
+    next_block = -(-PROMPT_AND_INCREMENT_SLOTS // block_size)
 
     def blocks(before: int, after: int) -> tuple[int, ...]:
         nonlocal next_block
@@ -367,8 +370,6 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
         next_block += n
         return tuple(range(next_block - n, next_block))
 
-    plans.append(StepPlan(-1, (PlannedRequest("warm-up-a", (0, 0), 0, blocks(0, 2), spec, sample_step=0),)))
-    plans.append(StepPlan(-1, (PlannedRequest("warm-up-a", (0,), 2, blocks(2, 3), sample_step=1),)))
     for name, rows in (("warm-up-b", 5), ("warm-up-c", 2 * FLEX_Q_BLOCK + 1), ("warm-up-d", FLEX_DECODING_ROWS + 1)):
         lengths = [max_len] * (rows // max_len) + ([rows % max_len] if rows % max_len else [])
         plans.append(StepPlan(-1, tuple(
@@ -377,15 +378,15 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
     return tuple(plans)
 
 
-def compile_warm_up_plans(block_size: int) -> tuple[StepPlan, ...]:
-    """The iterations that compile the forward pass's graph (orca/worker/compiled.py): a two-token prompt
-    compiles it (the token count unbacked: any count) and its one-token increment runs it at one row, which a
-    backed size would have specialised, in the pool's first blocks (COMPILE_WARM_UP_SLOTS slots)."""
+def prompt_and_increment_plans(block_size: int) -> tuple[StepPlan, StepPlan]:
+    """A two-token prompt and its one-token increment, in the pool's first blocks (PROMPT_AND_INCREMENT_SLOTS
+    slots): the compiled forward pass's warm-up (orca/worker/compiled.py), and the first two iterations of
+    flex's (flex_warm_up_plans)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
-    prompt_blocks, all_blocks = -(-2 // block_size), -(-COMPILE_WARM_UP_SLOTS // block_size)
+    prompt_blocks, all_blocks = -(-2 // block_size), -(-PROMPT_AND_INCREMENT_SLOTS // block_size)
     return (
-        StepPlan(-1, (PlannedRequest("compile-a", (0, 0), 0, tuple(range(prompt_blocks)), spec, sample_step=0),)),
-        StepPlan(-1, (PlannedRequest("compile-a", (0,), 2, tuple(range(prompt_blocks, all_blocks)), sample_step=1),)),
+        StepPlan(-1, (PlannedRequest("warm-up-a", (0, 0), 0, tuple(range(prompt_blocks)), spec, sample_step=0),)),
+        StepPlan(-1, (PlannedRequest("warm-up-a", (0,), 2, tuple(range(prompt_blocks, all_blocks)), sample_step=1),)),
     )
 
 
