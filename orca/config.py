@@ -30,7 +30,7 @@ _INT_OPTIONS = (
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "onednn", "reference")
-ATTENTION_BACKENDS = ("auto", "reference", "flex")
+ATTENTION_BACKENDS = ("auto", "reference", "batched", "flex")
 CUDA_GRAPH_CHOICES = ("auto", "off")
 TORCH_COMPILE_CHOICES = ("auto", "off")
 
@@ -213,16 +213,18 @@ class EngineConfig:
       (CUDA: cuBLAS).
     - attention_backend: how attention reads the paged K/V pool (orca/models/attention.py). "reference":
       one scaled_dot_product_attention call per request and layer over that request's keys and values (the
-      transformers-exact oracle; the fastest measured on a CPU). "flex": one flex_attention call per layer
-      for every token of the iteration, straight from the pool through the block tables (compiled on
-      CUDA, warmed up at load; on a CPU PyTorch's unfused implementation: correct, slow). "auto": the
-      fastest measured on the device: reference on a CPU, and on CUDA reference too until flex is measured
-      there (no GPU run yet).
+      transformers-exact oracle). "batched": the reference for prompts and chunks; an iteration's
+      increments (from BATCHED_MIN_INCREMENTS on) all at once, their keys and values gathered into one
+      padded batch, two batched matmuls and a masked softmax per layer (the fastest measured on a CPU).
+      "flex": one flex_attention call per layer for every token of the iteration, straight from the pool
+      through the block tables (compiled on CUDA, warmed up at load; on a CPU PyTorch's unfused
+      implementation: correct, slow). "auto": the fastest measured on the device: batched on a CPU; on
+      CUDA reference until another is measured there (no GPU run yet).
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
       multiples of 8, max_bs; a batch pads to the next size) and replays them, where that applies: CUDA,
       attention_backend flex, a dense model, one worker (orca/worker/cuda_graphs.py). "off": never.
     - torch_compile: "auto" compiles the model's forward pass with torch.compile at load, where that is
-      measured to win: a CPU, attention_backend reference, a dense model, one worker (orca/worker/compiled.py:
+      measured to win: a CPU, attention_backend reference or batched, a dense model, one worker (compiled.py:
       one graph for every token count, every op fused but attention and the
       linears; 1.1-1.3x a decode step here, 20-45 s of load time on 2 cores). "off": eager.
       $ORCA_TORCH_COMPILE, when set, is what "auto" means (the tests set off: each compiling engine costs

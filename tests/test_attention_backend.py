@@ -1,10 +1,12 @@
 """EngineConfig.attention_backend: the flex backend (one flex_attention call per layer over the whole K/V pool,
-orca/models/attention.py) gives the reference's numbers (per-request SDPA, fp32, 1e-4) on mixed iterations
+orca/models/attention.py) and the batched one (the increments of an iteration as one padded batch) give
+the reference's numbers (per-request SDPA, fp32, 1e-4) on mixed iterations
 (prompts, chunks after a cached prefix, increments at different positions, partly filled last blocks,
 shuffled block tables, GQA and MHA, sliding windows) at block sizes 1, 4 and 16; its block-sparse
 structure covers every (query, slot) pair the mask keeps, which is what lets the compiled kernel skip the
-rest; whole generations with it are transformers' greedy tokens under chunking and preemption, and under
-tensor parallelism.
+rest; whole generations with either are transformers' greedy tokens under chunking and preemption, and
+with flex under tensor parallelism. The batched backend batches from BATCHED_MIN_INCREMENTS increments on,
+and its padding slots never reach a result.
 
 On this CPU flex runs PyTorch's unfused implementation (the compiled kernels are CUDA's): these tests check
 the layout and the mask, which both share."""
@@ -21,6 +23,7 @@ from checkpoints import make_mistral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import (
+    BATCHED_MIN_INCREMENTS,
     FLEX_Q_BLOCK,
     AttentionMetadata,
     FlexLayout,
@@ -43,11 +46,12 @@ def _tables(rng: random.Random, block_size: int, num_blocks: int) -> list[list[i
     return [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in MIXED]
 
 
+@pytest.mark.parametrize("backend", ["flex", "batched"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_flex_matches_reference_on_a_mixed_iteration(
-    block_size: int, heads: int, kv_heads: int, window: int | None
+def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
+    backend: str, block_size: int, heads: int, kv_heads: int, window: int | None
 ) -> None:
     rng = random.Random(block_size)
     num_blocks, dim = 160 // block_size + 8, 8
@@ -58,14 +62,47 @@ def test_flex_matches_reference_on_a_mixed_iteration(
     q = torch.randn(sum(lengths), heads, dim)
     kv = torch.randn(sum(lengths), 2, kv_heads, dim)
     out, pools = {}, {}
-    for backend in ("reference", "flex"):
-        pools[backend] = pool.clone()
-        meta = AttentionMetadata.build(lengths, context, tables, block_size, pools[backend], backend=backend)
-        assert (meta.flex is not None) == (backend == "flex")
-        out[backend] = selective_attention(q, kv, meta, 1, 0.3, window)
-    torch.testing.assert_close(out["flex"], out["reference"], atol=1e-4, rtol=0)
-    torch.testing.assert_close(pools["flex"], pools["reference"], atol=0, rtol=0)  # the same K/V written
+    for b in ("reference", backend):
+        pools[b] = pool.clone()
+        meta = AttentionMetadata.build(lengths, context, tables, block_size, pools[b], backend=b)
+        assert (meta.flex is not None) == (b == "flex")
+        assert (meta.increments is not None) == (b == "batched")  # MIXED has 3 increments: batched
+        out[b] = selective_attention(q, kv, meta, 1, 0.3, window)
+    torch.testing.assert_close(out[backend], out["reference"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(pools[backend], pools["reference"], atol=0, rtol=0)  # the same K/V written
     assert out["reference"].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("increments", [1, BATCHED_MIN_INCREMENTS - 1, BATCHED_MIN_INCREMENTS, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_increments_read_only_their_own_slots(increments: int, dtype: torch.dtype) -> None:
+    """Increments of very different lengths (1 to 40 keys: most rows are padding), beside a prompt, on a
+    pool that is NaN wherever no request of the iteration has keys: a padding slot that read anything but
+    the row's own written slots would poison its row. Fewer than BATCHED_MIN_INCREMENTS increments run the
+    reference's calls; from there on, one batch. bfloat16 matches the reference to its precision."""
+    rng = random.Random(increments)
+    block_size, num_blocks, heads, kv_heads, dim = 4, 64, 6, 2, 8
+    shape = [(1, rng.choice([0, 1, 2, 39])) for _ in range(increments)]
+    shape = [(n, max(past, 1)) for n, past in shape] + [(7, 0)]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in shape]
+    lengths, context = [n for n, _ in shape], [p for _, p in shape]
+    torch.manual_seed(increments)
+    pool = torch.full((2, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
+    for past, table in zip(context, tables):
+        for p in range(past):  # the cached keys and values of each request, nothing else
+            pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(2, 2, kv_heads, dim)
+    q = torch.randn(sum(lengths), heads, dim, dtype=dtype)
+    kv = torch.randn(sum(lengths), 2, kv_heads, dim, dtype=dtype)
+    out = {}
+    for b in ("reference", "batched"):
+        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
+        assert (meta.increments is not None) == (b == "batched" and increments >= BATCHED_MIN_INCREMENTS)
+        out[b] = selective_attention(q, kv, meta, 1, 0.35, None).float()
+    assert out["batched"].isfinite().all()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out["batched"], out["reference"], atol=tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -141,6 +178,42 @@ def test_the_model_gives_the_same_hidden_states_with_either_backend(
     torch.testing.assert_close(hidden["flex"], hidden["reference"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("family", [*FAMILIES, "mistral"])
+def test_the_model_gives_the_same_hidden_states_with_batched_increments(
+    family: str, block_size: int, tmp_path: Path
+) -> None:
+    """Four increments after cached prefixes of 1, 3, 9 and 12 tokens (past Mistral's window of 8) and a
+    prompt in the same iteration, blocks shuffled over the pool: the batched backend's hidden states are the
+    reference's (every layer, so every layer's batched increments)."""
+    path = make_mistral(tmp_path / "mistral", seed=3) if family == "mistral" else tiny_checkpoint(family)
+    prefixes, prompt = (1, 3, 9, 12), 6
+    rng = random.Random(block_size)
+    tokens = {n: [rng.randrange(0, 190) for _ in range(n)] for n in prefixes}
+    new = [rng.randrange(0, 190) for _ in range(len(prefixes) + prompt)]
+    num_blocks = 64 if block_size == 1 else 8
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    sizes = [*(n + 1 for n in prefixes), prompt]
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in sizes]
+    hidden = {}
+    for backend in ("reference", "batched"):
+        worker = Worker(EngineConfig(model=str(path), block_size=block_size, n_slots=num_blocks * block_size,
+                                     attention_backend=backend))
+        worker.init_kv_pool(num_blocks)
+        with torch.inference_mode():
+            worker.model(torch.tensor([t for n in prefixes for t in tokens[n]]),
+                         torch.tensor([p for n in prefixes for p in range(n)]),
+                         AttentionMetadata.build(list(prefixes), [0] * 4, tables[:4], block_size, worker.kv_pool,
+                                                 backend=backend))
+            meta = AttentionMetadata.build([1, 1, 1, 1, prompt], [*prefixes, 0], tables, block_size,
+                                           worker.kv_pool, backend=backend)
+            assert (meta.increments is not None) == (backend == "batched")
+            hidden[backend] = worker.model(torch.tensor(new), torch.tensor([*prefixes, *range(prompt)]), meta)
+    torch.testing.assert_close(hidden["batched"], hidden["reference"], atol=1e-4, rtol=0)
+    assert hidden["reference"].abs().max() > 0.1
+
+
 KV_CONFIGS = {
     "slot-exact": dict(n_slots=96, block_size=1, kv_admission="reserve"),
     "paged-chunked-preempting": dict(n_slots=40, block_size=4, kv_admission="on_demand", max_num_batched_tokens=8),
@@ -148,12 +221,13 @@ KV_CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("backend", ["flex", "batched"])
 @pytest.mark.parametrize("kv", list(KV_CONFIGS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_generation_with_flex_is_transformers_greedy(family: str, kv: str) -> None:
+def test_generation_with_a_fused_backend_is_transformers_greedy(family: str, kv: str, backend: str) -> None:
     rng = random.Random(2)
     jobs = [([rng.randrange(0, 190) for _ in range(rng.randint(1, 20))], rng.randint(1, 14)) for _ in range(10)]
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), max_bs=4, attention_backend="flex",
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), max_bs=4, attention_backend=backend,
                                     **KV_CONFIGS[kv]))
     for i, (prompt, n) in enumerate(jobs):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -166,10 +240,12 @@ def test_generation_with_flex_is_transformers_greedy(family: str, kv: str) -> No
 
 
 def test_auto_is_the_measured_choice_and_bad_names_are_refused() -> None:
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "batched"
+    assert resolve_attention_backend("auto", torch.device("cuda")) == "reference"  # nothing measured there yet
     for device in ("cpu", "cuda"):
-        assert resolve_attention_backend("auto", torch.device(device)) == "reference"
-        assert resolve_attention_backend("flex", torch.device(device)) == "flex"
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, reference, flex, got 'fused'"):
+        for backend in ("reference", "batched", "flex"):
+            assert resolve_attention_backend(backend, torch.device(device)) == backend
+    with pytest.raises(ValueError, match="must be one of auto, reference, batched, flex, got 'fused'"):
         EngineConfig(attention_backend="fused")
     cfg = EngineConfig.from_parameters({"attention_backend": "flex"})
     assert cfg.attention_backend == "flex"

@@ -1,6 +1,6 @@
 """The compiled forward pass (orca/worker/compiled.py): where it applies and why not, and that it is the
 eager engine's numbers: logits within 1e-4 of the eager twin and transformers' greedy tokens on mixed
-iterations (chunked prompts, increments at different positions, preemptions, GQA), with no compilation
+iterations (chunked prompts, increments at different positions and batched, preemptions, GQA), with no compilation
 after load (torch.compile's fail_on_recompile stance: every iteration ran the graph compiled at
 load)."""
 
@@ -50,6 +50,7 @@ def compiled_engine(request: pytest.FixtureRequest) -> LLMEngine:
         engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(request.param)), **OPTIONS))
     compiled = engine.executor.worker.compiled
     assert compiled is not None and compiled.ready and compiled.compile_seconds > 0
+    assert engine.executor.worker.attention_backend == "batched"  # auto on a CPU: max_bs 5 batches increments
     compiled.stance = "fail_on_recompile"
     engine.family = request.param
     return engine
@@ -86,6 +87,7 @@ def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest
     dense, _ = load_model(tiny_checkpoint("llama"), torch.float32, cpu)
     moe, _ = load_model(make_mixtral(tmp_path / "mixtral"), torch.float32, cpu)
     assert why_not_compiled("auto", cpu, "reference", 1, dense) is None
+    assert why_not_compiled("auto", cpu, "batched", 1, dense) is None
     assert why_not_compiled("off", cpu, "reference", 1, dense) == "torch_compile is off"
     assert "not a CPU" in why_not_compiled("auto", torch.device("cuda"), "reference", 1, dense)
     assert "attention_backend is flex" in why_not_compiled("auto", cpu, "flex", 1, dense)

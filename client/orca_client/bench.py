@@ -1481,7 +1481,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
     o.add_argument("--linear-backend", default="auto", choices=("auto", "onednn", "reference"),
                    help="EngineConfig.linear_backend (default: %(default)s; onednn on a CPU)")
-    o.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "flex"),
+    o.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "batched", "flex"),
                    help="EngineConfig.attention_backend (default: %(default)s; reference on a CPU)")
     o.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
                    help="EngineConfig.cuda_graphs: decode iterations from CUDA graphs where they apply (CUDA, "

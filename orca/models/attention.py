@@ -12,11 +12,16 @@ keys and values: a view of the pool when the request's blocks are consecutive, e
 such requests together. The slot arithmetic is done once per iteration (AttentionMetadata.build), not
 once per layer.
 
-Two implementations (EngineConfig.attention_backend):
+Three implementations (EngineConfig.attention_backend):
 
 - ``reference``: the split Orca describes, one ``scaled_dot_product_attention`` call per request and layer
-  over that request's keys and values. The transformers-exact oracle of the tests, and the fastest
-  measured on a CPU (docs/BENCHMARKS.md).
+  over that request's keys and values. The transformers-exact oracle of the tests.
+- ``batched``: the reference for prompts and chunks, and every increment of the iteration at once: their
+  keys and values gathered from the pool into one padded batch (IncrementBatch, one ``index_select`` per
+  layer), then two batched matmuls and a masked softmax for all of them (grouped-query attention as query
+  rows of the shared K/V head, no repeat). An increment's attention is a few thousand multiply-adds; as
+  its own SDPA call it paid ~35 us of fixed cost on this CPU, so one call for all of them is 1.8-3.7x
+  faster per layer, and the fastest measured on a CPU (docs/BENCHMARKS.md).
 - ``flex``: one ``flex_attention`` call per layer for every token of the iteration (prompt chunks and
   increments together, grouped-query attention without repeating K/V), reading keys and values straight
   from the whole pool. A mask function keeps, for each query, the slots its own request owns up to its
@@ -47,16 +52,23 @@ from orca.device import upload
 FLEX_Q_BLOCK = 16
 FLEX_KV_BLOCK = 16
 PADDING_ROW = -1  # a padding row's request and position in FlexLayout: it keeps no slot
+# The batched backend batches an iteration's increments from this many on; fewer run the reference's
+# per-request calls, which read a request's consecutive blocks as a view of the pool with no copy (a lone
+# decode stream: 31.2 against 33.1 ms a SmolLM2 step at 1 row, 34.5 against 36.3 at 2; docs/BENCHMARKS.md).
+BATCHED_MIN_INCREMENTS = 3
 
 
 def resolve_attention_backend(choice: str, device: torch.device) -> str:
-    """EngineConfig.attention_backend to what runs: "reference" or "flex". auto = the fastest measured on
-    the device: reference on a CPU (per-request SDPA over pool views beat every fused candidate here, and
-    inductor cannot compile flex's paged mask for a CPU in torch 2.13); on CUDA, where nothing has been
-    measured yet, reference too until a GPU run shows flex ahead (docs/design.md, the data plane)."""
+    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = the fastest
+    measured on the device: batched on a CPU (the reference's per-request calls for prompts, one batch for
+    the increments: 1.05-1.06x the reference's tokens/s offline here; flex's paged mask does not compile for
+    a CPU in torch 2.13); on CUDA, where nothing has been measured yet, reference until a GPU run shows
+    another ahead (docs/design.md, the data plane)."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
-    return "reference" if choice == "auto" else choice
+    if choice == "auto":
+        return "batched" if device.type == "cpu" else "reference"
+    return choice
 
 
 @dataclass
@@ -95,6 +107,7 @@ class AttentionMetadata:
     kv_pool: torch.Tensor  # (layers, 2, KVH, slots, D)
     timer: PhaseTimer | None = None
     flex: FlexLayout | None = None  # the flex backend's layout; None runs the reference
+    increments: IncrementBatch | None = None  # the batched backend's increments (views and gathers skip them)
 
     @classmethod
     def build(
@@ -110,9 +123,9 @@ class AttentionMetadata:
         pad_slot: int = 0,
     ) -> AttentionMetadata:
         """block_tables[i] covers request i's first context_lens[i] + lengths[i] tokens; increments come
-        first (the worker orders the rows so). `backend`: "reference" or "flex" (resolved). `padding` rows
-        follow the requests' (flex only: a decode iteration padded to a CUDA graph's size): each writes its
-        keys and values to `pad_slot`, a slot no request owns, and attends to nothing (FlexLayout)."""
+        first (the worker orders the rows so). `backend`: "reference", "batched" or "flex" (resolved).
+        `padding` rows follow the requests' (flex only: a decode iteration padded to a CUDA graph's size): each
+        writes its keys and values to `pad_slot`, a slot no request owns, and attends to nothing (FlexLayout)."""
         if padding and backend != "flex":
             raise ValueError("padding rows need the flex backend")
         num_increment = 0
@@ -122,11 +135,16 @@ class AttentionMetadata:
         views: list[tuple[int, int] | None] = []
         gather: list[int] = []
         gather_sizes: list[int] = []
-        for n, past, table in zip(lengths, context_lens, block_tables):
+        # The increments that read their keys and values through IncrementBatch: all or none.
+        batched = num_increment if backend == "batched" and num_increment >= BATCHED_MIN_INCREMENTS else 0
+        for i, (n, past, table) in enumerate(zip(lengths, context_lens, block_tables)):
             total = past + n
             slots.extend(_slots(table, block_size, past, total))
             if backend == "flex":
                 continue  # it reads the pool through FlexLayout, not through views and gathers
+            if i < batched:
+                views.append(None)  # (never read: the increments' keys and values come from IncrementBatch)
+                continue
             used = -(-total // block_size)
             first = table[0]
             if table[used - 1] - first == used - 1 and all(table[j] == first + j for j in range(used)):
@@ -141,6 +159,9 @@ class AttentionMetadata:
         if backend == "flex":
             flex = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device,
                                     padding)
+        increments = None
+        if batched:
+            increments = IncrementBatch.build(context_lens[:batched], block_tables[:batched], block_size, device)
         return cls(
             lengths=list(lengths),
             context_lens=list(context_lens),
@@ -152,7 +173,47 @@ class AttentionMetadata:
             kv_pool=kv_pool,
             timer=timer,
             flex=flex,
+            increments=increments,
         )
+
+
+@dataclass
+class IncrementBatch:
+    """The batched backend's view of an iteration's increments: request r (one query row, `past_r` cached
+    tokens) has past_r + 1 keys and values, laid out as row r of a padded (requests, width) batch, width =
+    the longest. `index` lists each row's pool slots (its positions 0..past_r), then padding: the row's
+    first slot again (written memory: a masked slot weighs 0, and 0 x NaN would not). `mask(window)` is the
+    additive mask that keeps each row's own keys (the last `window` of them), built once per window and
+    dtype and shared by every layer."""
+
+    index: torch.Tensor  # (requests * width,) int64
+    keys: torch.Tensor  # (requests, 1) int64: keys and values per row, past + 1
+    width: int
+    _masks: dict[tuple[int | None, torch.dtype, int], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
+              device: torch.device) -> IncrementBatch:
+        width = max(context_lens) + 1
+        index: list[int] = []
+        for past, table in zip(context_lens, block_tables):
+            own = _slots(table, block_size, 0, past + 1)
+            index.extend(own)
+            index.extend([own[0]] * (width - len(own)))
+        return cls(upload(index, torch.int64, device), upload([[p + 1] for p in context_lens], torch.int64, device),
+                   width)
+
+    def mask(self, window: int | None, dtype: torch.dtype, num_kv_heads: int) -> torch.Tensor:
+        """(KVH x requests, 1, width), K/V head major: 0 where a row keeps the slot, -inf elsewhere."""
+        key = (window, dtype, num_kv_heads)
+        if key not in self._masks:
+            column = torch.arange(self.width, device=self.keys.device)[None]  # (1, width)
+            keep = column < self.keys
+            if window is not None:
+                keep &= column >= self.keys - window
+            zeros = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+            self._masks[key] = zeros.masked_fill(~keep, float("-inf")).repeat(num_kv_heads, 1)[:, None]
+        return self._masks[key]
 
 
 @dataclass
@@ -342,7 +403,9 @@ def _attention(
 
     outputs: list[torch.Tensor] = []
     n_inc = meta.num_increment
-    if n_inc:
+    if meta.increments is not None:
+        outputs.append(_batched_increments(q[:n_inc], pool, meta.increments, scale, window))
+    elif n_inc:
         # Increment: one query row per head and no mask. The `group` query heads sharing a K/V head become
         # `group` query rows of that head, so GQA needs no repeat of keys and values. The 4-D (batch 1)
         # form takes PyTorch's fused CPU kernel.
@@ -373,6 +436,24 @@ def _attention(
         outputs.append(oi[0].transpose(0, 1).reshape(n, num_heads * head_dim))  # (n, H*D)
         start += n
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _batched_increments(
+    q: torch.Tensor, pool: torch.Tensor, batch: IncrementBatch, scale: float, window: int | None
+) -> torch.Tensor:
+    """Every increment at once (the batched backend): q (n, H, D), one row per request -> (n, H * D)."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = pool.shape[1]
+    group = num_heads // num_kv_heads
+    kv = pool.index_select(2, batch.index).view(2, num_kv_heads * n, batch.width, head_dim)
+    # The `group` query heads sharing a K/V head are `group` query rows against it: a batch of KVH x n
+    # (group, D) x (D, width) products, the scale and the mask added in the same call.
+    q = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads * n, group, head_dim)
+    mask = batch.mask(window, q.dtype, num_kv_heads)  # (KVH x n, 1, width)
+    scores = torch.baddbmm(mask, q, kv[0].transpose(1, 2), alpha=scale)  # (KVH x n, group, width)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # float32, as SDPA's kernels
+    out = torch.bmm(probs, kv[1])  # (KVH x n, group, D)
+    return out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
 @functools.cache

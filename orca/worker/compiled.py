@@ -24,11 +24,11 @@ workers are started from it). Inductor reads its own UTF-8 source templates with
 encoding, the locale's; the stub embeds Python with an isolated configuration (no UTF-8 mode, the C
 locale kept), where that is ASCII, so compiling first switches such a process's LC_CTYPE to C.UTF-8.
 
-Used where measured to win: a CPU, attention_backend reference, a dense model, one worker. On CUDA decode
-iterations replay CUDA graphs instead (orca/worker/cuda_graphs.py) and compiling is not yet measured there;
-a mixture-of-experts layer reads per-expert token counts on the host; the distributed workers exchange
-activations between layers through gloo/NCCL calls that the graph does not hold. `torch_compile: off`, or
-any of these, runs the eager forward pass.
+Used where measured to win: a CPU, attention_backend reference or batched, a dense model, one worker. On
+CUDA decode iterations replay CUDA graphs instead (orca/worker/cuda_graphs.py) and compiling is not yet
+measured there; a mixture-of-experts layer reads per-expert token counts on the host; the distributed
+workers exchange activations between layers through gloo/NCCL calls that the graph does not hold.
+`torch_compile: off`, or any of these, runs the eager forward pass.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def why_not_compiled(choice: str, device: torch.device, attention_backend: str, 
         return "torch_compile is off"
     if device.type != "cpu":
         return f"the device is {device.type}, not a CPU (compiling is measured on a CPU only; CUDA has cuda_graphs)"
-    if attention_backend != "reference":
-        return f"attention_backend is {attention_backend} (compiling runs the reference attention as one op)"
+    if attention_backend not in ("reference", "batched"):
+        return f"attention_backend is {attention_backend} (compiling runs reference or batched attention as one op)"
     if world_size > 1:
         return "several ranks (their activations cross processes between layers)"
     if any(isinstance(m, SparseMoE) for m in model.modules()):
