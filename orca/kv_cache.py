@@ -43,11 +43,18 @@ class KVLayout:
 
     def allocate(self, num_blocks: int, device: torch.device, zeroed: bool = False) -> torch.Tensor:
         """The pool. Uninitialised unless `zeroed`: the reference attention reads only slots this pool's
-        iterations wrote, and on a CPU untouched pages cost no memory until a request's tokens land there.
+        iterations wrote, the batched one only blocks the worker zeroed when it handed them out
+        (zero_blocks), and on a CPU untouched pages cost no memory until a request's tokens land there.
         The flex backend needs it zeroed: its kernels weigh every slot of a tile they visit, the masked
         ones by 0, and 0 times a NaN left in unwritten memory is NaN."""
         shape = (self.num_layers, 2, self.num_kv_heads, num_blocks * self.block_size, self.head_dim)
         return (torch.zeros if zeroed else torch.empty)(shape, dtype=self.dtype, device=device)
+
+    def zero_blocks(self, pool: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Zeroes these blocks in every layer (block_ids: int64 on the pool's device). For the backends that
+        read whole blocks (batched, flex): the slots of a request's last block past its length weigh 0 in
+        its attention, and must hold no NaN or inf, which another request's tokens could have left there."""
+        pool.unflatten(3, (-1, self.block_size)).index_fill_(3, block_ids, 0)
 
 
 def blocks_from_gpu_memory(

@@ -77,9 +77,10 @@ def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_increments_read_only_their_own_slots(increments: int, dtype: torch.dtype) -> None:
     """Increments of very different lengths (1 to 40 keys: most rows are padding), beside a prompt, on a
-    pool that is NaN wherever no request of the iteration has keys: a padding slot that read anything but
-    the row's own written slots would poison its row. Fewer than BATCHED_MIN_INCREMENTS increments run the
-    reference's calls; from there on, one batch. bfloat16 matches the reference to its precision."""
+    pool that is NaN outside the blocks of the iteration's requests (zeroed when handed out, as the
+    worker does): a padding slot that read another block would poison its row. Fewer than
+    BATCHED_MIN_INCREMENTS increments run the reference's calls; from there on, one batch. bfloat16 matches
+    the reference to its precision."""
     rng = random.Random(increments)
     block_size, num_blocks, heads, kv_heads, dim = 4, 64, 6, 2, 8
     shape = [(1, rng.choice([0, 1, 2, 39])) for _ in range(increments)]
@@ -91,6 +92,8 @@ def test_batched_increments_read_only_their_own_slots(increments: int, dtype: to
     torch.manual_seed(increments)
     pool = torch.full((2, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
     for past, table in zip(context, tables):
+        for b in table:  # zeroed when handed to the request, as the worker does (KVLayout.zero_blocks)
+            pool[:, :, :, b * block_size : (b + 1) * block_size] = 0
         for p in range(past):  # the cached keys and values of each request, nothing else
             pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(2, 2, kv_heads, dim)
     q = torch.randn(sum(lengths), heads, dim, dtype=dtype)
@@ -201,6 +204,7 @@ def test_the_model_gives_the_same_hidden_states_with_batched_increments(
         worker = Worker(EngineConfig(model=str(path), block_size=block_size, n_slots=num_blocks * block_size,
                                      attention_backend=backend))
         worker.init_kv_pool(num_blocks)
+        worker.kv_pool.zero_()  # the model is called directly: no worker zeroes the blocks it hands out
         with torch.inference_mode():
             worker.model(torch.tensor([t for n in prefixes for t in tokens[n]]),
                          torch.tensor([p for n in prefixes for p in range(n)]),
@@ -237,6 +241,26 @@ def test_generation_with_a_fused_backend_is_transformers_greedy(family: str, kv:
     reference = tiny_reference(family)
     for i, (prompt, n) in enumerate(jobs):
         assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "batched"])
+def test_what_earlier_requests_left_in_the_pool_harms_no_later_one(backend: str) -> None:
+    """The pool filled with NaN between two rounds of requests (what a request whose keys overflowed could
+    leave in the blocks it freed): the batched backend reads whole blocks, the slots past a request's
+    length weighed 0, so the worker zeroes each block it hands out; the second round is still transformers'
+    greedy tokens."""
+    rng = random.Random(9)
+    jobs = [([rng.randrange(0, 190) for _ in range(rng.randint(1, 13))], rng.randint(4, 12)) for _ in range(8)]
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), max_bs=4, attention_backend=backend,
+                                    n_slots=96, block_size=4))
+    reference = tiny_reference("llama")
+    for round_ in range(2):
+        for i, (prompt, n) in enumerate(jobs):
+            engine.add_request(f"{round_}-{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        final = drain(engine)
+        for i, (prompt, n) in enumerate(jobs):
+            assert final[f"{round_}-{i}"].token_ids == hf_greedy(reference, prompt, n), f"round {round_}, r{i}"
+        engine.executor.worker.kv_pool.fill_(float("nan"))
 
 
 def test_auto_is_the_measured_choice_and_bad_names_are_refused() -> None:

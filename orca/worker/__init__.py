@@ -315,6 +315,7 @@ class Worker:
         specs: list[SamplingSpec] = []
         steps: list[int] = []
         sampled_ids: list[str] = []
+        new_blocks: list[int] = []
         for pr, end in zip(ordered, itertools.accumulate(len(p.token_ids) for p in ordered)):
             state = self._requests.get(pr.request_id)
             if pr.sampling is not None:
@@ -322,6 +323,7 @@ class Worker:
             elif state is None:
                 raise RuntimeError(f"plan names request {pr.request_id!r}, which this worker does not hold")
             state.block_table.extend(pr.new_block_ids)
+            new_blocks.extend(pr.new_block_ids)
             n = len(pr.token_ids)
             input_ids.extend(pr.token_ids)
             positions.extend(range(pr.start, pr.start + n))
@@ -333,6 +335,8 @@ class Worker:
                 specs.append(state.sampling)
                 steps.append(pr.sample_step)
                 sampled_ids.append(pr.request_id)
+        if new_blocks and self.attention_backend != "reference":  # batched and flex read whole blocks
+            self.kv_layout.zero_blocks(self.kv_pool, upload(new_blocks, torch.int64, self.device))
         padding = 0 if padded_to is None else padded_to - len(input_ids)
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
