@@ -13,6 +13,7 @@ the layout and the mask, which both share."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
         pools[b] = pool.clone()
         meta = AttentionMetadata.build(lengths, context, tables, block_size, pools[b], backend=b)
         assert (meta.flex is not None) == (b == "flex")
-        assert (meta.increments is not None) == (b == "batched")  # MIXED has 3 increments: batched
+        assert bool(meta.increments) == (b == "batched")  # MIXED has 3 increments: batched
         out[b] = selective_attention(q, kv, meta, 1, 0.3, window)
     torch.testing.assert_close(out[backend], out["reference"], atol=1e-4, rtol=0)
     torch.testing.assert_close(pools[backend], pools["reference"], atol=0, rtol=0)  # the same K/V written
@@ -101,7 +102,7 @@ def test_batched_increments_read_only_their_own_slots(increments: int, dtype: to
     out = {}
     for b in ("reference", "batched"):
         meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
-        assert (meta.increments is not None) == (b == "batched" and increments >= BATCHED_MIN_INCREMENTS)
+        assert bool(meta.increments) == (b == "batched" and increments >= BATCHED_MIN_INCREMENTS)
         out[b] = selective_attention(q, kv, meta, 1, 0.35, None).float()
     assert out["batched"].isfinite().all()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
@@ -181,6 +182,36 @@ def test_the_model_gives_the_same_hidden_states_with_either_backend(
     torch.testing.assert_close(hidden["flex"], hidden["reference"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_batched_increments_run_in_groups_of_similar_lengths(block_size: int) -> None:
+    """40 increments of 1 to 400 cached tokens, shortest first (the worker's order): the rows split into
+    groups, contiguous and covering every increment, where one group's padding would pass
+    BATCHED_GROUP_SLOTS; each group's rows are the reference's."""
+    rng = random.Random(block_size)
+    context = sorted(rng.randint(1, 400) for _ in range(40))
+    shape = [(1, past) for past in context] + [(6, 0)]
+    num_blocks = sum(-(-(n + past) // block_size) for n, past in shape) + 4
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in shape]
+    lengths = [n for n, _ in shape]
+    torch.manual_seed(block_size)
+    pool = torch.randn(1, 2, 2, num_blocks * block_size, 8)
+    q, kv = torch.randn(sum(lengths), 6, 8), torch.randn(sum(lengths), 2, 2, 8)
+    out = {}
+    for b in ("reference", "batched"):
+        meta = AttentionMetadata.build(lengths, [*context, 0], tables, block_size, pool.clone(), backend=b)
+        out[b] = selective_attention(q, kv, meta, 0, 0.3, None)
+    groups = meta.increments
+    assert len(groups) >= 2
+    assert [g.first for g in groups] == [0, *itertools.accumulate(g.rows for g in groups[:-1])]
+    assert sum(g.rows for g in groups) == len(context)
+    for g in groups:  # each group as wide as its own longest row
+        rows = context[g.first : g.first + g.rows]
+        assert g.width == -(-(max(rows) + 1) // block_size) * block_size
+    torch.testing.assert_close(out["batched"], out["reference"], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("family", [*FAMILIES, "mistral"])
 def test_the_model_gives_the_same_hidden_states_with_batched_increments(
@@ -212,7 +243,7 @@ def test_the_model_gives_the_same_hidden_states_with_batched_increments(
                                                  backend=backend))
             meta = AttentionMetadata.build([1, 1, 1, 1, prompt], [*prefixes, 0], tables, block_size,
                                            worker.kv_pool, backend=backend)
-            assert (meta.increments is not None) == (backend == "batched")
+            assert bool(meta.increments) == (backend == "batched")
             hidden[backend] = worker.model(torch.tensor(new), torch.tensor([*prefixes, *range(prompt)]), meta)
     torch.testing.assert_close(hidden["batched"], hidden["reference"], atol=1e-4, rtol=0)
     assert hidden["reference"].abs().max() > 0.1

@@ -56,6 +56,10 @@ PADDING_ROW = -1  # a padding row's request and position in FlexLayout: it keeps
 # per-request calls, which read a request's consecutive blocks as a view of the pool with no copy (a lone
 # decode stream: 31.2 against 33.1 ms a SmolLM2 step at 1 row, 34.5 against 36.3 at 2; docs/BENCHMARKS.md).
 BATCHED_MIN_INCREMENTS = 3
+# Batched increments run in groups of rows (the worker orders increments by length): a new group starts
+# where the next row's longer blocks would pad the group's rows by more than this many slots, about what a
+# group's fixed cost (~60 us of calls here) buys in padded work.
+BATCHED_GROUP_SLOTS = 384
 
 
 def resolve_attention_backend(choice: str, device: torch.device) -> str:
@@ -107,7 +111,7 @@ class AttentionMetadata:
     kv_pool: torch.Tensor  # (layers, 2, KVH, slots, D)
     timer: PhaseTimer | None = None
     flex: FlexLayout | None = None  # the flex backend's layout; None runs the reference
-    increments: IncrementBatch | None = None  # the batched backend's increments (views and gathers skip them)
+    increments: tuple[IncrementBatch, ...] = ()  # the batched backend's increments, in groups of rows
 
     @classmethod
     def build(
@@ -159,9 +163,7 @@ class AttentionMetadata:
         if backend == "flex":
             flex = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device,
                                     padding)
-        increments = None
-        if batched:
-            increments = IncrementBatch.build(context_lens[:batched], block_tables[:batched], block_size, device)
+        increments = IncrementBatch.groups(context_lens[:batched], block_tables[:batched], block_size, device)
         return cls(
             lengths=list(lengths),
             context_lens=list(context_lens),
@@ -179,32 +181,52 @@ class AttentionMetadata:
 
 @dataclass
 class IncrementBatch:
-    """The batched backend's view of an iteration's increments: request r (one query row, `past_r` cached
-    tokens) has past_r + 1 keys and values, laid out as row r of a padded (requests, width) batch of whole
-    blocks, width = the longest row's blocks x block_size. `blocks` lists each row's blocks holding its keys,
-    then padding: the row's first block again. Whole blocks copy in runs of block_size slots (1.7x faster
-    than slot by slot here); the slots past a row's length (its last block's tail, its padding blocks) are
-    masked and weigh 0, and hold finite numbers because the worker zeroes each block it hands to a request
-    (KVLayout.zero_blocks). `mask(window)` is the additive mask that keeps each row's own keys (the last
-    `window` of them), built once per window and dtype and shared by every layer."""
+    """A group of the batched backend's increments: rows [first, first + rows) of the iteration. Request r
+    (one query row, `past_r` cached tokens) has past_r + 1 keys and values, laid out as row r of a padded
+    (rows, width) batch of whole blocks, width = the group's longest row's blocks x block_size. `blocks`
+    lists each row's blocks holding its keys, then padding: the row's first block again. Whole blocks copy
+    in runs of block_size slots (1.7x faster than slot by slot here); the slots past a row's length (its
+    last block's tail, its padding blocks) are masked and weigh 0, and hold finite numbers because the
+    worker zeroes each block it hands to a request (KVLayout.zero_blocks). `mask(window)` is the additive
+    mask that keeps each row's own keys (the last `window` of them), built once per window and dtype and
+    shared by every layer."""
 
-    blocks: torch.Tensor  # (requests * blocks per row,) int64
-    keys: torch.Tensor  # (requests, 1) int64: keys and values per row, past + 1
+    first: int
+    rows: int
+    blocks: torch.Tensor  # (rows * blocks per row,) int64
+    keys: torch.Tensor  # (rows, 1) int64: keys and values per row, past + 1
     block_size: int
     width: int  # blocks per row x block_size
     _masks: dict[tuple[int | None, torch.dtype, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
-              device: torch.device) -> IncrementBatch:
+    def groups(cls, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
+               device: torch.device) -> tuple[IncrementBatch, ...]:
+        """The increments (rows in this order) in groups: a row starts a new group when its blocks would pad
+        the current group's rows by more than BATCHED_GROUP_SLOTS slots. No increments: no group."""
+        bounds, start, width = [], 0, 0
+        for i, past in enumerate(context_lens):
+            need = -(-(past + 1) // block_size)
+            if need > width and (i - start) * (need - width) * block_size > BATCHED_GROUP_SLOTS:
+                bounds.append((start, i))
+                start = i
+            width = need if i == start else max(width, need)
+        if context_lens:
+            bounds.append((start, len(context_lens)))
+        return tuple(cls.build(a, context_lens[a:b], block_tables[a:b], block_size, device) for a, b in bounds)
+
+    @classmethod
+    def build(cls, first: int, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+              block_size: int, device: torch.device) -> IncrementBatch:
         per_row = -(-(max(context_lens) + 1) // block_size)
         blocks: list[int] = []
         for past, table in zip(context_lens, block_tables):
             used = -(-(past + 1) // block_size)
             blocks.extend(table[:used])
             blocks.extend([table[0]] * (per_row - used))
-        return cls(upload(blocks, torch.int64, device), upload([[p + 1] for p in context_lens], torch.int64, device),
-                   block_size, per_row * block_size)
+        keys = upload([[p + 1] for p in context_lens], torch.int64, device)
+        return cls(first, len(context_lens), upload(blocks, torch.int64, device), keys, block_size,
+                   per_row * block_size)
 
     def mask(self, window: int | None, dtype: torch.dtype, num_kv_heads: int) -> torch.Tensor:
         """(KVH x requests, 1, width), K/V head major: 0 where a row keeps the slot, -inf elsewhere."""
@@ -406,8 +428,9 @@ def _attention(
 
     outputs: list[torch.Tensor] = []
     n_inc = meta.num_increment
-    if meta.increments is not None:
-        outputs.append(_batched_increments(q[:n_inc], pool, meta.increments, scale, window))
+    if meta.increments:
+        for batch in meta.increments:
+            outputs.append(_batched_increments(q[batch.first : batch.first + batch.rows], pool, batch, scale, window))
     elif n_inc:
         # Increment: one query row per head and no mask. The `group` query heads sharing a K/V head become
         # `group` query rows of that head, so GQA needs no repeat of keys and values. The 4-D (batch 1)

@@ -395,8 +395,9 @@ def prompt_and_increment_plans(block_size: int) -> tuple[StepPlan, StepPlan]:
 
 
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
-    """Increments (one token after a cached prefix) first, then the rest, each group in plan order: the
-    layout AttentionMetadata expects, which lets one-token requests share their merge."""
-    inc = [r for r in requests if len(r.token_ids) == 1 and r.start > 0]
+    """Increments (one token after a cached prefix) first, shortest cached prefix first, then the rest in
+    plan order: the layout AttentionMetadata expects, which lets one-token requests share their merge and
+    the batched backend group increments of similar lengths (IncrementBatch.groups)."""
+    inc = sorted((r for r in requests if len(r.token_ids) == 1 and r.start > 0), key=lambda r: r.start)
     rest = [r for r in requests if not (len(r.token_ids) == 1 and r.start > 0)]
     return inc + rest
