@@ -3,8 +3,8 @@
 Against transformers on the same GPU: fp32 greedy tokens identical (GPT-2 and Llama with GQA, a small
 paged pool with chunked prefill and preemptions); bf16 logits close to fp32; the K/V pool sized from
 gpu_memory_utilization after the profiling pass; seeded sampling (with log-probabilities asked) drawing
-the CPU's tokens; attention_backend flex compiled for CUDA against the reference and transformers; decode
-iterations replayed from CUDA graphs against eager ones. These tests have not run on a GPU yet in the
+the CPU's tokens; attention_backend flex compiled for CUDA, and batched, against the reference and
+transformers; decode iterations replayed from CUDA graphs against eager ones. These tests have not run on a GPU yet in the
 sessions that wrote them (none was lent): the first session with one runs them and fixes what breaks."""
 
 from __future__ import annotations
@@ -104,12 +104,15 @@ def test_iteration_inputs_reach_the_gpu_through_pinned_non_blocking_copies() -> 
     assert torch.tensor(values, pin_memory=True).is_pinned()
 
 
+@pytest.mark.parametrize("backend", ["flex", "batched"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_flex_attention_on_cuda_gives_transformers_greedy_tokens(family: str) -> None:
-    """attention_backend flex compiled for CUDA (warmed up at load), under chunking and preemptions."""
+def test_fused_attention_on_cuda_gives_transformers_greedy_tokens(family: str, backend: str) -> None:
+    """attention_backend flex compiled for CUDA (warmed up at load), and batched increments, under chunking
+    and preemptions."""
     path = tiny_checkpoint(family)
-    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", attention_backend="flex", **POOL))
-    assert engine.executor.worker.attention_backend == "flex"
+    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", attention_backend=backend,
+                                    **POOL))
+    assert engine.executor.worker.attention_backend == backend
     jobs = _workload(2)
     tokens = _run(engine, jobs, temperature=0)
     assert engine.stats().preemptions > 0
@@ -117,10 +120,12 @@ def test_flex_attention_on_cuda_gives_transformers_greedy_tokens(family: str) ->
     assert tokens == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
 
 
+@pytest.mark.parametrize("backend", ["flex", "batched"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_flex_matches_reference_on_cuda(block_size: int) -> None:
-    """The compiled kernel (which skips the tiles the block-sparse structure leaves out, unlike the CPU's
-    unfused path) against per-request SDPA, on a mixed iteration with shuffled block tables."""
+def test_fused_backends_match_reference_on_cuda(block_size: int, backend: str) -> None:
+    """flex's compiled kernel (which skips the tiles the block-sparse structure leaves out, unlike the CPU's
+    unfused path) and the batched increments against per-request SDPA, on a mixed iteration with shuffled
+    block tables."""
     from orca.models.attention import AttentionMetadata, selective_attention
 
     rng = random.Random(block_size)
@@ -135,10 +140,10 @@ def test_flex_matches_reference_on_cuda(block_size: int) -> None:
     q = torch.randn(sum(lengths), 6, 64, device="cuda")
     kv = torch.randn(sum(lengths), 2, 2, 64, device="cuda")
     out = {}
-    for backend in ("reference", "flex"):
-        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=backend)
-        out[backend] = selective_attention(q, kv, meta, 1, 0.125, None)
-    torch.testing.assert_close(out["flex"], out["reference"], atol=1e-4, rtol=0)
+    for b in ("reference", backend):
+        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
+        out[b] = selective_attention(q, kv, meta, 1, 0.125, None)
+    torch.testing.assert_close(out[backend], out["reference"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
