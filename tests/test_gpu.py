@@ -4,8 +4,9 @@ Against transformers on the same GPU: fp32 greedy tokens identical (GPT-2 and Ll
 paged pool with chunked prefill and preemptions); bf16 logits close to fp32; the K/V pool sized from
 gpu_memory_utilization after the profiling pass; seeded sampling (with log-probabilities asked) drawing
 the CPU's tokens; attention_backend flex compiled for CUDA, and batched, against the reference and
-transformers; decode iterations replayed from CUDA graphs against eager ones. These tests have not run on a GPU yet in the
-sessions that wrote them (none was lent): the first session with one runs them and fixes what breaks."""
+transformers; decode iterations replayed from CUDA graphs against eager ones. These tests have not run on
+a GPU yet in the sessions that wrote them (none was lent): the first session with one runs them and fixes
+what breaks."""
 
 from __future__ import annotations
 

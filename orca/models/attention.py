@@ -16,12 +16,13 @@ Three implementations (EngineConfig.attention_backend):
 
 - ``reference``: the split Orca describes, one ``scaled_dot_product_attention`` call per request and layer
   over that request's keys and values. The transformers-exact oracle of the tests.
-- ``batched``: the reference for prompts and chunks, and every increment of the iteration at once: their
-  keys and values gathered from the pool into one padded batch (IncrementBatch, one ``index_select`` per
-  layer), then two batched matmuls and a masked softmax for all of them (grouped-query attention as query
-  rows of the shared K/V head, no repeat). An increment's attention is a few thousand multiply-adds; as
-  its own SDPA call it paid ~35 us of fixed cost on this CPU, so one call for all of them is 1.8-3.7x
-  faster per layer, and the fastest measured on a CPU (docs/BENCHMARKS.md).
+- ``batched``: the reference for prompts and chunks, and the increments of the iteration together: their
+  keys and values gathered from the pool as whole blocks into padded groups of similar lengths
+  (IncrementBatch, one ``index_select`` per group and layer), then two batched matmuls and a masked
+  softmax per group (grouped-query attention as query rows of the shared K/V head, no repeat). An
+  increment's attention is a few thousand multiply-adds; as its own SDPA call it paid ~35 us of fixed cost
+  on this CPU, so batching 16-32 of them is 1.4-1.7x faster per layer (scripts/experiments/
+  attention_cpu.py), and the fastest measured on a CPU (docs/BENCHMARKS.md).
 - ``flex``: one ``flex_attention`` call per layer for every token of the iteration (prompt chunks and
   increments together, grouped-query attention without repeating K/V), reading keys and values straight
   from the whole pool. A mask function keeps, for each query, the slots its own request owns up to its
