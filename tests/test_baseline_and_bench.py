@@ -465,14 +465,15 @@ def test_orca_bench_linears_times_both_backends_over_the_models_weights(tmp_path
 
 def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofline(tmp_path: Path) -> None:
     """The GPU benchmark (orca_client/decode_sweep.py) at CPU size: a random tiny Llama built on the spot,
-    orca's reference backend and flex, transformers' continuous batching, three batch sizes."""
+    orca's reference, batched and flex backends, transformers' continuous batching, three batch sizes."""
     out = tmp_path / "decode.json"
     argv = ["decode", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,3,4", "--prompt-len", "6",
-            "--new-tokens", "5", "--repeats", "1", "--systems", "orca-reference,orca-flex,transformers",
+            "--new-tokens", "5", "--repeats", "1", "--systems", "orca-reference,orca-batched,orca-flex,transformers",
             "--json", str(out)]
     assert orca_bench.main(argv) == 0
     result = json.loads(out.read_text())
-    assert result["dtype"] == "float32" and result["systems"] == ["orca-reference", "orca-flex", "transformers"]
+    assert result["systems"] == ["orca-reference", "orca-batched", "orca-flex", "transformers"]
+    assert result["dtype"] == "float32"
     assert result["shape"]["num_layers"] == 2 and result["copy_bandwidth_bytes_per_second"] > 0
     assert [r["batch"] for r in result["runs"]] == [1, 3, 4]
     bounds = [r["roofline_tokens_per_second"] for r in result["runs"]]
@@ -482,9 +483,10 @@ def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofl
             run = r[system]
             assert run["decode_tokens_per_second"] > 0 and 0 < run["fraction_of_roofline"] < 1
         assert r["orca-flex"]["attention_backend"] == "flex" and r["orca-flex"]["cuda_graph_sizes"] is None
+        assert r["orca-batched"]["attention_backend"] == "batched"
         # Greedy in fp32 on the same weights: the same tokens as transformers.
-        assert r["orca-reference"]["same_tokens_as_transformers"] == r["orca-flex"]["same_tokens_as_transformers"] \
-            == r["batch"]
+        for system in ("orca-reference", "orca-batched", "orca-flex"):
+            assert r[system]["same_tokens_as_transformers"] == r["batch"], system
     assert orca_bench.main(["decode", "--systems", "vllm"]) == 2  # refused before any work
 
 

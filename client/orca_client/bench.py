@@ -1482,7 +1482,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--linear-backend", default="auto", choices=("auto", "onednn", "reference"),
                    help="EngineConfig.linear_backend (default: %(default)s; onednn on a CPU)")
     o.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "batched", "flex"),
-                   help="EngineConfig.attention_backend (default: %(default)s; reference on a CPU)")
+                   help="EngineConfig.attention_backend (default: %(default)s; batched on a CPU, reference on CUDA)")
     o.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
                    help="EngineConfig.cuda_graphs: decode iterations from CUDA graphs where they apply (CUDA, "
                         "attention backend flex) (default: %(default)s)")

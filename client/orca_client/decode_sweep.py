@@ -17,9 +17,10 @@ transformers (--shape llama-1b: hidden 2048, 16 layers, 32 query and 8 K/V heads
 32000, 1.1B parameters: what fits a GPU session, where no hub is reachable and the real weights cannot
 travel; --shape tiny for a quick check on a CPU).
 
-Orca configurations (--systems): orca-reference (attention_backend reference), orca-flex (flex, CUDA
-graphs off), orca-flex-graphs (flex with decode iterations replayed from CUDA graphs); and transformers.
-The default is all four on CUDA and orca-reference and transformers elsewhere (flex is unfused off CUDA).
+Orca configurations (--systems): orca-reference (attention_backend reference), orca-batched (batched
+increments), orca-flex (flex, CUDA graphs off), orca-flex-graphs (flex with decode iterations replayed
+from CUDA graphs); and transformers. The default is all five on CUDA, and orca-reference, orca-batched and
+transformers elsewhere (flex is unfused off CUDA).
 Runs without tritonclient: ``python -m orca_client.decode_sweep`` works where only torch and transformers
 are installed (the GPU machine).
 """
@@ -48,6 +49,7 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 ORCA_SYSTEMS: dict[str, dict[str, str]] = {
     "orca-reference": dict(attention_backend="reference", cuda_graphs="off"),
+    "orca-batched": dict(attention_backend="batched", cuda_graphs="off"),
     "orca-flex": dict(attention_backend="flex", cuda_graphs="off"),
     "orca-flex-graphs": dict(attention_backend="flex", cuda_graphs="auto"),
 }
@@ -235,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not batches or min(batches) < 1:
         raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
     systems = args.systems.split(",") if args.systems else (
-        list(SYSTEMS) if device.type == "cuda" else ["orca-reference", "transformers"])
+        list(SYSTEMS) if device.type == "cuda" else ["orca-reference", "orca-batched", "transformers"])
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
