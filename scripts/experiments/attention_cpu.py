@@ -17,26 +17,14 @@ went).
 from __future__ import annotations
 
 import random
-import statistics
-import time
 
 import torch
+from compile_cpu import _median_ms  # this directory's timing helper (the script's own directory is on sys.path)
 
 from orca.models.attention import AttentionMetadata, selective_attention
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 POOL_BLOCKS = 1024
-
-
-def _median_us(fn, reps: int = 30) -> float:  # noqa: ANN001
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def main() -> None:
@@ -61,7 +49,7 @@ def main() -> None:
                         for layer in range(LAYERS):
                             selective_attention(q, kv, m, layer, DIM**-0.5)
 
-                    us[backend] = _median_us(step) / LAYERS
+                    us[backend] = _median_ms(step, reps=30) * 1e3 / LAYERS
             print(f"{n:10d} | {placement:11s} | {us['reference']:12.0f} | {us['batched']:10.0f} | "
                   f"{us['reference'] / us['batched']:.2f}x", flush=True)
 
