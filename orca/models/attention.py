@@ -99,7 +99,9 @@ class AttentionMetadata:
     request's rows follow. Request i feeds `lengths[i]` new tokens after `context_lens[i]` cached ones.
     `slot_mapping[t]` is the pool slot of token row t. Request i's keys and values (its `context_lens[i] +
     lengths[i]` tokens) are pool slots `views[i] = (s0, s1)` when its blocks are consecutive (views[i] is
-    None otherwise); the others' slots are concatenated in `gather_index`, split by `gather_sizes`.
+    None otherwise); the others' slots are concatenated in `gather_index`, split by `gather_sizes`. When
+    `increments` holds groups (the batched backend), the increments read their keys and values through
+    them: their views are None and they are in no gather.
     """
 
     lengths: list[int]
