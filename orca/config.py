@@ -29,7 +29,7 @@ _INT_OPTIONS = (
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
-LINEAR_BACKENDS = ("auto", "onednn", "reference")
+LINEAR_BACKENDS = ("auto", "hybrid", "onednn", "reference")
 ATTENTION_BACKENDS = ("auto", "reference", "batched", "flex")
 CUDA_GRAPH_CHOICES = ("auto", "off")
 TORCH_COMPILE_CHOICES = ("auto", "off")
@@ -208,9 +208,12 @@ class EngineConfig:
     - linear_backend: how the model's linear layers multiply. "onednn": their weights are packed once at
       load into oneDNN's blocked layout and every call runs oneDNN's matmul on them (CPU only; what
       inductor's freezing pass does to CPU linears, without compiling: 1.4-2.4x faster than torch's default
-      matmul at the 1-32 rows of decode iterations here, docs/BENCHMARKS.md). "reference": torch's F.linear on
-      the checkpoint layout. "auto": onednn on a CPU where oneDNN packs the dtype, reference elsewhere
-      (CUDA: cuBLAS).
+      matmul at the 1-32 rows of decode iterations here, docs/BENCHMARKS.md). "hybrid": onednn, and the
+      checkpoint's weights kept beside the packed ones (twice the linear weights' memory), which inputs of
+      384 rows or more (prompts) multiply with F.linear: MKL's matmul beat oneDNN's there, 1.05-1.15x at
+      384-2,404 rows. "reference": torch's F.linear on the checkpoint layout. "auto": hybrid on a CPU where
+      oneDNN packs the dtype and the second copy (estimated from the checkpoint) takes at most a quarter of
+      the memory available at load, onednn on such a CPU otherwise, reference elsewhere (CUDA: cuBLAS).
     - attention_backend: how attention reads the paged K/V pool (orca/models/attention.py). "reference":
       one scaled_dot_product_attention call per request and layer over that request's keys and values (the
       transformers-exact oracle). "batched": the reference for prompts and chunks; an iteration's

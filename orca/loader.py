@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -148,11 +149,17 @@ class _SafetensorsReader:
     def names(self) -> set[str]:
         return set(self._where)
 
-    def get(self, name: str) -> torch.Tensor:
-        f = self._where[name]
+    def numel(self, name: str) -> int:
+        """Elements of a tensor, from the file's header (nothing is read)."""
+        return math.prod(self._file(self._where[name]).get_slice(name).get_shape())
+
+    def _file(self, f: Path) -> Any:
         if f not in self._open:
             self._open[f] = safe_open(f, framework="pt")
-        return self._open[f].get_tensor(name)
+        return self._open[f]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(self._where[name]).get_tensor(name)
 
 
 def _hf_name_aliases(name: str, reader: _SafetensorsReader) -> str:
@@ -165,14 +172,20 @@ def _hf_name_aliases(name: str, reader: _SafetensorsReader) -> str:
     raise ValueError(f"checkpoint is missing tensor {name!r}")
 
 
+def checkpoint_bytes(checkpoint: Path, dtype: torch.dtype) -> int:
+    """What the checkpoint's tensors take in `dtype` (the whole model's weights, from the files' headers)."""
+    reader = _SafetensorsReader(checkpoint)
+    return sum(reader.numel(name) for name in reader.names()) * dtype.itemsize
+
+
 def load_model(
     checkpoint: Path, dtype: torch.dtype, device: torch.device, par: ParallelContext | None = None,
     linear_backend: str = "reference",
 ) -> tuple[nn.Module, ModelConfig]:
     """Builds our selectively-batched model for a Hugging Face checkpoint directory: the whole model, or
     with `par` one rank's part of it (its stage's layers, its tensor-parallel shard of each). With
-    linear_backend "onednn" (EngineConfig.linear_backend, resolved) its linear weights are then packed
-    for oneDNN (orca/models/layers.py PackedLinear)."""
+    linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) its linear weights are then
+    packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the checkpoint's weights too."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)
@@ -201,8 +214,8 @@ def load_model(
                 )
             params[ours].copy_(tensor)
     model.eval()
-    if linear_backend == "onednn":
-        prepack_linears(model)
+    if linear_backend in ("onednn", "hybrid"):
+        prepack_linears(model, keep_weights=linear_backend == "hybrid")
     return model, cfg
 
 

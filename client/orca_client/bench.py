@@ -50,11 +50,12 @@ socket writes and reads, the result's way back). Medians; n_workers 1 so iterati
 
 ``orca-bench linears``: the model's linear layers alone, as one decode iteration meets them: every
 layer's projections in order, then the LM head, on --rows token rows (the batch size of a decode
-iteration), with each linear_backend (reference: torch's F.linear on the checkpoint layout; onednn: the
-weights packed for oneDNN, orca.models.layers.PackedLinear), in turn in this process; median of --repeats
-passes after a warm-up. Beside them, the memory bandwidth of a sum over as many bytes as the weights
-(the bound a pass at one row cannot beat: every weight is read once). Reports ms per pass, the weights'
-GB/s and GFLOP/s per backend and rows, and the ratio reference / onednn.
+iteration, or a prompt's tokens at 512), with each linear_backend (reference: torch's F.linear on the
+checkpoint layout; onednn: the weights packed for oneDNN, orca.models.layers.PackedLinear; hybrid: onednn
+below HYBRID_MIN_ROWS rows, F.linear from there), in turn in this process; median of --repeats passes
+after a warm-up. Beside them, the memory bandwidth of a sum over as many bytes as the weights (the bound a
+pass at one row cannot beat: every weight is read once). Reports ms per pass, the weights' GB/s and
+GFLOP/s per backend and rows, and the ratios reference / onednn and onednn / hybrid.
 
 Benchmarks print numbers; they do not pass or fail.
 """
@@ -1320,12 +1321,14 @@ def cmd_linears(args: argparse.Namespace) -> int:
     head = model.lm_head.weight if model.lm_head is not None else model.input_embedding.weight
     weights.append(head.detach())
     packed = [PackedLinear(w, None) for w in weights]
+    hybrid = [PackedLinear(w, None, keep_weight=True) for w in weights]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     params = sum(w.numel() for w in weights)
     rows = [int(r) for r in args.rows.split(",")]
     backends: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
         "reference": lambda x, i: F.linear(x, weights[i]),
         "onednn": lambda x, i: packed[i](x),
+        "hybrid": lambda x, i: hybrid[i](x),
     }
 
     def median_seconds(fn: Callable[[], object]) -> float:
@@ -1347,6 +1350,7 @@ def cmd_linears(args: argparse.Namespace) -> int:
                 record[name] = {"ms": seconds * 1e3, "weights_gb_per_s": nbytes / seconds / 1e9,
                                 "gflop_per_s": 2 * params * n / seconds / 1e9}
             record["ratio_reference_to_onednn"] = record["reference"]["ms"] / record["onednn"]["ms"]
+            record["ratio_onednn_to_hybrid"] = record["onednn"]["ms"] / record["hybrid"]["ms"]
             runs.append(record)
     result = {
         "benchmark": "linears", "machine": machine_info(), "command": sys.argv, "dtype": str(dtype),
@@ -1355,11 +1359,13 @@ def cmd_linears(args: argparse.Namespace) -> int:
     }
     print(f"{len(weights)} linear weights ({nbytes / 1e6:.0f} MB {str(dtype).removeprefix('torch.')}, the head "
           f"last), {torch.get_num_threads()} threads; memory bandwidth (sum over as many bytes): {bandwidth:.1f} GB/s")
-    print(f"{'rows':>5} {'reference ms':>13} {'GB/s':>6} {'onednn ms':>10} {'GB/s':>6} {'GFLOP/s':>8} {'ratio':>6}")
+    print(f"{'rows':>5} {'reference ms':>13} {'GB/s':>6} {'onednn ms':>10} {'GB/s':>6} {'GFLOP/s':>8} {'ratio':>6} "
+          f"{'hybrid ms':>10} {'GFLOP/s':>8} {'onednn/hybrid':>14}")
     for r in runs:
-        ref, one = r["reference"], r["onednn"]
+        ref, one, hyb = r["reference"], r["onednn"], r["hybrid"]
         print(f"{r['rows']:>5} {ref['ms']:>13.1f} {ref['weights_gb_per_s']:>6.1f} {one['ms']:>10.1f} "
-              f"{one['weights_gb_per_s']:>6.1f} {one['gflop_per_s']:>8.1f} {r['ratio_reference_to_onednn']:>5.2f}x")
+              f"{one['weights_gb_per_s']:>6.1f} {one['gflop_per_s']:>8.1f} {r['ratio_reference_to_onednn']:>5.2f}x "
+              f"{hyb['ms']:>10.1f} {hyb['gflop_per_s']:>8.1f} {r['ratio_onednn_to_hybrid']:>13.2f}x")
     if args.json:
         write_json(args.json, result)
     return 0
@@ -1479,8 +1485,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     o.add_argument("--max-bs", type=int, default=32, help="orca's max_bs (default: %(default)s)")
     o.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
-    o.add_argument("--linear-backend", default="auto", choices=("auto", "onednn", "reference"),
-                   help="EngineConfig.linear_backend (default: %(default)s; onednn on a CPU)")
+    o.add_argument("--linear-backend", default="auto", choices=("auto", "hybrid", "onednn", "reference"),
+                   help="EngineConfig.linear_backend (default: %(default)s; hybrid on a CPU where a second copy "
+                        "of the weights fits, else onednn)")
     o.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "batched", "flex"),
                    help="EngineConfig.attention_backend (default: %(default)s; batched on a CPU, reference on CUDA)")
     o.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
@@ -1512,11 +1519,11 @@ def build_parser() -> argparse.ArgumentParser:
     workload(o, "offline")
     o.set_defaults(func=cmd_offline)
 
-    li = sub.add_parser("linears", help="the model's linear layers alone at decode's row counts, per linear_backend",
-                        description=_doc_paragraph("linears"))
+    li = sub.add_parser("linears", help="the model's linear layers alone at decode's (and a prompt's) row counts, "
+                        "per linear_backend", description=_doc_paragraph("linears"))
     li.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     li.add_argument("--dtype", default="float32", help="weights' dtype, or auto (default: %(default)s)")
-    li.add_argument("--rows", default="1,2,4,8,16,32,64,128", help="token rows per pass, comma-separated "
+    li.add_argument("--rows", default="1,2,4,8,16,32,64,128,512", help="token rows per pass, comma-separated "
                     "(default: %(default)s)")
     li.add_argument("--repeats", type=_positive_int, default=9, help="timed passes per point (default: %(default)s)")
     li.add_argument("--json", metavar="PATH", help="write every number to this JSON file")

@@ -118,30 +118,66 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype) -> str:
-    """EngineConfig.linear_backend to what runs: "onednn" or "reference". auto = onednn on a CPU that
-    packs `dtype`; an explicit onednn where it cannot run is refused with the reason."""
+# The hybrid backend's switch: at this many rows or more (prompt-sized iterations) torch's F.linear on the
+# checkpoint's weights (MKL's sgemm for float32) beat oneDNN's packed matmul here, 1.05x at 384 rows, 1.09x at
+# 768-1024, 1.15x at 2,404 (a 32-prompt iteration); at 256 rows they tie, and below that oneDNN wins (1.2x at
+# 64 rows, 1.4x at 32, 1.9x at one row). SmolLM2's layer shapes, float32, 2 threads (docs/BENCHMARKS.md).
+HYBRID_MIN_ROWS = 384
+# auto keeps the checkpoint's weights beside the packed ones (hybrid) when they take at most this share of
+# the memory available at load; otherwise it packs only (onednn).
+HYBRID_MEMORY_SHARE = 0.25
+
+
+def available_memory_bytes() -> int | None:
+    """The host's available memory (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype,
+                           weight_bytes: int | None = None) -> str:
+    """EngineConfig.linear_backend to what runs: "hybrid", "onednn" or "reference". auto = hybrid on a CPU
+    that packs `dtype` when `weight_bytes` (the weights a second copy would hold) are at most
+    HYBRID_MEMORY_SHARE of the available memory, onednn on such a CPU otherwise, reference elsewhere; an
+    explicit onednn or hybrid where oneDNN cannot run is refused with the reason."""
     packs = device.type == "cpu" and onednn_packs(dtype)
-    if choice == "onednn" and not packs:
+    if choice in ("onednn", "hybrid") and not packs:
         where = f"device {device}" if device.type != "cpu" else f"{dtype} on this CPU"
-        raise ValueError(f"linear_backend onednn cannot run {where} (oneDNN packs CPU weights only, float32 "
+        raise ValueError(f"linear_backend {choice} cannot run {where} (oneDNN packs CPU weights only, float32 "
                          f"always, bfloat16/float16 where the CPU has the instructions): use auto or reference")
-    return "onednn" if choice == "onednn" or (choice == "auto" and packs) else "reference"
+    if choice != "auto":
+        return choice
+    if not packs:
+        return "reference"
+    available = available_memory_bytes()
+    fits = weight_bytes is not None and available is not None and weight_bytes <= HYBRID_MEMORY_SHARE * available
+    return "hybrid" if fits else "onednn"
 
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight lives in oneDNN's blocked layout, packed once at load, multiplied by
     oneDNN's matmul (the op inductor's freezing pass puts in place of CPU linears). At the few rows of a
     decode iteration torch's default CPU matmul streamed the weights at 43% of the memory bandwidth here,
-    and this at 58% (`orca-bench linears`). With `par` (a row-parallel layer) the partial products are
-    all-reduced before the bias is added once, as RowParallelLinear does."""
+    and this at 58% (`orca-bench linears`). With `keep_weight` (the hybrid backend) the checkpoint's weight
+    stays too, and inputs of HYBRID_MIN_ROWS rows or more (prompts) multiply it with F.linear, faster there.
+    With `par` (a row-parallel layer) the partial products are all-reduced before the bias is added once,
+    as RowParallelLinear does."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, par: ParallelContext | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, par: ParallelContext | None = None,
+                 keep_weight: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # Buffers, not parameters: the packed layout is opaque (no views, no state_dict round trip).
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
                              persistent=False)
+        # The same tensor, not a copy: a tied head shares its embedding's.
+        self.register_buffer("weight", weight.detach() if keep_weight else None, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.par = par
 
@@ -150,9 +186,9 @@ class PackedLinear(nn.Module):
         x = x.reshape(-1, self.in_features)
         bias_in_matmul = self.bias if self.par is None else None
         if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's op on a packed weight it is given
-            y = torch.ops.orca.packed_linear(x, self.packed_weight, bias_in_matmul, self.out_features)
+            y = torch.ops.orca.packed_linear(x, self.packed_weight, self.weight, bias_in_matmul, self.out_features)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias_in_matmul, "none", [], "")
+            y = _packed_linear(x, self.packed_weight, self.weight, bias_in_matmul, self.out_features)
         if self.par is not None:
             y = self.par.all_reduce(y)
             if self.bias is not None:
@@ -160,39 +196,43 @@ class PackedLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"keep_weight={self.weight is not None}")
 
 
-def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
-                   ) -> torch.Tensor:
+def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor | None,
+                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    if weight is not None and x.shape[0] >= HYBRID_MIN_ROWS:
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
-                         ) -> torch.Tensor:
+def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor | None,
+                         bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
-# PackedLinear inside a compiled forward pass (orca/worker/compiled.py): oneDNN's matmul as an opaque op,
-# which the compiled graph calls as it is (inductor's own lowering of it wants weights it packed itself, at
-# freezing, and refuses one given as an input). `out_features` gives the output's shape: the packed weight's
-# layout is oneDNN's.
+# PackedLinear inside a compiled forward pass (orca/worker/compiled.py): oneDNN's matmul (or, hybrid, F.linear
+# at prompt sizes) as an opaque op, which the compiled graph calls as it is (inductor's own lowering of
+# oneDNN's op wants weights it packed itself, at freezing, and refuses one given as an input; the row count
+# is a dynamic size the graph cannot branch on). `out_features` gives the output's shape: the packed
+# weight's layout is oneDNN's.
 _OPS = torch.library.Library("orca", "FRAGMENT")
-_OPS.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+_OPS.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? weight, Tensor? bias, int out_features) -> Tensor")
 _OPS.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("orca::packed_linear", _packed_linear_shape, lib=_OPS)
 
 
-def prepack_linears(model: nn.Module) -> None:
+def prepack_linears(model: nn.Module, keep_weights: bool = False) -> None:
     """Replaces every linear layer of `model` (plain and row-parallel; a mixture's stacked expert
     matrices stay as they are) by a PackedLinear, and gives a last stage whose head is tied to its input
     embedding (`model.input_embedding`) a packed copy of it as its head (the embedding keeps its rows for
-    lookups)."""
+    lookups). `keep_weights` (the hybrid backend): each keeps its checkpoint weight too."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, keep_weight=keep_weights))
             elif type(child) is RowParallelLinear:
-                setattr(parent, name, PackedLinear(child.weight, child.bias, child.par))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, child.par, keep_weight=keep_weights))
     if model.par.is_last_stage and model.config.tie_word_embeddings:
-        model.lm_head = PackedLinear(model.input_embedding.weight, None)
+        model.lm_head = PackedLinear(model.input_embedding.weight, None, keep_weight=keep_weights)

@@ -23,7 +23,7 @@ import torch
 from orca.config import EngineConfig, ModelConfig
 from orca.device import upload
 from orca.kv_cache import KVLayout, blocks_from_gpu_memory
-from orca.loader import load_model, resolve_checkpoint
+from orca.loader import checkpoint_bytes, load_model, resolve_checkpoint
 from orca.models.attention import FLEX_Q_BLOCK, AttentionMetadata, PhaseTimer, resolve_attention_backend
 from orca.models.layers import resolve_linear_backend
 from orca.parallel import ParallelContext, local_kv_heads
@@ -60,7 +60,10 @@ class Worker:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.checkpoint = resolve_checkpoint(config.model)
-        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        # auto keeps a second copy of the weights (hybrid) only where it fits: this rank's share, estimated.
+        ranks = 1 if par is None else par.tp_size * par.pp_size
+        self.linear_backend = resolve_linear_backend(
+            config.linear_backend, self.device, self.dtype, checkpoint_bytes(self.checkpoint, self.dtype) // ranks)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend)
         if self.attention_backend == "flex" and self.device.type != "cuda":

@@ -10,7 +10,9 @@ What a graph holds: the whole forward pass but two opaque ops, which it calls as
 - attention, ``orca::selective_attention`` (orca/models/attention.py): the per-request split reads the
   iteration's layout, which the worker puts in scope (``iteration_scope``) around each call;
 - the oneDNN-packed linears, ``orca::packed_linear`` (orca/models/layers.py): oneDNN's matmul on the weights
-  packed at load, the fastest matmul measured here (inductor would otherwise pick MKL's, slower at 1 row).
+  packed at load, the fastest matmul measured here at decode sizes (inductor would otherwise pick MKL's,
+  slower at 1 row); with linear_backend hybrid, F.linear on the checkpoint's weights from HYBRID_MIN_ROWS
+  rows (the op chooses at run time: the graph's token count is dynamic).
 
 Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
