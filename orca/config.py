@@ -211,9 +211,10 @@ class EngineConfig:
       matmul at the 1-32 rows of decode iterations here, docs/BENCHMARKS.md). "hybrid": onednn, and the
       checkpoint's weights kept beside the packed ones (twice the linear weights' memory), which inputs of
       384 rows or more (prompts) multiply with F.linear: MKL's matmul beat oneDNN's there, 1.05-1.15x at
-      384-2,404 rows. "reference": torch's F.linear on the checkpoint layout. "auto": hybrid on a CPU where
-      oneDNN packs the dtype and the second copy (estimated from the checkpoint) takes at most a quarter of
-      the memory available at load, onednn on such a CPU otherwise, reference elsewhere (CUDA: cuBLAS).
+      384-2,404 rows. "reference": torch's F.linear on the checkpoint layout. "auto": hybrid for float32 on a
+      CPU when the second copy (estimated from the checkpoint) takes at most a quarter of the memory
+      available at load, onednn on a CPU where oneDNN packs the dtype otherwise, reference elsewhere (CUDA:
+      cuBLAS).
     - attention_backend: how attention reads the paged K/V pool (orca/models/attention.py). "reference":
       one scaled_dot_product_attention call per request and layer over that request's keys and values (the
       transformers-exact oracle). "batched": the reference for prompts and chunks; an iteration's

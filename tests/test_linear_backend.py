@@ -126,9 +126,11 @@ def test_auto_and_explicit_choices(monkeypatch: pytest.MonkeyPatch) -> None:
             resolve_linear_backend(choice, cuda, torch.float32)
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: None)  # not Linux: no second copy
     assert resolve_linear_backend("auto", cpu, torch.float32, 1) == "onednn"
+    monkeypatch.setattr(layers, "available_memory_bytes", lambda: 8 << 30)
+    assert resolve_linear_backend("auto", cpu, torch.float16, 1) in ("onednn", "reference")  # hybrid: float32 only
     # bfloat16 packs only where the CPU has the instructions; auto then falls back to torch's matmul.
     bf16 = onednn_packs(torch.bfloat16)
-    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("onednn" if bf16 else "reference")
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16, 1) == ("onednn" if bf16 else "reference")
     if not bf16:
         with pytest.raises(ValueError, match="cannot run torch.bfloat16 on this CPU.*use auto or reference"):
             resolve_linear_backend("onednn", cpu, torch.bfloat16)

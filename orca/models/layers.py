@@ -142,10 +142,11 @@ def available_memory_bytes() -> int | None:
 
 def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype,
                            weight_bytes: int | None = None) -> str:
-    """EngineConfig.linear_backend to what runs: "hybrid", "onednn" or "reference". auto = hybrid on a CPU
-    that packs `dtype` when `weight_bytes` (the weights a second copy would hold) are at most
-    HYBRID_MEMORY_SHARE of the available memory, onednn on such a CPU otherwise, reference elsewhere; an
-    explicit onednn or hybrid where oneDNN cannot run is refused with the reason."""
+    """EngineConfig.linear_backend to what runs: "hybrid", "onednn" or "reference". auto = hybrid for
+    float32 on a CPU (where it was measured to win) when `weight_bytes` (the weights a second copy would
+    hold) are at most HYBRID_MEMORY_SHARE of the available memory, onednn on a CPU that packs `dtype`
+    otherwise, reference elsewhere; an explicit onednn or hybrid where oneDNN cannot run is refused with
+    the reason."""
     packs = device.type == "cpu" and onednn_packs(dtype)
     if choice in ("onednn", "hybrid") and not packs:
         where = f"device {device}" if device.type != "cpu" else f"{dtype} on this CPU"
@@ -155,6 +156,8 @@ def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype
         return choice
     if not packs:
         return "reference"
+    if dtype != torch.float32:  # F.linear's large-row edge was measured for float32 (MKL's sgemm) only
+        return "onednn"
     available = available_memory_bytes()
     fits = weight_bytes is not None and available is not None and weight_bytes <= HYBRID_MEMORY_SHARE * available
     return "hybrid" if fits else "onednn"
