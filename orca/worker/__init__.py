@@ -62,9 +62,13 @@ class Worker:
         self.checkpoint = resolve_checkpoint(config.model)
         # auto keeps a second copy of the weights (hybrid) only where it fits: this rank's share, estimated.
         ranks = 1 if par is None else par.tp_size * par.pp_size
-        self.linear_backend = resolve_linear_backend(
-            config.linear_backend, self.device, self.dtype, checkpoint_bytes(self.checkpoint, self.dtype) // ranks)
+        weight_bytes = checkpoint_bytes(self.checkpoint, self.dtype) // ranks
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype, weight_bytes)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        logger.info("linear_backend %s -> %s, attention_backend %s -> %s (%s on %s; weights about %.0f MB)%s",
+                    config.linear_backend, self.linear_backend, config.attention_backend, self.attention_backend,
+                    str(self.dtype).removeprefix("torch."), self.device, weight_bytes / 1e6,
+                    "; hybrid keeps them twice" if self.linear_backend == "hybrid" else "")
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend)
         if self.attention_backend == "flex" and self.device.type != "cuda":
             logger.warning("attention_backend flex on %s runs PyTorch's unfused flex_attention, which evaluates "
