@@ -1,5 +1,10 @@
 """Drives an LLMEngine from a background thread: the scheduler thread of the Triton model.
 
+The loop's thread also builds the engine (``EngineLoop(build, ...)`` calls ``build()`` there and waits
+for it): on a CPU the thread that loads and warms up the model is the one whose OpenMP team runs its ops,
+and stepping it from another thread gives the process a second team and slower steps (the worker's
+``_foreign_thread``). So one thread does all of the engine's torch work, from load to shutdown.
+
 Callers on other threads (Triton's execute) never block on generation: ``submit`` validates and enqueues,
 ``abort`` enqueues; the loop thread applies queued commands between iterations, runs one iteration, and
 hands every RequestOutput to ``on_output``. When there is nothing to run it sleeps on the command queue.
@@ -50,14 +55,17 @@ _ABORT_ALL = object()
 class EngineLoop:
     def __init__(
         self,
-        engine: LLMEngine,
+        build: Callable[[], LLMEngine],
         on_output: Callable[[RequestOutput], None],
         on_iteration: Callable[[IterationStats], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
         fault: tuple[int, str] | None = None,
     ) -> None:
-        """Every callback runs on the loop thread (keep them quick: hand work to another thread).
+        """Starts the loop's thread, which calls ``build()`` to make the engine, and returns once it has
+        (re-raising what ``build`` raised): ``engine`` is then there and ``submit`` takes requests, which
+        wait until ``start``. Every callback runs on the loop thread (keep them quick: hand work to
+        another thread).
         on_output gets every output. on_iteration gets the stats of each iteration that ran, once.
         on_stats gets the `stats` snapshot whenever it changed, before the outputs of the same step are
         handed on: so its last call always describes the engine as it is, idle included (a request's
@@ -66,12 +74,8 @@ class EngineLoop:
         thread died or an iteration hung (then on the watchdog's thread; outputs may never come: the
         caller must answer its requests itself). `fault` = (iteration, "hang" | "crash" | "raise")
         injects a failure for the tests (see fault_from_env)."""
-        if fault is not None:
-            if fault[1] not in _FAULT_KINDS:
-                raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {fault[1]!r} ({', '.join(_FAULT_KINDS)})")
-            if fault[1] == "raise" and not hasattr(engine.executor, "worker"):
-                raise ValueError("$ORCA_ENGINE_FAULT kind raise needs the in-process worker (no parallelism)")
-        self.engine = engine
+        if fault is not None and fault[1] not in _FAULT_KINDS:
+            raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {fault[1]!r} ({', '.join(_FAULT_KINDS)})")
         self._on_output = on_output
         self._on_iteration = on_iteration
         self._on_stats = on_stats
@@ -83,14 +87,27 @@ class EngineLoop:
         self._commands: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()
         self._queued_adds = 0
-        self._stats = engine.stats()
         self._published: EngineStats | None = None
-        self._thread = threading.Thread(target=self._run, name="orca-scheduler", daemon=True)
         self._stopping = False
+        self._built = threading.Event()
+        self._go = threading.Event()  # start() (or shutdown()) lets the built engine's loop run
+        self._build_error: BaseException | None = None
+        self.engine: LLMEngine
+        self._thread = threading.Thread(target=self._run, args=(build,), name="orca-scheduler", daemon=True)
+        self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            self._thread.join()
+            raise self._build_error
+        engine = self.engine
+        self._stats = engine.stats()
         # Worker processes have their own per-iteration deadline (orca/distributed.py).
         self._watchdog = None if engine.config.distributed else threading.Thread(
             target=self._watch, name="orca-watchdog", daemon=True
         )
+        if fault is not None and fault[1] == "raise" and not hasattr(engine.executor, "worker"):
+            self.shutdown()
+            raise ValueError("$ORCA_ENGINE_FAULT kind raise needs the in-process worker (no parallelism)")
 
     @property
     def failed(self) -> str | None:
@@ -105,7 +122,8 @@ class EngineLoop:
             return replace(self._stats, waiting=self._stats.waiting + self._queued_adds)
 
     def start(self) -> None:
-        self._thread.start()
+        """Iterations begin (requests submitted before wait until now)."""
+        self._go.set()
         if self._watchdog is not None:
             self._watchdog.start()
 
@@ -145,11 +163,20 @@ class EngineLoop:
         with self._lock:
             self._stopping = True
         self._commands.put(_STOP)
+        self._go.set()  # a loop never started still answers what was submitted ("cancelled")
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     # -- the loop thread -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = build()
+        except BaseException as exc:  # noqa: BLE001 - __init__ re-raises it on the caller's thread
+            self._build_error = exc
+            return
+        finally:
+            self._built.set()
+        self._go.wait()
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - the thread dies: say so, never silently

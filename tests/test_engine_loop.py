@@ -6,6 +6,7 @@ changes, so the last one published always describes the engine as it is, idle in
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any
@@ -58,7 +59,7 @@ class StatsRecorder:
 def make_loop(recorder: StatsRecorder | None = None, **options: Any) -> tuple[EngineLoop, Collector]:
     collector = Collector()
     callbacks = {} if recorder is None else {"on_iteration": recorder.on_iteration, "on_stats": recorder.on_stats}
-    loop = EngineLoop(tiny_engine("gpt2", **options), on_output=collector, **callbacks)
+    loop = EngineLoop(lambda: tiny_engine("gpt2", **options), on_output=collector, **callbacks)
     loop.start()
     return loop, collector
 
@@ -103,7 +104,7 @@ def test_abort_of_running_and_waiting_requests_finishes_once_and_frees_blocks() 
             first_output.set()
             assert aborted.wait(60)  # holds the loop thread: the aborts land before the next iteration
 
-    loop = EngineLoop(tiny_engine("gpt2", max_bs=1), on_output=on_output)
+    loop = EngineLoop(lambda: tiny_engine("gpt2", max_bs=1), on_output=on_output)
     loop.start()
     try:
         long = SamplingParams(max_tokens=120, ignore_eos=True)  # the tiny model's context is 128
@@ -194,7 +195,7 @@ def test_a_failing_stats_callback_does_not_stop_the_loop() -> None:
         raise RuntimeError("metrics are down")
 
     col = Collector()
-    loop = EngineLoop(tiny_engine("gpt2"), on_output=col, on_iteration=broken, on_stats=broken)
+    loop = EngineLoop(lambda: tiny_engine("gpt2"), on_output=col, on_iteration=broken, on_stats=broken)
     loop.start()
     try:
         loop.submit("a", [1, 2, 3], GREEDY)
@@ -217,9 +218,9 @@ def test_shutdown_cancels_everything_in_flight_with_one_final_each() -> None:
 
 
 def test_waiting_queue_bound_refuses_at_once() -> None:
-    engine = tiny_engine("gpt2", max_bs=1, max_queue=2)
     col = Collector()
-    loop = EngineLoop(engine, on_output=col)  # not started: nothing is admitted, everything waits
+    # not started: nothing is admitted, everything waits
+    loop = EngineLoop(lambda: tiny_engine("gpt2", max_bs=1, max_queue=2), on_output=col)
     loop.submit("a", [1], GREEDY)
     loop.submit("b", [1], GREEDY)
     with pytest.raises(QueueFullError, match="waiting queue is full"):
@@ -240,8 +241,8 @@ def test_a_hung_iteration_or_a_dead_thread_fails_the_loop_loudly(kind: str, word
 
     failures: queue.Queue[str] = queue.Queue()
     collector = Collector()
-    engine = tiny_engine("gpt2", worker_timeout=1)
-    loop = EngineLoop(engine, on_output=collector, on_failure=failures.put, fault=(3, kind))
+    loop = EngineLoop(lambda: tiny_engine("gpt2", worker_timeout=1), on_output=collector, on_failure=failures.put,
+                      fault=(3, kind))
     loop.start()
     start = time.monotonic()
     loop.submit("a", [1, 2, 3], GREEDY)
@@ -252,3 +253,88 @@ def test_a_hung_iteration_or_a_dead_thread_fails_the_loop_loudly(kind: str, word
     with pytest.raises(EngineFailedError, match=words):
         loop.submit("b", [1, 2], GREEDY)
     assert failures.empty()  # once
+
+
+# -- one thread for the engine's torch work -----------------------------------------------------------
+def _native_threads() -> set[int]:
+    """The process's threads as the OS sees them (Linux), the OpenMP teams' workers included."""
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def _serve(loop: EngineLoop, collector: Collector, n: int) -> None:
+    for i in range(n):
+        loop.submit(f"t{i}", [1 + i, 2, 3, 4, 5], SamplingParams(max_tokens=12, ignore_eos=True))
+    for i in range(n):
+        assert collector.wait_final(f"t{i}").finish_reason == "length"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_the_loop_builds_its_engine_on_its_own_thread_and_steps_it_there() -> None:
+    """On a CPU every thread that runs torch's parallel ops gets an OpenMP team of its own, and two teams
+    on two cores make every op slower (orca/worker _foreign_thread). The loop's thread loads and warms up
+    the engine, so serving requests afterwards starts no thread in the process but the watchdog: no
+    second team. The same engine stepped from a thread other than its loader's does start new threads
+    (its team), which the worker counts and logs: what this test would see if the loop stepped an engine
+    built elsewhere."""
+    import torch
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: no OpenMP team to see")
+    collector = Collector()
+    loop = EngineLoop(lambda: tiny_engine("gpt2"), on_output=collector)
+    try:
+        worker = loop.engine.executor.worker
+        assert worker.load_thread == loop._thread.ident != threading.get_ident()
+        before = _native_threads()
+        loop.start()
+        _serve(loop, collector, 6)
+        new = _native_threads() - before
+        python_threads = {t.native_id for t in threading.enumerate()}
+        assert new - python_threads == set(), "stepping started threads the load did not: a second OpenMP team"
+        assert worker.foreign_thread_iterations == 0
+    finally:
+        loop.shutdown()
+
+    # The wrong way round, to show that the check above can fail: built on one thread, stepped on another
+    # (each kept alive while its threads are counted: a team ends with its thread).
+    built: dict[str, Any] = {}
+
+    def step_all() -> None:
+        engine = built["engine"]
+        engine.add_request("x", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+
+    release = threading.Event()
+    try:
+        _on_live_thread(lambda: built.update(engine=tiny_engine("gpt2")), release)
+        assert _on_live_thread(step_all, release), "stepping on another thread than the loader's started no team"
+    finally:
+        release.set()
+    assert built["engine"].executor.worker.foreign_thread_iterations > 0
+
+
+def _on_live_thread(fn: Any, release: threading.Event) -> set[int]:
+    """Runs fn on a new thread that then waits for `release`; returns the native threads it started that
+    are not Python threads (an OpenMP team's workers)."""
+    done = threading.Event()
+
+    def body() -> None:
+        try:
+            fn()
+        finally:
+            done.set()
+        release.wait()
+
+    before = _native_threads()
+    threading.Thread(target=body, daemon=True).start()
+    done.wait()
+    return _native_threads() - before - {t.native_id for t in threading.enumerate()}
+
+
+def test_a_build_that_fails_raises_on_the_callers_thread() -> None:
+    def broken() -> Any:
+        raise ValueError("no such checkpoint")
+
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        EngineLoop(broken, on_output=lambda out: None)

@@ -335,6 +335,9 @@ def test_metrics_move_with_requests(orca_server: Any) -> None:
                  "orca_time_per_output_token_seconds"):
         assert after[f"{hist}_count"] - before.get(f"{hist}_count", 0) == 1, hist
     assert after["orca_iteration_batch_size_count"] - before.get("orca_iteration_batch_size_count", 0) >= 6
+    iterations = after["orca_iteration_seconds_count"] - before.get("orca_iteration_seconds_count", 0)
+    assert iterations == after["orca_iteration_batch_size_count"] - before.get("orca_iteration_batch_size_count", 0)
+    assert after["orca_iteration_seconds_sum"] > before.get("orca_iteration_seconds_sum", 0)
     assert_idle(after)  # published before the response went out
 
 
@@ -379,3 +382,15 @@ def test_a_tiny_pool_preempts_under_a_burst_and_every_request_completes(orca_ser
     # Preempted requests recompute their K/V: the tokens are those of the unhurried offline engine.
     expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert [[t for c in chunks for t in c.output_ids] for chunks in results] == [e.token_ids for e in expected]
+
+
+def test_every_engine_steps_on_the_thread_that_loaded_it(orca_server: Any) -> None:
+    """orca_gpt builds its engine on the scheduler thread that steps it, and the request-level baseline
+    steps on the stub thread that loaded it (orca/worker _foreign_thread): after requests to both, no
+    worker of the server has run an iteration on a thread other than its loader's (it would say so in the
+    server's log, once per engine)."""
+    for model in ("orca_gpt", "request_level_gpt"):
+        status, body = generate(orca_server, model, {"text_input": PARIS_PROMPT, "max_tokens": 3, "temperature": 0})
+        assert status == 200, body
+    log = orca_server.log_path.read_text(errors="replace")
+    assert "but this worker loaded its model on thread" not in log

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -92,6 +93,10 @@ class Worker:
         self._requests: dict[str, _RequestState] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []  # activations on their way to the next stage
         self._fault: str | None = None  # inject_fault: the next plan raises this message mid-iteration
+        # The thread that loaded the model, and so ran its first OpenMP parallel regions (on a CPU), is the
+        # one that must run its iterations (_foreign_thread's docstring); iterations on any other are counted.
+        self.load_thread = threading.get_ident()
+        self.foreign_thread_iterations = 0
 
     # -- the K/V pool ----------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -184,6 +189,12 @@ class Worker:
                 logger.warning("the forward pass runs eagerly: %s", self.no_compile_reason)
         else:
             logger.info("the forward pass runs eagerly: %s", self.no_compile_reason)
+        if self.compiled is None and self.par.layout.world_size == 1 and self.attention_backend != "flex" \
+                and self.kv_pool.shape[3] >= PROMPT_AND_INCREMENT_SLOTS:
+            # A prompt and an increment now, not in the first request: oneDNN's primitives, the allocator's
+            # blocks and this thread's OpenMP team are made here (the compiled path's warm-up does the same;
+            # flex has its own on CUDA, and its pool stays as allocated: zeroed).
+            self._warm_up(prompt_and_increment_plans(self.kv_layout.block_size), "warming up the model")
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         """A pool of num_blocks blocks; zeroed for flex, whose kernels weigh masked slots by 0 (kv_cache.py)."""
@@ -219,6 +230,8 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs one iteration. An exception fails this plan only: it comes back as StepResult.error."""
+        if threading.get_ident() != self.load_thread:
+            self._foreign_thread()
         try:
             return self._execute(plan)
         except Exception as exc:  # noqa: BLE001 - the driver fails this iteration's requests, not the engine
@@ -226,6 +239,20 @@ class Worker:
             for pr in plan.requests:  # their state is now unreliable; the driver frees them anyway
                 self._requests.pop(pr.request_id, None)
             return StepResult(plan.batch_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _foreign_thread(self) -> None:
+        """An iteration on another thread than the one that loaded the model. On a CPU, every thread that
+        runs torch's parallel ops gets an OpenMP team of its own (libgomp), and once a process has more
+        such threads than cores libgomp stops spin-waiting, so every op pays a futex wake-up: slower decode
+        steps, the more so the shorter the step (docs/BENCHMARKS.md, "The serving path"). Build and step
+        an engine on one thread: LLM does, EngineLoop builds its engine on its own thread. Counted, and
+        said once."""
+        self.foreign_thread_iterations += 1
+        if self.foreign_thread_iterations == 1 and self.device.type == "cpu":
+            logger.warning("an iteration runs on thread %d, but this worker loaded its model on thread %d: each "
+                           "thread that runs torch's CPU ops gets an OpenMP team of its own, and with more of them "
+                           "than cores every op pays a thread wake-up (slower steps); build and step an engine on "
+                           "one thread", threading.get_ident(), self.load_thread)
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan) -> StepResult:

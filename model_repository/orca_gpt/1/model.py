@@ -3,8 +3,9 @@
 Thin by design: Triton tensors in, engine calls, Triton responses out. The scheduling is the engine's
 (orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca.serving's.
 
-Threads: Triton calls execute(), which parses, submits and returns at once. The scheduler thread runs
-iterations, queues outputs and publishes the engine's gauges. The response thread turns outputs into
+Threads: Triton calls execute(), which parses, submits and returns at once. The scheduler thread loads
+the engine (in initialize, which waits for it) and then runs its iterations, queues outputs and publishes
+the engine's gauges: every torch op of the engine runs on that one thread. The response thread turns outputs into
 Triton responses and sends them, so sending never delays the next iteration. It owns every sender, so it
 also notices client cancellation and aborts those requests: a request's sender is asked with each of its
 outputs, and any active request not asked for _CANCEL_POLL_S (one still waiting for admission, say) by a
@@ -87,6 +88,8 @@ class _Metrics:
             "tpot": fam("orca_time_per_output_token_seconds", "Per-token time after the first", H),
             "e2e": fam("orca_request_latency_seconds", "Arrival to final response", H),
             "batch": fam("orca_iteration_batch_size", "Requests per iteration", H),
+            "iteration": fam("orca_iteration_seconds", "Duration of an iteration in the workers (the model's time: "
+                             "plan submitted to result collected)", H),
             "preemptions": fam("orca_preemptions_total", "Requests preempted (K/V blocks freed, recomputed later)", C),
             "running": fam("orca_running_requests", "Admitted requests (holding K/V blocks)", G),
             "waiting": fam("orca_waiting_requests", "Requests waiting for admission (new or preempted)", G),
@@ -105,6 +108,7 @@ class _Metrics:
         self.tpot = f["tpot"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
         self.e2e = f["e2e"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
         self.batch = f["batch"].Metric(labels=labels, buckets=_BATCH_BUCKETS)
+        self.iteration = f["iteration"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
         self.preemptions = f["preemptions"].Metric(labels=labels)
         self._gauges = {key: f[key].Metric(labels=labels) for key in _GAUGES}
         self._shown: dict[str, int] = {}
@@ -134,20 +138,23 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("orca_gpt must be decoupled (model_transaction_policy)")
-        self.engine = LLMEngine(_engine_config(model_config))
-        self.has_tokenizer = self.engine.tokenizer is not None
+        config = _engine_config(model_config)
         self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
-        self.metrics.publish(self.engine.stats())
         self._ids = itertools.count()
         self._id_prefix = f"{args['model_name']}-{args['model_instance_name']}-"
         self._active: dict[str, _Active] = {}
         self._active_lock = threading.Lock()
         self._responses: queue.Queue[RequestOutput | None] = queue.Queue()
+        # The engine is built (loaded, compiled, warmed up) on the loop's own thread, which then steps it:
+        # this thread (the stub's, which calls execute) never runs torch's ops (orca/engine_loop.py).
         self.loop = EngineLoop(
-            self.engine, on_output=self._responses.put, on_iteration=self._on_iteration,
+            lambda: LLMEngine(config), on_output=self._responses.put, on_iteration=self._on_iteration,
             on_stats=self.metrics.publish, on_failure=self._on_engine_failure,
             fault=fault_from_env(args["model_name"]),
         )
+        self.engine = self.loop.engine
+        self.has_tokenizer = self.engine.tokenizer is not None
+        self.metrics.publish(self.engine.stats())
         self._model_name = args["model_name"]
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
         self._response_thread.start()
@@ -235,6 +242,7 @@ class TritonPythonModel:
     # -- the scheduler thread's side (the gauges: self.metrics.publish) ---------------------------
     def _on_iteration(self, stats: IterationStats) -> None:
         self.metrics.batch.observe(stats.batch_size)
+        self.metrics.iteration.observe(stats.duration)
 
     def _on_engine_failure(self, reason: str) -> None:
         """The engine failed (workers died or hung, the scheduler thread died, an iteration hung): hands
