@@ -386,3 +386,21 @@ def test_make_serve_starts_orca_openai_beside_triton(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_serve_bench_hops_time_each_endpoint_beside_the_iterations(orca_server: Any, api: str) -> None:
+    """orca-bench serve's batch-1 view (client/orca_client/serve_bench.py measure_hops), on the real server:
+    one request at a time through Triton's HTTP generate_stream, its gRPC stream and orca-openai's events,
+    each with every token's arrival, and the model's share from Triton's orca_iteration_seconds."""
+    from orca_client.serve_bench import HOPS, Running, measure_hops
+
+    server = Running(api, "orca_tiny", None, orca_server.http_url, orca_server.grpc_url, orca_server.metrics_url,
+                     api_key=API_KEY)
+    for stamps_of in HOPS.values():
+        stamps = stamps_of(server, [5, 6, 7], 6)
+        assert len(stamps) == 6 and stamps == sorted(stamps)
+    hops = measure_hops(server, prompt_tokens=8, output_tokens=6, repeats=1)
+    assert set(hops) == {"http_generate_stream", "grpc_stream", "openai_sse"}
+    for figures in hops.values():
+        assert figures["itl_ms_p90"] >= figures["itl_ms_median"] > 0
+        assert figures["iteration_ms_mean"] > 0

@@ -1548,6 +1548,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decode-steps", type=_positive_int, default=32, help="tokens per request (default: %(default)s)")
     d.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     d.set_defaults(func=cmd_distributed)
+
+    from orca_client import serve_bench
+
+    serve_bench.add_parser(sub)
     return p
 
 
