@@ -57,6 +57,9 @@ after a warm-up. Beside them, the memory bandwidth of a sum over as many bytes a
 pass at one row cannot beat: every weight is read once). Reports ms per pass, the weights' GB/s and
 GFLOP/s per backend and rows, and the ratios reference / onednn and onednn / hybrid.
 
+``orca-bench serve``: the servers under guidellm: orca's OpenAI API against vLLM's OpenAI server, each
+started and stopped in turn, with orca's per-hop latency at batch 1 (client/orca_client/serve_bench.py).
+
 Benchmarks print numbers; they do not pass or fail.
 """
 

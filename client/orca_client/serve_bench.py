@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import shutil
 import signal
@@ -383,17 +382,19 @@ def measure_hops(server: Running, prompt_tokens: int, output_tokens: int, repeat
 
 # -- the command --------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    flags = ""
+    """bench_common's machine record, with the CPU flags that decide the dtype and kernels."""
+    from orca_client.bench_common import machine_info
+
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line.split(":", 1)[1]
+                flags = line.split(":", 1)[1].split()
                 break
     except OSError:
         pass
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "cpu_flags": [f for f in wanted if f in flags.split()], "python": platform.python_version()}
+    return {**machine_info(), "cpu_flags": [f for f in wanted if f in flags]}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
