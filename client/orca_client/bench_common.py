@@ -17,14 +17,19 @@ from typing import Any
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = None, []
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key.strip() == "flags":
+                flags = value.split()
                 break
     return {
-        "cpu": cpu,
+        "cpu": cpu or platform.processor() or platform.machine(),
+        # what decides the dtype and the kernels on a CPU (orca.config's bfloat16 rule, oneDNN's paths)
+        "cpu_flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags],
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -82,19 +82,6 @@ def parse_profiles(text: str) -> list[Profile]:
     return out
 
 
-def guidellm_python() -> Path:
-    """$ORCA_GUIDELLM_PYTHON, else the venv scripts/peers/setup_guidellm.sh makes ($ORCA_GUIDELLM_VENV)."""
-    if os.environ.get("ORCA_GUIDELLM_PYTHON"):
-        path = Path(os.environ["ORCA_GUIDELLM_PYTHON"])
-    else:
-        from orca_client.peers import peers_dir
-
-        path = Path(os.environ.get("ORCA_GUIDELLM_VENV") or peers_dir() / "guidellm-venv") / "bin" / "python"
-    if not os.access(path, os.X_OK):
-        raise SystemExit(f"guidellm is not set up ({path} is missing): run scripts/peers/setup_guidellm.sh")
-    return path
-
-
 # -- CPU use per process, from /proc ------------------------------------------------------------------
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
@@ -274,19 +261,14 @@ def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, 
 
 
 # -- orca's own views: the model's share and the hops -------------------------------------------------
-def iteration_seconds(metrics_url: str, model: str = "orca_gpt") -> tuple[float, float]:
-    """(sum, count) of orca_iteration_seconds for the model, from Triton's metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith("orca_iteration_seconds_") and f'model="{model}"' in line:
-            name, value = line.split("{", 1)[0], float(line.rsplit(" ", 1)[1])
-            if name.endswith("_sum"):
-                total = value
-            elif name.endswith("_count"):
-                count = value
-    return total, count
+def iteration_seconds(metrics_url: str, model: str) -> tuple[float, float]:
+    """(sum, count) of the model's orca_iteration_seconds, from Triton's metrics."""
+    from orca_client.bench import fetch_metrics
+
+    samples = fetch_metrics(metrics_url, model, timeout=10)
+    if samples is None:
+        raise ConnectionError(f"Triton's metrics at {metrics_url} cannot be read")
+    return samples.get("orca_iteration_seconds_sum", 0.0), samples.get("orca_iteration_seconds_count", 0.0)
 
 
 def mean_iteration_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
@@ -381,40 +363,31 @@ def measure_hops(server: Running, prompt_tokens: int, output_tokens: int, repeat
 
 
 # -- the command --------------------------------------------------------------------------------------
-def machine() -> dict[str, Any]:
-    """bench_common's machine record, with the CPU flags that decide the dtype and kernels."""
-    from orca_client.bench_common import machine_info
-
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                break
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    return {**machine_info(), "cpu_flags": [f for f in wanted if f in flags]}
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from orca.config import auto_dtype
     from orca.loader import resolve_checkpoint
+    from orca_client.bench_common import machine_info
+    from orca_client.peers import PeerUnavailable, peer_python
 
     profiles = parse_profiles(args.profiles)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for name in systems:
         if name not in SYSTEMS:
             raise SystemExit(f"unknown system {name!r} (systems: {', '.join(SYSTEMS)})")
-    python = guidellm_python()
+    try:  # before anything starts: the venvs this run needs
+        python = peer_python("guidellm")
+        if "vllm" in systems and not args.vllm_url:
+            peer_python("vllm")
+    except PeerUnavailable as exc:
+        raise SystemExit(str(exc)) from None
     checkpoint = resolve_checkpoint(None)
     dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
     threads = torch.get_num_threads()
     result: dict[str, Any] = {
         "command": " ".join(["orca-bench", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "machine": machine(), "checkpoint": str(checkpoint), "dtype": dtype, "threads": threads,
+        "machine": machine_info(), "checkpoint": str(checkpoint), "dtype": dtype, "threads": threads,
         "workload": {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                      "requests": args.requests, "profiles": [p.label for p in profiles]},
         "systems": {},

@@ -71,8 +71,8 @@ def parse_peers(text: str, orca_dtype: str) -> list[PeerSpec]:
 
 
 def peer_python(name: str) -> Path:
-    """The peer venv's python: $ORCA_VLLM_PYTHON / $ORCA_LLAMA_CPP_PYTHON, else the venv the setup script
-    makes ($ORCA_VLLM_VENV / $ORCA_LLAMA_CPP_VENV, default under ~/.cache/orca/peers)."""
+    """The python of the venv `name` (a peer, or guidellm): $ORCA_<NAME>_PYTHON, else the venv its setup
+    script makes ($ORCA_<NAME>_VENV, default ~/.cache/orca/peers/<name>-venv)."""
     key = name.upper()
     if os.environ.get(f"ORCA_{key}_PYTHON"):
         path = Path(os.environ[f"ORCA_{key}_PYTHON"])
@@ -84,8 +84,12 @@ def peer_python(name: str) -> Path:
     return path
 
 
+SETUP_SCRIPTS = {"vllm": "setup_vllm_cpu.sh", "llama_cpp": "setup_llama_cpp.sh", "guidellm": "setup_guidellm.sh"}
+"""The script that makes each venv: the peers', and guidellm's (the load generator of orca-bench serve)."""
+
+
 def setup_script(name: str) -> str:
-    return f"{REPO_SCRIPTS}/{'setup_vllm_cpu.sh' if name == 'vllm' else 'setup_llama_cpp.sh'}"
+    return f"{REPO_SCRIPTS}/{SETUP_SCRIPTS[name]}"
 
 
 def peer_model(spec: PeerSpec, checkpoint: Path, source_gguf: Path | None) -> Path:
