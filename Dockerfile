@@ -16,6 +16,7 @@ COPY orca /opt/orca/orca
 COPY orca_server /opt/orca/orca_server
 COPY client /opt/orca/client
 COPY orca_openai /opt/orca/orca_openai
+COPY orca_triton /opt/orca/orca_triton
 RUN pip install --no-cache-dir --no-deps /opt/orca
 
 # Converted GGUF checkpoints are cached here; mount a volume to keep them across restarts.

@@ -3,21 +3,26 @@
 The engine package knows nothing of Triton: model_repository/orca_gpt/1/model.py adapts it.
 """
 
-from orca.config import EngineConfig, ModelConfig
-from orca.engine import EngineFailedError, IterationStats, LLMEngine, QueueFullError, RequestOutput
+from orca.checkpoint import ModelConfig
+from orca.config import EngineConfig
+from orca.engine import EngineCore, EngineCoreOutput, EngineFailedError, IterationStats, QueueFullError
 from orca.llm import LLM, CompletionOutput
-from orca.request import Logprob
+from orca.llm_engine import LLMEngine
+from orca.output_processor import Logprob, OutputProcessor, RequestOutput
 from orca.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "EngineCore",
+    "EngineCoreOutput",
     "EngineFailedError",
     "IterationStats",
     "LLMEngine",
     "Logprob",
     "ModelConfig",
+    "OutputProcessor",
     "QueueFullError",
     "RequestOutput",
     "SamplingParams",

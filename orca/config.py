@@ -1,8 +1,8 @@
-"""Configuration: the model's architecture (read from a checkpoint) and the engine's options."""
+"""The engine's options (EngineConfig): their one home. What a checkpoint says about its model is
+orca/checkpoint.py's ModelConfig."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -10,16 +10,13 @@ from typing import Any
 
 import torch
 
-from orca.scheduler import KV_ADMISSION_POLICIES
-from orca.timeline import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES, MIN_MAX_BYTES
+KV_ADMISSION_POLICIES = ("reserve", "on_demand")
+"""EngineConfig.kv_admission's values (the scheduler's admission policies, orca/scheduler.py)."""
+TRACE_DEFAULT_MAX_BYTES = 16 << 20
+"""EngineConfig.trace_max_bytes's default: a trace file rotates past 16 MiB (orca/timeline.py)."""
+TRACE_DEFAULT_BACKUPS = 2
+TRACE_MIN_MAX_BYTES = 1024
 
-ARCHITECTURES = ("gpt2", "llama")
-# Hugging Face model types served by the Llama-style decoder (orca/models/llama.py), with their options.
-LLAMA_STYLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-# Rotary variants whose frequencies do not depend on the sequence (transformers' "dynamic" and "longrope"
-# recompute them from the longest sequence of the batch, which would make one request's numbers depend on
-# the others' lengths under selective batching).
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 _INT_OPTIONS = (
@@ -33,167 +30,6 @@ LINEAR_BACKENDS = ("auto", "hybrid", "onednn", "reference")
 ATTENTION_BACKENDS = ("auto", "reference", "batched", "flex")
 CUDA_GRAPH_CHOICES = ("auto", "off")
 TORCH_COMPILE_CHOICES = ("auto", "off")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """What the engine needs to know about a decoder-only transformer, family-neutral."""
-
-    architecture: str  # "gpt2" or "llama"
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_position_embeddings: int
-    norm_eps: float
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    rope_theta: float = 10000.0  # llama only
-    attention_bias: bool = False  # llama only: bias on q, k, v (and on o_proj unless qkv_bias_only)
-    mlp_bias: bool = False  # llama only
-    model_type: str = ""  # the checkpoint's own model_type (llama, mistral, qwen2, qwen3, gpt2)
-    rope_type: str = "default"  # llama only: one of ROPE_TYPES
-    rope_config: str = ""  # llama only, rope_type != default: the HF config.json (JSON) to build it from
-    qkv_bias_only: bool = False  # Qwen2: bias on q, k, v but not on o_proj
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before rotary
-    sliding_windows: tuple[int | None, ...] = ()  # per layer: attend to the last N keys only (None: all)
-    # Mixture of experts (Mixtral, Qwen3-MoE): per layer whether its MLP is sparse; the experts' sizes.
-    moe_layers: tuple[bool, ...] = ()
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True  # renormalize the top-k routing weights to sum to 1
-    scale_attn_weights: bool = True  # gpt2 only: divide attention scores by sqrt(head_dim)
-    scale_attn_by_inverse_layer_idx: bool = False  # gpt2 only
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face config.json dict. Raises ValueError for families or options we do not
-        implement, rather than serving wrong numbers."""
-        model_type = cfg.get("model_type")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if model_type == "gpt2":
-            hidden = cfg["n_embd"]
-            act = cfg.get("activation_function", "gelu_new")
-            if act not in ("gelu_new", "gelu_pytorch_tanh"):
-                raise ValueError(f"GPT-2 activation {act!r} is not supported (gelu_new only)")
-            return cls(
-                architecture="gpt2",
-                model_type="gpt2",
-                vocab_size=cfg["vocab_size"],
-                hidden_size=hidden,
-                num_layers=cfg["n_layer"],
-                num_heads=cfg["n_head"],
-                num_kv_heads=cfg["n_head"],
-                head_dim=hidden // cfg["n_head"],
-                intermediate_size=cfg.get("n_inner") or 4 * hidden,
-                max_position_embeddings=cfg["n_positions"],
-                norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-                tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-                eos_token_ids=eos_ids,
-                bos_token_id=cfg.get("bos_token_id"),
-                scale_attn_weights=cfg.get("scale_attn_weights", True),
-                scale_attn_by_inverse_layer_idx=cfg.get("scale_attn_by_inverse_layer_idx", False),
-            )
-        if model_type in LLAMA_STYLE_MODEL_TYPES:
-            return cls._llama_style(model_type, cfg, eos_ids)
-        raise ValueError(
-            f"model_type {model_type!r} is not supported; supported: gpt2, {', '.join(LLAMA_STYLE_MODEL_TYPES)}"
-        )
-
-    @classmethod
-    def _llama_style(cls, model_type: str, cfg: dict[str, Any], eos_ids: tuple[int, ...]) -> ModelConfig:
-        """Llama and the families that are Llama with options: Mistral (sliding window), Qwen2 (q/k/v bias,
-        per-layer sliding window), Qwen3 (q/k RMSNorm, head_dim of its own), and their mixture-of-experts
-        kin Mixtral (Mistral with sparse MLPs) and Qwen3-MoE (Qwen3 with sparse MLPs)."""
-        family = model_type.capitalize()
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{family} activation {act!r} is not supported (silu only)")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}; dynamic and "
-                "longrope scale by the batch's longest sequence)"
-            )
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor {partial} is not supported (1.0 only)")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
-        windows: tuple[int | None, ...] = (None,) * layers
-        window = cfg.get("sliding_window")
-        if model_type in ("mistral", "mixtral") and window:
-            windows = (int(window),) * layers
-        elif model_type in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window") and window:
-            types = cfg.get("layer_types") or [
-                "sliding_attention" if i >= cfg.get("max_window_layers", layers) else "full_attention"
-                for i in range(layers)
-            ]
-            windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-        # Biases as transformers builds each family: Qwen2 always has them on q, k, v (never on o_proj);
-        # Mistral never; Llama and Qwen3 on q, k, v, o when attention_bias; an MLP bias is Llama's alone.
-        qkv_bias = {"qwen2": True, "mistral": False, "mixtral": False}.get(
-            model_type, bool(cfg.get("attention_bias", False))
-        )
-        qkv_bias_only = model_type == "qwen2"
-        mlp_bias = model_type == "llama" and bool(cfg.get("mlp_bias", False))
-        moe: dict[str, Any] = {}
-        if model_type == "mixtral":
-            moe = dict(
-                moe_layers=(True,) * layers,
-                num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["intermediate_size"]),
-                norm_topk_prob=True,
-            )
-        elif model_type == "qwen3_moe":
-            # (Hub checkpoints say num_experts; transformers 5 writes num_local_experts)
-            experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-            step = int(cfg.get("decoder_sparse_step") or 1)
-            dense = set(cfg.get("mlp_only_layers") or [])
-            moe = dict(
-                moe_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
-                num_experts=experts,
-                num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-                moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            )
-        if moe and moe["num_experts"] and not 1 <= moe["num_experts_per_tok"] <= moe["num_experts"]:
-            raise ValueError(
-                f"num_experts_per_tok {moe['num_experts_per_tok']} must be in [1, {moe['num_experts']}]"
-            )
-        return cls(
-            architecture="llama",
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            max_position_embeddings=cfg["max_position_embeddings"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-            rope_theta=float(theta),
-            attention_bias=qkv_bias,
-            mlp_bias=mlp_bias,
-            model_type=model_type,
-            rope_type=rope_type,
-            rope_config="" if rope_type == "default" else json.dumps(cfg, sort_keys=True),
-            qkv_bias_only=qkv_bias_only,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            sliding_windows=windows,
-            **moe,
-        )
 
 
 @dataclass(frozen=True)
@@ -296,8 +132,8 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int | None = None
     trace: str | None = None
-    trace_max_bytes: int = DEFAULT_MAX_BYTES
-    trace_backups: int = DEFAULT_BACKUPS
+    trace_max_bytes: int = TRACE_DEFAULT_MAX_BYTES
+    trace_backups: int = TRACE_DEFAULT_BACKUPS
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -360,7 +196,7 @@ class EngineConfig:
             object.__setattr__(self, "trace", os.fspath(self.trace))  # LLM(..., trace=Path(...))
         if self.trace is not None and not isinstance(self.trace, str):
             raise ValueError(f"trace must be a file path or empty (off), got {self.trace!r}")
-        _check_int("trace_max_bytes", self.trace_max_bytes, MIN_MAX_BYTES)
+        _check_int("trace_max_bytes", self.trace_max_bytes, TRACE_MIN_MAX_BYTES)
         _check_int("trace_backups", self.trace_backups, 0)
         if self.local_workers is not None:
             _check_int("local_workers", self.local_workers, 0)
@@ -416,7 +252,8 @@ class EngineConfig:
         return self.world_size > 1
 
     @property
-    def batches_in_flight(self) -> int:
+    def effective_n_workers(self) -> int:
+        """n_workers as the scheduler uses it: batches in flight, None resolved to one per pipeline stage."""
         return self.pipeline_parallel_size if self.n_workers is None else self.n_workers
 
     @property

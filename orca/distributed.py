@@ -39,9 +39,9 @@ from dataclasses import dataclass, replace
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 
+from orca.checkpoint import read_model_config, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.executor import WorkerFailure
-from orca.loader import read_model_config, resolve_checkpoint
 from orca.parallel import ParallelLayout
 from orca.plan import StepPlan, StepResult
 

@@ -1,17 +1,23 @@
-"""The engine (the driver): requests in, one iteration at a time, tokens out.
+"""The engine core: token ids in, one iteration at a time, token ids out.
 
-``LLMEngine`` is single-threaded and synchronous: ``add_request`` and ``abort_request`` change the request
-pool, ``step`` runs one iteration and reports what happened to every request it touched:
+``EngineCore`` is single-threaded and synchronous: ``add_request`` and ``abort_request`` change the request
+pool, ``step`` runs one iteration and reports, for every request it touched, what changed: its new token
+ids, their log-probabilities, and how it finished (``EngineCoreOutput``, a delta: never the history).
 
     schedule (OrcaScheduler: which requests, how many tokens each, which K/V blocks)
       -> plan (plain data: StepPlan) -> submit to the executor's workers (up to n_workers in flight)
-      -> collect the oldest StepResult -> complete (append tokens, stop rules, free K/V blocks, outputs)
+      -> collect the oldest StepResult -> complete (append tokens, token-level stop rules, free K/V blocks)
 
-The engine alone mutates Request objects; workers see plans. It knows nothing of tensors (the workers
-own the device) and nothing of Triton. With ``EngineConfig.trace`` set it records the iteration timeline
-(orca/timeline.py) through ``self.timeline``; off (None), each hook costs one ``is not None`` check.
-The offline ``LLM`` drives it in a loop; ``EngineLoop`` (engine_loop.py) drives it from a background
-thread for the Triton model.
+The core holds no tokenizer: text (tokenizing, chat templates, detokenizing, stop strings) and each
+request's accumulated output (ids, logprob entries, RequestOutput) are the front end's
+(orca/output_processor.py), on the thread that consumes outputs. So an iteration's host-side cost here
+grows with the batch, never with how long a request's history is. The core alone mutates Request
+objects; workers see plans. It knows nothing of tensors (the workers own the device) and nothing of
+Triton. With ``EngineConfig.trace`` set it records the iteration timeline (orca/timeline.py) through
+``self.timeline``; off (None), each hook costs one ``is not None`` check.
+``LLMEngine`` (orca/llm_engine.py) puts the front end around it for synchronous callers (orca.LLM, the
+request-level baseline); ``EngineLoop`` (engine_loop.py) drives it from a background thread for the
+Triton model.
 """
 
 from __future__ import annotations
@@ -25,15 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca.block_manager import BlockManager
-from orca.config import EngineConfig, ModelConfig
-from orca.detokenizer import IncrementalDetokenizer
-from orca.executor import Executor, InProcessExecutor, WorkerFailure
-from orca.loader import load_tokenizer, read_model_config, resolve_checkpoint
+from orca.checkpoint import ModelConfig, read_model_config, resolve_checkpoint
+from orca.config import EngineConfig
+from orca.executor import Executor, WorkerFailure, make_executor
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
-from orca.request import FinishReason, Logprob, Request
+from orca.request import FinishReason, Request
 from orca.sampling_params import SamplingParams
 from orca.scheduler import OrcaScheduler, ScheduledBatch
-from orca.stopping import apply_stop_rules
 from orca.timeline import TimelineRecorder
 
 logger = logging.getLogger(__name__)
@@ -48,28 +52,26 @@ class EngineFailedError(RuntimeError):
     more requests. Its message says what happened."""
 
 
-@dataclass
-class RequestOutput:
-    """What one iteration did to one request (or, when finished, the final state)."""
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one iteration (or an abort, or a failure) did to one request: a delta, O(new tokens).
+
+    ``new_token_ids`` were generated in this iteration (none for a prompt chunk, a cancellation or an
+    error); ``new_logprobs`` has their TokenLogprobs when the request asked for logprobs (else None).
+    ``finish_reason`` is set on the request's last output; ``time`` is when the iteration completed
+    (time.monotonic()); ``logits`` the (V,) float32 row sampled from, when logits capture is on."""
 
     request_id: str
-    new_token_ids: list[int]  # generated in this iteration (empty on cancellation, error or a prompt chunk)
-    token_ids: list[int]  # all generated so far
-    num_prompt_tokens: int
-    finished: bool
-    finish_reason: str | None = None  # "length", "stop", "cancelled" or "error" once finished
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
-    text_delta: str | None = None  # new completion text (None when the model has no tokenizer)
-    text: str | None = None  # the completion text so far
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    logits: Any = None  # the (V,) float32 row this iteration sampled from, when logits capture is on
-    # SamplingParams.logprobs set (else None): for each of new_token_ids {token id: Logprob}, the drawn
-    # token first, then the top n; logprobs for all of token_ids; cumulative_logprob is their sum so far
-    new_logprobs: list[dict[int, Logprob]] | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
+    time: float = 0.0
+    logits: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -108,7 +110,7 @@ class EngineStats:
         return self.kv_allocated_blocks * self.block_size
 
 
-class LLMEngine:
+class EngineCore:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
         """`executor` replaces the default worker(s) (it must serve this config's model): the in-process
         worker, or worker processes when tensor or pipeline parallelism is on (orca/distributed.py)."""
@@ -122,22 +124,16 @@ class LLMEngine:
                 f"max_model_len {config.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.tokenizer = load_tokenizer(self.checkpoint)
+        n_workers = config.effective_n_workers
         if executor is None:
             pp = config.pipeline_parallel_size
-            if config.batches_in_flight > pp:
+            if n_workers > pp:
                 raise ValueError(
-                    f"n_workers {config.batches_in_flight} exceeds pipeline_parallel_size {pp}: a batch in flight "
+                    f"n_workers {n_workers} exceeds pipeline_parallel_size {pp}: a batch in flight "
                     f"needs a pipeline stage of its own, so n_workers must be in [1, {pp}]"
                 )
-            if config.distributed:
-                from orca.distributed import DistributedExecutor
-
-                executor = DistributedExecutor(config)
-            else:
-                executor = InProcessExecutor(config)
+            executor = make_executor(config)
         self.executor: Executor = executor
-        n_workers = config.batches_in_flight
         if n_workers > self.executor.max_in_flight:
             self.executor.shutdown()
             raise ValueError(
@@ -149,16 +145,14 @@ class LLMEngine:
             config.max_bs, self.blocks, n_workers, config.kv_admission, config.max_num_batched_tokens
         )
         self.failed: str | None = None  # why the workers failed (EngineFailedError), once they have
-        self.eos_token_ids = set(mc.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # The model's EOS ids: a request that names none (add_request's eos_token_ids) stops at these.
+        self.eos_token_ids: frozenset[int] = frozenset(mc.eos_token_ids)
         self.last_iteration = IterationStats()
         self.profile = False  # time each iteration's phases (IterationStats.timings); costs device syncs
-        self.capture_logits = False  # attach each sampled row's logits to RequestOutput.logits
+        self.capture_logits = False  # attach each sampled row's logits to EngineCoreOutput.logits
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._pending: list[RequestOutput] = []  # cancellations decided between iterations
+        self._pending: list[EngineCoreOutput] = []  # cancellations decided between iterations
         self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()
         self._worker_holds: set[str] = set()  # requests whose state the workers keep
         self._to_free: list[str] = []  # ... and must drop before the next plan
@@ -183,7 +177,8 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: Any, params: SamplingParams) -> None:
         """Raises ValueError naming what is wrong with a request and the allowed range (EngineFailedError
-        once the engine has failed). Reads only immutable configuration, so any thread may call it."""
+        once the engine has failed). Reads only immutable configuration, so any thread may call it: the
+        front end calls it before add_request, which does not check again."""
         if self.failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self.failed}")
         vocab = self.model_config.vocab_size
@@ -213,18 +208,20 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the K/V cache of "
                 f"{self.n_slots} slots: max_tokens must be in [1, {self.n_slots - n}]"
             )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
 
     def add_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams,
         arrival_time: float | None = None,
+        eos_token_ids: frozenset[int] | None = None,
     ) -> None:
-        params = params or SamplingParams()
-        self.validate(prompt_token_ids, params)
+        """Adds a request that validate() accepted. `eos_token_ids` are the ids that end it with "stop"
+        (unless params.ignore_eos); None = the model's. Raises ValueError for an id in use, QueueFullError
+        when the waiting queue is full, EngineFailedError once the engine has failed."""
+        if self.failed is not None:
+            raise EngineFailedError(f"the engine has failed and serves no more requests: {self.failed}")
         if request_id in self.scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.scheduler.num_waiting >= self.config.max_queue:
@@ -237,14 +234,11 @@ class LLMEngine:
             arrival=next(self._arrivals),
             seed=seed,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids if eos_token_ids is None else eos_token_ids,
         )
-        if params.logprobs is not None:
-            req.logprobs, req.cumulative_logprob = [], 0.0
         self.scheduler.add(req)
         if self.timeline is not None:
             self.timeline.arrival(req, time.monotonic())
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
 
     def abort_request(self, request_id: str) -> bool:
         """Aborts a request; its final output ("cancelled") comes from the next step(). False if unknown."""
@@ -252,10 +246,11 @@ class LLMEngine:
             return False
         req = self.scheduler.abort(request_id)
         if req is not None:
-            self._finish(req, time.monotonic())
-            self._pending.append(self._output(req, [], ""))
+            now = time.monotonic()
+            self._finish(req, now)
+            self._pending.append(EngineCoreOutput(request_id, [], None, req.finish_reason, req.error, now))
             if self.timeline is not None:
-                self.timeline.finish(req, req.finish_time or 0.0)
+                self.timeline.finish(req, now)
         return True
 
     def request_ids(self) -> list[str]:
@@ -278,7 +273,7 @@ class LLMEngine:
         )
 
     # -- the iteration ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         """Runs one iteration. Returns an output for every request in it, and for requests cancelled
         since the last step. A failed iteration fails its own requests only."""
         outputs, self._pending = self._pending, []
@@ -308,7 +303,7 @@ class LLMEngine:
         outputs.extend(self._complete(batch, result, start))
         return outputs
 
-    def _fail(self, message: str) -> list[RequestOutput]:
+    def _fail(self, message: str) -> list[EngineCoreOutput]:
         """The workers are gone: every unfinished request ends with an error; later requests are refused."""
         logger.error("the engine failed: %s", message)
         self.failed = message
@@ -320,7 +315,7 @@ class LLMEngine:
         for req in self.scheduler.drop_all():
             req.finish_reason, req.error = FinishReason.ERROR, f"the engine failed: {message}"
             self._finish(req, now)
-            outputs.append(self._output(req, [], ""))
+            outputs.append(EngineCoreOutput(req.request_id, [], None, req.finish_reason, req.error, now))
             if self.timeline is not None:
                 self.timeline.finish(req, now)
         return outputs
@@ -345,43 +340,36 @@ class LLMEngine:
         free, self._to_free = tuple(self._to_free), []
         return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile)
 
-    def _complete(self, batch: ScheduledBatch, result: StepResult, start: float) -> list[RequestOutput]:
+    def _complete(self, batch: ScheduledBatch, result: StepResult, start: float) -> list[EngineCoreOutput]:
         now = time.monotonic()
-        deltas: list[tuple[list[int], str, Any]] = []
+        outputs: list[EngineCoreOutput] = []
         for m in batch.members:
             req = m.request
-            new: list[int] = []
-            delta = ""
+            out = EngineCoreOutput(req.request_id, [], time=now)
             if result.error is not None:
                 req.finish_reason, req.error = FinishReason.ERROR, result.error
             elif m.sample:
                 token = result.sampled[req.request_id]
-                new = [token]
+                out.new_token_ids = [token]
                 req.output_token_ids.append(token)
-                if req.logprobs is not None:
-                    _append_logprobs(req, result.logprobs[req.request_id])
+                if req.params.logprobs is not None:
+                    out.new_logprobs = [result.logprobs[req.request_id]]
                 if req.first_token_time is None:
                     req.first_token_time = now
-                reason, delta = apply_stop_rules(
-                    token, len(req.output_token_ids), req.params, self.eos_token_ids,
-                    self._detokenizers.get(req.request_id),
-                )
-                if reason is not None:
-                    req.finish_reason = reason
-            deltas.append((new, delta, result.logits.get(req.request_id)))
+                req.finish_reason = req.stop_reason(token)
+            if self.capture_logits:
+                out.logits = result.logits.get(req.request_id)
+            outputs.append(out)
         used_tokens = self.scheduler.kv_used_tokens
         used_tokens += sum(m.num_tokens for m in batch.members if m.request.admitted)
         allocated = self.blocks.num_allocated_blocks
-        finished = self.scheduler.complete(batch)
+        finished = self.scheduler.complete(batch)  # (an abort that arrived in flight finishes here too)
         for req in finished:
             self._finish(req, now)
         if self.timeline is not None:
             self.timeline.completed(batch.batch_id, now, finished, allocated, used_tokens, result.error)
-        outputs = []
-        for m, (new, delta, logits) in zip(batch.members, deltas):
-            out = self._output(m.request, new, delta)
-            out.logits = logits
-            outputs.append(out)
+        for m, out in zip(batch.members, outputs):
+            out.finish_reason, out.error = m.request.finish_reason, m.request.error
         self.last_iteration = IterationStats(
             batch_id=batch.batch_id,
             batch_size=len(batch.members),
@@ -404,62 +392,7 @@ class LLMEngine:
         self._release_worker_state(req.request_id)
         req.finish_time = now
 
-    def _output(self, req: Request, new: list[int], delta: str) -> RequestOutput:
-        detok = self._detokenizers.get(req.request_id)
-        if req.finished:
-            self._detokenizers.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=new,
-            token_ids=list(req.output_token_ids),
-            num_prompt_tokens=req.num_prompt_tokens,
-            finished=req.finished,
-            finish_reason=req.finish_reason.value if req.finish_reason else None,
-            error=req.error,
-            text_delta=None if detok is None else delta,
-            text=None if detok is None else detok.text[: detok.emitted],
-            arrival_time=req.arrival_time,
-            first_token_time=req.first_token_time,
-            finish_time=req.finish_time,
-            new_logprobs=None if req.logprobs is None else req.logprobs[len(req.logprobs) - len(new):],
-            logprobs=None if req.logprobs is None else list(req.logprobs),
-            cumulative_logprob=req.cumulative_logprob,
-        )
-
-    # -- text ------------------------------------------------------------------------------------
-    def _require_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            raise ValueError(
-                f"this model ({self.checkpoint}) has no tokenizer: send input_ids instead of text"
-            )
-        return self.tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._require_tokenizer().encode(text, add_special_tokens=True))
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        tok = self._require_tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template: send text_input instead of messages")
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tok.encode(text, add_special_tokens=False))
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._require_tokenizer().decode(
-            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
     def shutdown(self) -> None:
         self.executor.shutdown()
         if self.timeline is not None:
             self.timeline.close()
-
-
-def _append_logprobs(req: Request, t: TokenLogprobs) -> None:
-    """Records a drawn token's log-probabilities (vLLM's layout: the drawn token, then the top n)."""
-    entry = {t.token_id: Logprob(t.logprob, t.rank)}
-    for rank, (token_id, logprob) in enumerate(zip(t.top_ids, t.top_logprobs), start=1):
-        entry.setdefault(token_id, Logprob(logprob, rank))
-    assert req.logprobs is not None and req.cumulative_logprob is not None
-    req.logprobs.append(entry)
-    req.cumulative_logprob += t.logprob

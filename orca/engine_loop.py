@@ -1,13 +1,15 @@
-"""Drives an LLMEngine from a background thread: the scheduler thread of the Triton model.
+"""Drives the engine core from a background thread: the scheduler thread of the Triton model.
 
-The loop's thread also builds the engine (``EngineLoop(build, ...)`` calls ``build()`` there and waits
+The loop's thread also builds the core (``EngineLoop(build, ...)`` calls ``build()`` there and waits
 for it): on a CPU the thread that loads and warms up the model is the one whose OpenMP team runs its ops,
 and stepping it from another thread gives the process a second team and slower steps (the worker's
 ``_foreign_thread``). So one thread does all of the engine's torch work, from load to shutdown.
 
-Callers on other threads (Triton's execute) never block on generation: ``submit`` validates and enqueues,
-``abort`` enqueues; the loop thread applies queued commands between iterations, runs one iteration, and
-hands every RequestOutput to ``on_output``. When there is nothing to run it sleeps on the command queue.
+Callers on other threads (Triton's execute) never block on generation: ``submit`` validates and enqueues
+token ids (the caller tokenized them: this thread never sees text), ``abort`` enqueues; the loop thread
+applies queued commands between iterations, runs one iteration, and hands every EngineCoreOutput (a
+delta) to ``on_output``; the caller's OutputProcessor (orca/output_processor.py) turns them into
+RequestOutputs on its own thread. When there is nothing to run it sleeps on the command queue.
 
 Client cancellation is the caller's to notice (the Triton model asks each request's sender on its
 response thread, the one thread that sends): it calls ``abort``.
@@ -29,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orca.engine import EngineFailedError, EngineStats, IterationStats, LLMEngine, QueueFullError, RequestOutput
+from orca.engine import EngineCore, EngineCoreOutput, EngineFailedError, EngineStats, IterationStats, QueueFullError
 from orca.request import FinishReason
 from orca.sampling_params import SamplingParams
 
@@ -41,6 +43,8 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival_time: float
+    eos_token_ids: frozenset[int] | None
 
 
 @dataclass(frozen=True)
@@ -55,15 +59,15 @@ _ABORT_ALL = object()
 class EngineLoop:
     def __init__(
         self,
-        build: Callable[[], LLMEngine],
-        on_output: Callable[[RequestOutput], None],
+        build: Callable[[], EngineCore],
+        on_output: Callable[[EngineCoreOutput], None],
         on_iteration: Callable[[IterationStats], None] | None = None,
         on_stats: Callable[[EngineStats], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
         fault: tuple[int, str] | None = None,
     ) -> None:
-        """Starts the loop's thread, which calls ``build()`` to make the engine, and returns once it has
-        (re-raising what ``build`` raised): ``engine`` is then there and ``submit`` takes requests, which
+        """Starts the loop's thread, which calls ``build()`` to make the core, and returns once it has
+        (re-raising what ``build`` raised): ``core`` is then there and ``submit`` takes requests, which
         wait until ``start``. Every callback runs on the loop thread (keep them quick: hand work to
         another thread).
         on_output gets every output. on_iteration gets the stats of each iteration that ran, once.
@@ -92,20 +96,20 @@ class EngineLoop:
         self._built = threading.Event()
         self._go = threading.Event()  # start() (or shutdown()) lets the built engine's loop run
         self._build_error: BaseException | None = None
-        self.engine: LLMEngine
+        self.core: EngineCore
         self._thread = threading.Thread(target=self._run, args=(build,), name="orca-scheduler", daemon=True)
         self._thread.start()
         self._built.wait()
         if self._build_error is not None:
             self._thread.join()
             raise self._build_error
-        engine = self.engine
-        self._stats = engine.stats()
+        core = self.core
+        self._stats = core.stats()
         # Worker processes have their own per-iteration deadline (orca/distributed.py).
-        self._watchdog = None if engine.config.distributed else threading.Thread(
+        self._watchdog = None if core.config.distributed else threading.Thread(
             target=self._watch, name="orca-watchdog", daemon=True
         )
-        if fault is not None and fault[1] == "raise" and not hasattr(engine.executor, "worker"):
+        if fault is not None and fault[1] == "raise" and not hasattr(core.executor, "worker"):
             self.shutdown()
             raise ValueError("$ORCA_ENGINE_FAULT kind raise needs the in-process worker (no parallelism)")
 
@@ -127,21 +131,30 @@ class EngineLoop:
         if self._watchdog is not None:
             self._watchdog.start()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validates (ValueError) and enqueues a request; QueueFullError when the waiting queue is full.
-        Never waits for an iteration."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> None:
+        """Validates (ValueError: the core's checks, here on the caller's thread and only here) and
+        enqueues a request; QueueFullError when the waiting queue is full. Never waits for an iteration.
+        `eos_token_ids`: EngineCore.add_request's."""
         if self._failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self._failed}")
-        self.engine.validate(prompt_token_ids, params)
+        self.core.validate(prompt_token_ids, params)
         with self._lock:
             if self._stopping:
                 raise QueueFullError("the engine is shutting down")
-            if self._stats.waiting + self._queued_adds >= self.engine.config.max_queue:
+            if self._stats.waiting + self._queued_adds >= self.core.config.max_queue:
                 raise QueueFullError(
-                    f"the waiting queue is full ({self.engine.config.max_queue} requests): retry later"
+                    f"the waiting queue is full ({self.core.config.max_queue} requests): retry later"
                 )
             self._queued_adds += 1
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params))
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, arrival_time, eos_token_ids))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -168,9 +181,9 @@ class EngineLoop:
             self._thread.join(timeout)
 
     # -- the loop thread -------------------------------------------------------------------------
-    def _run(self, build: Callable[[], LLMEngine]) -> None:
+    def _run(self, build: Callable[[], EngineCore]) -> None:
         try:
-            self.engine = build()
+            self.core = build()
         except BaseException as exc:  # noqa: BLE001 - __init__ re-raises it on the caller's thread
             self._build_error = exc
             return
@@ -185,20 +198,20 @@ class EngineLoop:
 
     def _loop(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished()
+            idle = not self.core.has_unfinished()
             if not self._apply_commands(block=idle):
                 break
-            last = self.engine.last_iteration
+            last = self.core.last_iteration
             self._iterations += 1
             self._busy_since = time.monotonic()
             if self._fault is not None and self._iterations == self._fault[0]:
                 if self._fault[1] == "raise":  # inside the worker's next iteration: it fails, the loop goes on
-                    self.engine.executor.worker.inject_fault(
+                    self.core.executor.worker.inject_fault(
                         f"fault injected by $ORCA_ENGINE_FAULT in iteration {self._iterations}")
                 else:
                     _inject(self._fault[1])  # a hang counts as the iteration's (the watchdog sees it)
             try:
-                outputs = self.engine.step()
+                outputs = self.core.step()
             except Exception as exc:  # noqa: BLE001 - a scheduler bug must not silently kill the thread
                 logger.exception("engine step failed outside the model; failing every request")
                 outputs = self._fail_all(f"{type(exc).__name__}: {exc}")
@@ -208,11 +221,11 @@ class EngineLoop:
                 return  # the watchdog gave up on this iteration: its requests were answered already
             self._refresh_stats()
             # A step with nothing to run (only cancellations to report) leaves last_iteration as it was.
-            if self.engine.last_iteration is not last and self._on_iteration is not None:
-                self._call(self._on_iteration, self.engine.last_iteration)
+            if self.core.last_iteration is not last and self._on_iteration is not None:
+                self._call(self._on_iteration, self.core.last_iteration)
             self._emit(outputs)
-            if self.engine.failed is not None:
-                self._fail(self.engine.failed)
+            if self.core.failed is not None:
+                self._fail(self.core.failed)
         outputs = self._cancel_all()
         self._refresh_stats()
         self._emit(outputs)
@@ -228,7 +241,7 @@ class EngineLoop:
 
     def _watch(self) -> None:
         """The watchdog: an iteration that runs longer than worker_timeout means a hung device."""
-        limit = float(self.engine.config.worker_timeout)
+        limit = float(self.core.config.worker_timeout)
         while self._failed is None and not self._stopping:
             time.sleep(min(1.0, limit / 4))
             started = self._busy_since
@@ -251,16 +264,18 @@ class EngineLoop:
             if isinstance(cmd, _Add):
                 with self._lock:
                     self._queued_adds -= 1
-                try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params)
+                try:  # (validated by submit)
+                    self.core.add_request(
+                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time, cmd.eos_token_ids
+                    )
                 except (ValueError, QueueFullError, EngineFailedError) as exc:
-                    self._emit([_failed(cmd.request_id, len(cmd.prompt_token_ids), str(exc))])
+                    self._emit([_failed(cmd.request_id, str(exc))])
                 self._refresh_stats()
             elif isinstance(cmd, _Abort):
-                self.engine.abort_request(cmd.request_id)
+                self.core.abort_request(cmd.request_id)
 
     def _refresh_stats(self) -> None:
-        stats = self.engine.stats()
+        stats = self.core.stats()
         with self._lock:
             self._stats = stats
             snapshot = replace(stats, waiting=stats.waiting + self._queued_adds)
@@ -275,7 +290,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - a metrics callback must not stop the loop
             logger.exception("%s failed", getattr(callback, "__name__", callback))
 
-    def _emit(self, outputs: list[RequestOutput]) -> None:
+    def _emit(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
             try:
                 self._on_output(out)
@@ -284,17 +299,17 @@ class EngineLoop:
 
     def _abort_every_request(self) -> None:
         """Each unfinished request's 'cancelled' output comes from the engine's next step()."""
-        for request_id in self.engine.request_ids():
-            self.engine.abort_request(request_id)
+        for request_id in self.core.request_ids():
+            self.core.abort_request(request_id)
 
-    def _cancel_all(self) -> list[RequestOutput]:
+    def _cancel_all(self) -> list[EngineCoreOutput]:
         self._abort_every_request()
-        return self.engine.step()
+        return self.core.step()
 
-    def _fail_all(self, message: str) -> list[RequestOutput]:
+    def _fail_all(self, message: str) -> list[EngineCoreOutput]:
         outputs = self._cancel_all()
         for out in outputs:
-            out.finish_reason, out.error = FinishReason.ERROR.value, message
+            out.finish_reason, out.error = FinishReason.ERROR, message
         return outputs
 
 
@@ -327,6 +342,5 @@ def _inject(kind: str) -> None:
         raise _InjectedCrash("fault injected by $ORCA_ENGINE_FAULT")
 
 
-def _failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
-    return RequestOutput(request_id, [], [], num_prompt_tokens, finished=True,
-                         finish_reason=FinishReason.ERROR.value, error=message)
+def _failed(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=message, time=time.monotonic())

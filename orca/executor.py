@@ -3,7 +3,8 @@
 The engine's iteration is schedule -> submit -> collect -> complete: it submits up to n_workers plans
 before it collects the oldest result, so with pipeline stages (a multi-process executor) several batches
 are in flight at once. The executor is the only part of the engine that knows where workers run; the
-scheduler and the worker do not change with it.
+scheduler and the worker do not change with it. The driver imports no model code until it makes an
+in-process worker (make_executor): with worker processes it never does.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Protocol
 
 from orca.config import EngineConfig
 from orca.plan import StepPlan, StepResult
-from orca.worker import Worker
 
 
 class WorkerFailure(RuntimeError):
@@ -37,6 +37,8 @@ class InProcessExecutor:
     max_in_flight = 1
 
     def __init__(self, config: EngineConfig) -> None:
+        from orca.worker import Worker  # the model code: loaded only where a worker runs in this process
+
         self.worker = Worker(config)
         self.num_blocks = self.worker.determine_num_blocks()
         if self.num_blocks < 1:
@@ -56,3 +58,13 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         self._results.clear()
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """The executor `config` asks for: worker processes with tensor or pipeline parallelism, else one
+    worker in this process."""
+    if config.distributed:
+        from orca.distributed import DistributedExecutor
+
+        return DistributedExecutor(config)
+    return InProcessExecutor(config)

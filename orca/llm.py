@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from orca.config import EngineConfig
-from orca.engine import LLMEngine
-from orca.request import Logprob
+from orca.llm_engine import LLMEngine
+from orca.output_processor import Logprob
 from orca.sampling_params import SamplingParams
 
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from orca.config import ModelConfig
+from orca.checkpoint import ModelConfig
 
 
 @dataclass(frozen=True)

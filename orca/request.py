@@ -1,20 +1,14 @@
-"""A request's driver-side state. Only the driver (engine and scheduler) reads or writes it: workers
-see plain StepPlans (orca/plan.py), never a Request."""
+"""A request's state in the engine core. Only the core (engine and scheduler) reads or writes it: workers
+see plain StepPlans (orca/plan.py), never a Request; the front end sees EngineCoreOutputs. Token ids only:
+no text, no accumulated output beyond the ids the next plans need."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from orca.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """One token's log-probability at one output position and its rank there (1 = the most likely)."""
-
-    logprob: float
-    rank: int
 
 
 class FinishReason(str, enum.Enum):
@@ -53,10 +47,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
-    # params.logprobs set: per output token {token id: Logprob} (the drawn token, then the top n), and the
-    # sum of the drawn tokens' log-probabilities
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # end the request with "stop" unless params.ignore_eos
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,8 +71,9 @@ class Request:
         return self.admitted and bool(self.output_token_ids) and self.num_uncomputed_tokens == 1
 
     @property
-    def max_tokens(self) -> int:
-        """Orca's max_tokens: the K/V slots the request may ever need (prompt + maximum new tokens)."""
+    def max_num_tokens(self) -> int:
+        """What the paper calls a request's max_tokens: the K/V slots it may ever need (prompt + the most
+        new tokens, SamplingParams.max_tokens)."""
         return len(self.prompt_token_ids) + self.params.max_tokens
 
     @property
@@ -89,8 +81,29 @@ class Request:
         return self.finish_reason is not None
 
     def token_ids(self, start: int, count: int) -> list[int]:
-        """Tokens [start, start + count) of prompt + output."""
+        """Tokens [start, start + count) of prompt + output, in O(count)."""
         n_prompt = len(self.prompt_token_ids)
-        if start + count <= n_prompt:
-            return self.prompt_token_ids[start : start + count]
-        return (self.prompt_token_ids + self.output_token_ids)[start : start + count]
+        end = start + count
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    def stop_reason(self, token: int) -> FinishReason | None:
+        """stop_reason() for `token`, just appended to output_token_ids."""
+        return stop_reason(token, len(self.output_token_ids), self.params, self.eos_token_ids)
+
+
+def stop_reason(
+    token: int, num_generated: int, params: SamplingParams, eos_token_ids: Container[int]
+) -> FinishReason | None:
+    """The token-level stop rules, in one place, for `token`, the `num_generated`-th generated token: a stop
+    token id, or EOS unless ignore_eos, gives "stop"; else reaching max_tokens gives "length". The core
+    applies them to every sampled token; the request-level baseline (orca/request_level.py) afterwards, to
+    cut each padded member back. Stop strings are text: the front end's (orca/output_processor.py)."""
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return FinishReason.STOP
+    if num_generated >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None

@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from orca.detokenizer import IncrementalDetokenizer
-from orca.engine import LLMEngine, RequestOutput
-from orca.request import FinishReason
+from orca.llm_engine import LLMEngine
+from orca.output_processor import RequestOutput
+from orca.request import FinishReason, stop_reason
 from orca.sampling_params import SamplingParams
-from orca.stopping import apply_stop_rules
 
 # What the baseline's engine must be: FasterTransformer reserves each member's memory up front and runs
 # every prompt whole in the batch's first iteration.
@@ -172,22 +172,25 @@ class RequestLevelBatcher:
         return f"{self._id_prefix}{batch_id}-{member}"
 
     def _cut(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
-        """The member's tokens up to its own stop condition, by the engine's own rule (orca/stopping.py)."""
+        """The member's tokens up to its own stop condition, by the engine's own rules: the core's token
+        rules (orca/request.py stop_reason), then the front end's stop strings (the detokenizer's)."""
         engine = self.engine
         detok = None if engine.tokenizer is None else IncrementalDetokenizer(engine.tokenizer, params.stop)
         kept: list[int] = []
         reason: FinishReason | None = None
         for token in out.token_ids:
             kept.append(token)
-            reason, _ = apply_stop_rules(token, len(kept), params, engine.eos_token_ids, detok)
+            reason = stop_reason(token, len(kept), params, engine.eos_token_ids)
+            if detok is not None:
+                detok.add(token, final=reason is not None)
+                if detok.stopped:
+                    reason = FinishReason.STOP
             if reason is not None:
                 break
         if reason is None:  # cannot happen: every member runs at least its own max_tokens
             raise RuntimeError(f"{out.request_id} ran {len(out.token_ids)} tokens, fewer than its max_tokens")
         text = None if detok is None else detok.text[: detok.emitted]
-        return replace(
-            out, new_token_ids=kept, token_ids=kept, finish_reason=reason.value, text_delta=text, text=text
-        )
+        return out.replace(new_token_ids=kept, token_ids=kept, finish_reason=reason.value, text_delta=text, text=text)
 
 
 __all__ = ["REQUEST_LEVEL_OPTIONS", "RequestLevelBatcher", "SubBatch"]

@@ -35,9 +35,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from orca.block_manager import BlockManager
+from orca.config import KV_ADMISSION_POLICIES
 from orca.request import FinishReason, Request
-
-KV_ADMISSION_POLICIES = ("reserve", "on_demand")
 
 
 @dataclass
@@ -181,7 +180,7 @@ class OrcaScheduler:
                     if new_blocks is None:
                         return self._launch(batch)
                 else:
-                    target = req.max_tokens if self.kv_admission == "reserve" else start + n
+                    target = req.max_num_tokens if self.kv_admission == "reserve" else start + n
                     if not self.blocks.can_grow(req.request_id, target):
                         return self._launch(batch)  # no queue jumping: later requests wait behind this one
                     new_blocks = self.blocks.grow(req.request_id, target)

@@ -31,9 +31,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from orca.engine import RequestOutput
-from orca.request import Logprob
+from orca.output_processor import Logprob, RequestOutput
 from orca.sampling_params import SamplingParams, json_object, json_type, json_value
+from orca.tokenizer import check_stop_strings
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
 RETURN_FLAGS = (
@@ -45,7 +45,7 @@ INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_i
 
 
 class TextCodec(Protocol):
-    """What parsing needs from the engine: its tokenizer, behind the engine's own checks."""
+    """What parsing needs: the model's tokenizer behind the front end's checks (orca.tokenizer.Tokenizer)."""
 
     def encode(self, text: str) -> list[int]: ...
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -99,6 +99,7 @@ def parse_generate_request(
         messages = _parse_messages(_string_input(inputs, "messages"))
         prompt_ids = _with_codec("messages", codec.apply_chat_template, messages)
     params = _sampling_params(inputs, parameters)
+    check_stop_strings(params, has_tokenizer)
     flags = {name: _bool_input(inputs, name) if name in inputs else None for name in RETURN_FLAGS}
     logprobs_asked = params.logprobs is not None
     if flags["return_cumulative_logprob"] and not logprobs_asked:
@@ -236,7 +237,7 @@ def response_tensors(
         tensors["num_input_tokens"] = np.asarray([out.num_prompt_tokens], dtype=np.uint32)
     if request.return_num_output_tokens is not False:
         # vllm_backend's (flag true): this response's tokens; orca_gpt's (no flag): all so far.
-        n = len(ids) if request.return_num_output_tokens else len(out.token_ids)
+        n = len(ids) if request.return_num_output_tokens else out.num_output_tokens
         tensors["num_output_tokens"] = np.asarray([n], dtype=np.uint32)
     if has_tokenizer:
         tensors["text_output"] = np.asarray([text.encode("utf-8")], dtype=np.object_)

@@ -55,15 +55,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orca.config import TRACE_DEFAULT_BACKUPS, TRACE_DEFAULT_MAX_BYTES, TRACE_MIN_MAX_BYTES
+
 if TYPE_CHECKING:
     from orca.block_manager import BlockManager
     from orca.request import Request
     from orca.scheduler import OrcaScheduler, ScheduledBatch
 
 VERSION = 1
-DEFAULT_MAX_BYTES = 16 << 20
-DEFAULT_BACKUPS = 2
-MIN_MAX_BYTES = 1024
+DEFAULT_MAX_BYTES = TRACE_DEFAULT_MAX_BYTES
+DEFAULT_BACKUPS = TRACE_DEFAULT_BACKUPS
+MIN_MAX_BYTES = TRACE_MIN_MAX_BYTES
 PHASES = ("prompt", "increment", "recompute")
 
 

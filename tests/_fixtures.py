@@ -19,7 +19,16 @@ import torch
 from checkpoints import make_gpt2, make_llama
 from transformers import AutoModelForCausalLM
 
-from orca import LLM, EngineConfig, LLMEngine, RequestOutput
+from orca import (
+    LLM,
+    EngineConfig,
+    EngineCore,
+    EngineCoreOutput,
+    LLMEngine,
+    OutputProcessor,
+    RequestOutput,
+    SamplingParams,
+)
 
 FAMILIES = ("gpt2", "llama")
 _BUILDERS: dict[str, Callable[[Path], Path]] = {"gpt2": make_gpt2, "llama": make_llama}
@@ -47,6 +56,28 @@ def tiny_reference(family: str) -> Any:
 def tiny_engine(family: str, **options: Any) -> LLMEngine:
     """A fresh engine over the tiny checkpoint (cheap: the weights are a few hundred kB)."""
     return LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **options))
+
+
+def tiny_core(family: str, **options: Any) -> EngineCore:
+    """A fresh engine core (token ids only: no tokenizer, no output processing) over the tiny checkpoint."""
+    return EngineCore(EngineConfig(model=str(tiny_checkpoint(family)), **options))
+
+
+class RequestOutputs:
+    """An EngineLoop's on_output that turns the core's deltas into RequestOutputs with the real
+    OutputProcessor and hands those to `callback`, as the Triton model does on its response thread. The
+    model registers each request before submitting it; here a request is registered at its first delta
+    (the tiny models have no tokenizer, so only ids accumulate)."""
+
+    def __init__(self, callback: Callable[[RequestOutput], None]) -> None:
+        self.processor = OutputProcessor(None)
+        self.callback = callback
+
+    def __call__(self, delta: EngineCoreOutput) -> None:
+        if delta.request_id not in self.processor:
+            self.processor.add_request(delta.request_id, 0, SamplingParams(), 0.0)
+        for out in self.processor.process((delta,)).outputs:
+            self.callback(out)
 
 
 @functools.cache

@@ -19,8 +19,8 @@ from _fixtures import FAMILIES, drain, hf_greedy, record_logits, tiny_checkpoint
 from checkpoints import make_mixtral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
-from orca.loader import load_model
 from orca.models.attention import AttentionMetadata, iteration_scope
+from orca.models.loader import load_model
 from orca.worker import Worker
 from orca.worker.compiled import why_not_compiled
 

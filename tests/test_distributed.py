@@ -96,7 +96,7 @@ def test_parallel_layouts_generate_what_one_process_generates(family: str, tp: i
     assert _reference_runs[family][1] > 0, "the workload must preempt requests"
     e = engine(family, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:
-        assert e.config.batches_in_flight == pp  # n_workers defaults to one batch per stage
+        assert e.config.effective_n_workers == pp  # n_workers defaults to one batch per stage
         jobs = workload(e.model_config.vocab_size)
         e.profile = pp > 1  # the workers report when they ran each plan
         outputs = run(e, jobs)

@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import pytest
-from _fixtures import tiny_engine
+from _fixtures import RequestOutputs, tiny_core, tiny_engine
 
 from orca import QueueFullError, RequestOutput, SamplingParams
 from orca.engine import EngineStats, IterationStats
@@ -59,7 +59,7 @@ class StatsRecorder:
 def make_loop(recorder: StatsRecorder | None = None, **options: Any) -> tuple[EngineLoop, Collector]:
     collector = Collector()
     callbacks = {} if recorder is None else {"on_iteration": recorder.on_iteration, "on_stats": recorder.on_stats}
-    loop = EngineLoop(lambda: tiny_engine("gpt2", **options), on_output=collector, **callbacks)
+    loop = EngineLoop(lambda: tiny_core("gpt2", **options), on_output=RequestOutputs(collector), **callbacks)
     loop.start()
     return loop, collector
 
@@ -104,7 +104,7 @@ def test_abort_of_running_and_waiting_requests_finishes_once_and_frees_blocks() 
             first_output.set()
             assert aborted.wait(60)  # holds the loop thread: the aborts land before the next iteration
 
-    loop = EngineLoop(lambda: tiny_engine("gpt2", max_bs=1), on_output=on_output)
+    loop = EngineLoop(lambda: tiny_core("gpt2", max_bs=1), on_output=RequestOutputs(on_output))
     loop.start()
     try:
         long = SamplingParams(max_tokens=120, ignore_eos=True)  # the tiny model's context is 128
@@ -126,7 +126,7 @@ def test_abort_of_running_and_waiting_requests_finishes_once_and_frees_blocks() 
         loop.shutdown()
     assert all(len(v) == 1 for v in col.finals.values()), col.finals
     assert sorted(col.finals) == ["after", "running", "waiting"]
-    assert is_idle(loop.engine.stats()) and is_idle(loop.stats)
+    assert is_idle(loop.core.stats()) and is_idle(loop.stats)
 
 
 def test_on_iteration_runs_once_per_iteration_that_ran() -> None:
@@ -158,7 +158,7 @@ def test_on_stats_publishes_each_change_and_the_idle_state_before_the_final_outp
         assert 3 <= used <= 3 + 8 and max(s.kv_allocated_blocks for s in busy) == -(-used // 4)
         assert all(s.kv_allocated_slots == 4 * s.kv_allocated_blocks for s in rec.snapshots)
         assert all(a != b for a, b in zip(rec.snapshots, rec.snapshots[1:]))  # changes only
-        assert {s.n_slots for s in rec.snapshots} == {loop.engine.n_slots}
+        assert {s.n_slots for s in rec.snapshots} == {loop.core.n_slots}
 
         loop.submit("long", [1, 2], SamplingParams(max_tokens=120, ignore_eos=True))
         while col.outputs.get(timeout=60).request_id != "long":
@@ -185,7 +185,7 @@ def test_preemptions_are_counted_in_the_stats() -> None:
     assert [(f.finish_reason, len(f.token_ids)) for f in finals] == [("length", 100)] * 4
     preemptions = [s.preemptions for s in rec.snapshots]
     assert preemptions == sorted(preemptions) and preemptions[-1] > 0
-    assert preemptions[-1] == loop.engine.stats().preemptions
+    assert preemptions[-1] == loop.core.stats().preemptions
     assert all(s.kv_allocated_blocks <= 8 for s in rec.snapshots)
     assert is_idle(rec.snapshots[-1])
 
@@ -195,7 +195,7 @@ def test_a_failing_stats_callback_does_not_stop_the_loop() -> None:
         raise RuntimeError("metrics are down")
 
     col = Collector()
-    loop = EngineLoop(lambda: tiny_engine("gpt2"), on_output=col, on_iteration=broken, on_stats=broken)
+    loop = EngineLoop(lambda: tiny_core("gpt2"), on_output=RequestOutputs(col), on_iteration=broken, on_stats=broken)
     loop.start()
     try:
         loop.submit("a", [1, 2, 3], GREEDY)
@@ -220,7 +220,7 @@ def test_shutdown_cancels_everything_in_flight_with_one_final_each() -> None:
 def test_waiting_queue_bound_refuses_at_once() -> None:
     col = Collector()
     # not started: nothing is admitted, everything waits
-    loop = EngineLoop(lambda: tiny_engine("gpt2", max_bs=1, max_queue=2), on_output=col)
+    loop = EngineLoop(lambda: tiny_core("gpt2", max_bs=1, max_queue=2), on_output=RequestOutputs(col))
     loop.submit("a", [1], GREEDY)
     loop.submit("b", [1], GREEDY)
     with pytest.raises(QueueFullError, match="waiting queue is full"):
@@ -241,8 +241,8 @@ def test_a_hung_iteration_or_a_dead_thread_fails_the_loop_loudly(kind: str, word
 
     failures: queue.Queue[str] = queue.Queue()
     collector = Collector()
-    loop = EngineLoop(lambda: tiny_engine("gpt2", worker_timeout=1), on_output=collector, on_failure=failures.put,
-                      fault=(3, kind))
+    loop = EngineLoop(lambda: tiny_core("gpt2", worker_timeout=1), on_output=RequestOutputs(collector),
+                      on_failure=failures.put, fault=(3, kind))
     loop.start()
     start = time.monotonic()
     loop.submit("a", [1, 2, 3], GREEDY)
@@ -281,9 +281,9 @@ def test_the_loop_builds_its_engine_on_its_own_thread_and_steps_it_there() -> No
     if torch.get_num_threads() < 2:
         pytest.skip("one torch thread: no OpenMP team to see")
     collector = Collector()
-    loop = EngineLoop(lambda: tiny_engine("gpt2"), on_output=collector)
+    loop = EngineLoop(lambda: tiny_core("gpt2"), on_output=RequestOutputs(collector))
     try:
-        worker = loop.engine.executor.worker
+        worker = loop.core.executor.worker
         assert worker.load_thread == loop._thread.ident != threading.get_ident()
         before = _native_threads()
         loop.start()

@@ -144,7 +144,7 @@ def test_unknown_backend_is_refused_with_the_choices() -> None:
 def test_auto_sizes_the_second_copy_from_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from safetensors.torch import load_file
 
-    from orca.loader import checkpoint_bytes
+    from orca.models.loader import checkpoint_bytes
 
     path = make_llama(tmp_path / "ckpt", seed=1)
     tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}

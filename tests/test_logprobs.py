@@ -10,8 +10,7 @@ import pytest
 import torch
 from _fixtures import FAMILIES, drain, tiny_checkpoint, tiny_engine, tiny_reference
 
-from orca import LLM, Logprob, RequestOutput, SamplingParams
-from orca.engine import LLMEngine
+from orca import LLM, LLMEngine, Logprob, RequestOutput, SamplingParams
 from orca.plan import SamplingSpec, TokenLogprobs
 from orca.sampler import token_logprobs
 from orca.serving import logprobs_json, parse_generate_request, response_tensors

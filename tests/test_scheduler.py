@@ -604,7 +604,7 @@ class Harness:
         """Whether the scheduler could select req as the first of its kind in an empty batch."""
         n = 1 if req.in_increment else int(min(req.num_uncomputed_tokens, budget))
         if not req.admitted:
-            target = req.max_tokens if self.policy == "reserve" else n
+            target = req.max_num_tokens if self.policy == "reserve" else n
             return self.blocks.blocks_for(target) <= self.blocks.num_free_blocks
         need = self.blocks.blocks_needed(req.request_id, req.num_computed_tokens + n)
         reclaimable = 0
@@ -756,7 +756,7 @@ class Harness:
                 continue
             assert n >= 1 and n >= self.blocks.blocks_for(r.num_computed_tokens)
             if self.policy == "reserve":
-                assert n == self.blocks.blocks_for(r.max_tokens)
+                assert n == self.blocks.blocks_for(r.max_num_tokens)
             else:  # on demand: exactly what the computed (or scheduled) tokens need
                 m = self.member_of(r)
                 assert n == self.blocks.blocks_for(r.num_computed_tokens if m is None else m.start + m.num_tokens)
@@ -779,7 +779,7 @@ class Harness:
     def drain(self) -> None:
         """Runs every remaining request to completion (each finishes at its max_tokens), as the engine's
         step() does: select while a worker is free, then collect the oldest batch."""
-        limit = 20 * sum(r.max_tokens + 2 for r in self.requests) + 20
+        limit = 20 * sum(r.max_num_tokens + 2 for r in self.requests) + 20
         for _ in range(limit):
             if not self.sched.has_unfinished() and not self.in_flight:
                 break

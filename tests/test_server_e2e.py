@@ -22,7 +22,7 @@ from orca_client import OrcaClient, OrcaError
 from orca_client.client import build_inputs
 
 from orca import LLM, SamplingParams
-from orca.loader import default_model_path
+from orca.checkpoint import default_model_path
 
 PARIS_PROMPT = "The capital of France is"
 JAPANESE_PROMPT = "The Japanese word for thank you is"

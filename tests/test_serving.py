@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from orca.engine import RequestOutput
+from orca import RequestOutput
 from orca.serving import GenerateRequest, parse_generate_request, response_tensors
 
 

@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from orca.checkpoint import read_model_config
 from orca.kv_cache import KVLayout
-from orca.loader import MODEL_CLASSES, load_model, read_model_config
 from orca.models.attention import AttentionMetadata
+from orca.models.loader import MODEL_CLASSES, load_model
 from orca.parallel import (
     ParallelContext,
     ParallelLayout,

@@ -752,7 +752,7 @@ def offline_policies(choice: str) -> tuple[str, ...]:
 def cmd_offline(args: argparse.Namespace) -> int:
     import torch
 
-    from orca.loader import read_model_config, resolve_checkpoint
+    from orca.checkpoint import read_model_config, resolve_checkpoint
 
     spec = _spec(args, "offline")
     checkpoint = resolve_checkpoint(args.model)
@@ -1134,7 +1134,7 @@ def run_peers_offline(
     venv, one after the other. Stores result["peers"][NAME:VARIANT]: the peer's record (without its
     tokens), orca's tokens/s over the peer's, model FLOPs and MFU against this run's matmul peak, and the
     requests whose greedy tokens equal orca's. A peer that fails is recorded with its error."""
-    from orca.loader import default_model_path
+    from orca.checkpoint import default_model_path
     from orca_client.peers import PeerUnavailable, parse_peers, peer_model, run_peer
 
     model_arg = Path(args.model).expanduser() if args.model else default_model_path()
@@ -1310,9 +1310,10 @@ def cmd_linears(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
     from torch import nn
 
+    from orca.checkpoint import resolve_checkpoint
     from orca.config import EngineConfig
-    from orca.loader import load_model, resolve_checkpoint
     from orca.models.layers import PackedLinear, onednn_packs
+    from orca.models.loader import load_model
     from orca_client.peers.runner_common import timed
 
     dtype = EngineConfig(dtype=args.dtype, device="cpu").torch_dtype  # validated: a bad name is a ValueError

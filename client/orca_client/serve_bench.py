@@ -366,8 +366,8 @@ def measure_hops(server: Running, prompt_tokens: int, output_tokens: int, repeat
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
+    from orca.checkpoint import resolve_checkpoint
     from orca.config import auto_dtype
-    from orca.loader import resolve_checkpoint
     from orca_client.bench_common import machine_info
     from orca_client.peers import PeerUnavailable, peer_python
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orca.config import ModelConfig
+from orca.checkpoint import ModelConfig
 from orca.parallel import ParallelContext, vocab_per_rank
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from orca.config import ModelConfig
+from orca.checkpoint import ModelConfig
 from orca.models.attention import AttentionMetadata, selective_attention
 from orca.models.layers import embedding, row_linear, stage_input, stage_logits, untied_lm_head
 from orca.models.moe import SparseMoE

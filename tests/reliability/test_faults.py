@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
-from _fixtures import tiny_engine
+from _fixtures import RequestOutputs, tiny_core, tiny_engine
 from _reliability import (
     LogWatch,
     Spec,
@@ -47,7 +47,7 @@ def test_an_exception_inside_an_iteration_fails_its_requests_only() -> None:
     """max_bs 2, the fault at the first iteration: b and c are in it and fail with the exception's message;
     d, waiting behind them, and e, submitted later, complete with the tokens of an engine without fault."""
     outputs: queue.Queue[Any] = queue.Queue()
-    loop = EngineLoop(lambda: tiny_engine("gpt2", max_bs=2), on_output=outputs.put, fault=(1, "raise"))
+    loop = EngineLoop(lambda: tiny_core("gpt2", max_bs=2), on_output=RequestOutputs(outputs.put), fault=(1, "raise"))
     for rid in ("b", "c", "d"):
         loop.submit(rid, [1, 2, 3], GREEDY)  # before start: all three are there for the first iteration
     loop.start()
@@ -83,7 +83,7 @@ def test_an_exception_inside_an_iteration_fails_its_requests_only() -> None:
 
 def test_fault_kinds_are_checked_when_the_loop_is_built() -> None:
     with pytest.raises(ValueError, match="unknown kind 'explode'"):
-        EngineLoop(lambda: tiny_engine("gpt2"), on_output=lambda out: None, fault=(1, "explode"))
+        EngineLoop(lambda: tiny_core("gpt2"), on_output=RequestOutputs(lambda out: None), fault=(1, "explode"))
 
 
 # -- through Triton ----------------------------------------------------------------------------------------

@@ -33,9 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 from hypothesis.extra import numpy as hnp
 
-from orca import LLMEngine
-from orca.engine import RequestOutput
-from orca.request import Logprob
+from orca import LLMEngine, Logprob, RequestOutput
 from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, SamplingParams
 from orca.serving import (
     INPUT_NAMES,
@@ -79,7 +77,7 @@ def outcome(engine: LLMEngine, inputs: dict[str, Any], parameters: dict[str, Any
     """What model.py does up to submission: the ValueError's message, or the request the engine takes.
     Any other exception propagates and fails the test."""
     try:
-        request = parse_generate_request(inputs, parameters, engine, engine.tokenizer is not None)
+        request = parse_generate_request(inputs, parameters, engine.text, engine.tokenizer is not None)
         engine.validate(request.prompt_token_ids, request.params)
     except ValueError as exc:
         message = str(exc)

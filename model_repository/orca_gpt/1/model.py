@@ -1,14 +1,17 @@
 """Triton adapter for the Orca engine: a decoupled Python model.
 
-Thin by design: Triton tensors in, engine calls, Triton responses out. The scheduling is the engine's
-(orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca.serving's.
+Thin by design: Triton tensors in, engine calls, Triton responses out. The scheduling is the engine core's
+(orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca.serving's; text is the front
+end's (orca.Tokenizer in, orca.OutputProcessor out).
 
-Threads: Triton calls execute(), which parses, submits and returns at once. The scheduler thread loads
-the engine (in initialize, which waits for it) and then runs its iterations, queues outputs and publishes
-the engine's gauges: every torch op of the engine runs on that one thread. The response thread turns outputs into
-Triton responses and sends them, so sending never delays the next iteration. It owns every sender, so it
-also notices client cancellation and aborts those requests: a request's sender is asked with each of its
-outputs, and any active request not asked for _CANCEL_POLL_S (one still waiting for admission, say) by a
+Threads: Triton calls execute(), which parses and tokenizes, submits token ids and returns at once. The
+scheduler thread loads the engine core (in initialize, which waits for it) and then runs its iterations,
+queues their deltas and publishes the engine's gauges: every torch op of the engine runs on that one thread,
+and no text. The response thread turns deltas into RequestOutputs (detokenizing, stop strings, logprobs:
+the OutputProcessor) and those into Triton responses, and sends them, so neither delays the next iteration.
+It owns every sender, so it also notices client cancellation and aborts those requests: a request's sender
+is asked with each of its outputs, and any active request not asked for _CANCEL_POLL_S (one still waiting
+for admission, say) by a
 periodic sweep. Every request gets exactly one FINAL.
 
 A watcher thread follows tritonserver itself. On SIGTERM/SIGINT Triton stops taking HTTP connections and
@@ -26,35 +29,36 @@ import json
 import logging
 import os
 import queue
-import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from orca import EngineConfig, EngineFailedError, LLMEngine, QueueFullError, RequestOutput
-from orca.engine import EngineStats, IterationStats
+from orca import (
+    EngineConfig,
+    EngineCore,
+    EngineCoreOutput,
+    EngineFailedError,
+    OutputProcessor,
+    QueueFullError,
+    RequestOutput,
+)
+from orca.engine import IterationStats
 from orca.engine_loop import EngineLoop, fault_from_env
 from orca.serving import INPUT_NAMES, GenerateRequest, log_to_stderr, parse_generate_request, response_tensors
+from orca.tokenizer import Tokenizer
+from orca_triton.lifecycle import HttpProbe, cmdline, start_reaper
+from orca_triton.lifecycle import exit_timeout as triton_exit_timeout
+from orca_triton.metrics import Metrics
 
 logger = logging.getLogger("orca_gpt")
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
-_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 _CANCEL_POLL_S = 0.1  # how often the response thread asks every active request's sender about cancellation
 _NO_OUTPUT = object()
 _WATCH_S = 0.5  # how often the watcher asks whether tritonserver still runs and is ready
-_TRITON_EXIT_TIMEOUT_S = 30.0  # tritonserver's default --exit-timeout-secs
-# The gauges, each named (in _Metrics' families) by the EngineStats field or property it shows.
-_GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
-           "n_slots")
 
 
 @dataclass(frozen=True)
@@ -74,64 +78,6 @@ class _Active:
     asked_at: float = 0.0  # when the response thread last asked the sender about cancellation
 
 
-class _Metrics:
-    """Triton custom metrics (served on the metrics port with Triton's own)."""
-
-    def __init__(self, labels: dict[str, str]) -> None:
-        C, G, H = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
-        fam = pb_utils.MetricFamily
-        self._families = {
-            "prompt": fam("orca_prompt_tokens_total", "Prompt tokens of admitted requests", C),
-            "generated": fam("orca_generated_tokens_total", "Generated tokens", C),
-            "finished": fam("orca_requests_finished_total", "Finished requests by finish reason", C),
-            "ttft": fam("orca_time_to_first_token_seconds", "Arrival to first token", H),
-            "tpot": fam("orca_time_per_output_token_seconds", "Per-token time after the first", H),
-            "e2e": fam("orca_request_latency_seconds", "Arrival to final response", H),
-            "batch": fam("orca_iteration_batch_size", "Requests per iteration", H),
-            "iteration": fam("orca_iteration_seconds", "Duration of an iteration in the workers (the model's time: "
-                             "plan submitted to result collected)", H),
-            "preemptions": fam("orca_preemptions_total", "Requests preempted (K/V blocks freed, recomputed later)", C),
-            "running": fam("orca_running_requests", "Admitted requests (holding K/V blocks)", G),
-            "waiting": fam("orca_waiting_requests", "Requests waiting for admission (new or preempted)", G),
-            "kv_total_blocks": fam("orca_kv_total_blocks", "K/V blocks in the pool", G),
-            "kv_allocated_blocks": fam("orca_kv_allocated_blocks", "K/V blocks held by requests", G),
-            "kv_used_tokens": fam("orca_kv_used_tokens", "Tokens whose keys and values the pool holds", G),
-            "kv_allocated_slots": fam("orca_kv_reserved_slots", "K/V slots in allocated blocks", G),
-            "n_slots": fam("orca_kv_slots", "K/V slots in the pool (n_slots)", G),
-        }
-        f = self._families
-        self.prompt = f["prompt"].Metric(labels=labels)
-        self.generated = f["generated"].Metric(labels=labels)
-        self._finished_labels = labels
-        self._finished: dict[str, Any] = {}
-        self.ttft = f["ttft"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
-        self.tpot = f["tpot"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
-        self.e2e = f["e2e"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
-        self.batch = f["batch"].Metric(labels=labels, buckets=_BATCH_BUCKETS)
-        self.iteration = f["iteration"].Metric(labels=labels, buckets=_LATENCY_BUCKETS)
-        self.preemptions = f["preemptions"].Metric(labels=labels)
-        self._gauges = {key: f[key].Metric(labels=labels) for key in _GAUGES}
-        self._shown: dict[str, int] = {}
-        self._preemptions = 0
-
-    def publish(self, stats: EngineStats) -> None:
-        """Sets the gauges that changed and counts new preemptions (scheduler thread only)."""
-        for key, gauge in self._gauges.items():
-            value = getattr(stats, key)
-            if self._shown.get(key) != value:
-                gauge.set(value)
-                self._shown[key] = value
-        if stats.preemptions > self._preemptions:
-            self.preemptions.increment(stats.preemptions - self._preemptions)
-        self._preemptions = stats.preemptions
-
-    def finished(self, reason: str) -> Any:
-        if reason not in self._finished:
-            labels = {**self._finished_labels, "reason": reason}
-            self._finished[reason] = self._families["finished"].Metric(labels=labels)
-        return self._finished[reason]
-
-
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         log_to_stderr(logger.name)  # the engine's load and compile progress, in the server's log
@@ -139,30 +85,33 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("orca_gpt must be decoupled (model_transaction_policy)")
         config = _engine_config(model_config)
-        self.metrics = _Metrics({"model": args["model_name"], "version": args["model_version"]})
+        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]})
         self._ids = itertools.count()
         self._id_prefix = f"{args['model_name']}-{args['model_instance_name']}-"
         self._active: dict[str, _Active] = {}
         self._active_lock = threading.Lock()
-        self._responses: queue.Queue[RequestOutput | None] = queue.Queue()
-        # The engine is built (loaded, compiled, warmed up) on the loop's own thread, which then steps it:
+        self._responses: queue.Queue[EngineCoreOutput | _Failure | None] = queue.Queue()
+        # The core is built (loaded, compiled, warmed up) on the loop's own thread, which then steps it:
         # this thread (the stub's, which calls execute) never runs torch's ops (orca/engine_loop.py).
         self.loop = EngineLoop(
-            lambda: LLMEngine(config), on_output=self._responses.put, on_iteration=self._on_iteration,
+            lambda: EngineCore(config), on_output=self._responses.put, on_iteration=self._on_iteration,
             on_stats=self.metrics.publish, on_failure=self._on_engine_failure,
             fault=fault_from_env(args["model_name"]),
         )
-        self.engine = self.loop.engine
-        self.has_tokenizer = self.engine.tokenizer is not None
-        self.metrics.publish(self.engine.stats())
+        self.core = self.loop.core
+        self.text = Tokenizer.load(self.core.checkpoint)
+        self.has_tokenizer = self.text.available
+        self.eos_token_ids = self.text.eos_token_ids(self.core.eos_token_ids)
+        self.outputs = OutputProcessor(self.text)  # on the response thread (add_request on execute's)
+        self.metrics.publish(self.core.stats())
         self._model_name = args["model_name"]
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
         self._response_thread.start()
         self.loop.start()
         self._finalizing = threading.Event()
         threading.Thread(target=self._watch_server, name="orca-server-watch", daemon=True).start()
-        self._reaper = _start_reaper()
-        logger.info("orca_gpt ready: %s, n_slots=%d", self.engine.checkpoint, self.engine.n_slots)
+        self._reaper = start_reaper()
+        logger.info("orca_gpt ready: %s, n_slots=%d", self.core.checkpoint, self.core.n_slots)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -183,16 +132,16 @@ class TritonPythonModel:
 
     # -- the watcher threads -----------------------------------------------------------------------
     def _watch_server(self) -> None:
-        """Notices tritonserver's shutdown through its HTTP port (_HttpProbe): Triton first closes new HTTP
+        """Notices tritonserver's shutdown through its HTTP port (HttpProbe): Triton first closes new HTTP
         connections while it waits up to the exit timeout for the open ones, then stops its HTTP service and
         waits (the rest of the timeout) for the models to unload. From then new requests are refused
         (UNAVAILABLE, "the engine is shutting down"), the requests in flight have until shortly before the
         exit timeout ends, and the rest are cancelled then, so each gets its FINAL before Triton exits.
         Nothing here calls into Triton: polling pb_utils.is_model_ready from a thread of the stub, tried
         first, crashed tritonserver under load (a boost interprocess lock_exception in the next execute)."""
-        args = _cmdline(os.getppid())
-        exit_timeout = _exit_timeout(args)
-        probe = _HttpProbe(args)
+        args = cmdline(os.getppid())
+        exit_timeout = triton_exit_timeout(args)
+        probe = HttpProbe(args)
         while not probe.closed():
             if self._finalizing.wait(_WATCH_S):
                 return
@@ -221,15 +170,18 @@ class TritonPythonModel:
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
             parameters = json.loads(request.parameters() or "{}")
-            parsed = parse_generate_request(inputs, parameters, self.engine, self.has_tokenizer)
+            parsed = parse_generate_request(inputs, parameters, self.text, self.has_tokenizer)
             request_id = f"{self._id_prefix}{next(self._ids)}"
+            arrival = time.monotonic()
             with self._active_lock:
                 self._active[request_id] = _Active(sender, parsed)
+                self.outputs.add_request(request_id, len(parsed.prompt_token_ids), parsed.params, arrival)
             try:
-                self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params)
+                self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params, arrival, self.eos_token_ids)
             except BaseException:
                 with self._active_lock:
                     self._active.pop(request_id, None)
+                    self.outputs.forget(request_id)
                 raise
         except ValueError as exc:
             _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
@@ -258,6 +210,8 @@ class TritonPythonModel:
         logger.error("%s failed: %s", self._model_name, reason)
         with self._active_lock:
             failed, self._active = self._active, {}
+            for request_id in failed:
+                self.outputs.forget(request_id)
         for active in failed.values():
             try:
                 _send_error(active.sender, f"the engine failed: {reason}", pb_utils.TritonError.UNAVAILABLE)
@@ -286,10 +240,7 @@ class TritonPythonModel:
             if isinstance(out, _Failure):
                 self._fail_active(out.reason)
             elif out is not _NO_OUTPUT:
-                try:
-                    self._respond(out)
-                except Exception:  # noqa: BLE001
-                    logger.exception("sending a response for %s failed", out.request_id)
+                self._process(out)
             if time.monotonic() >= next_sweep:  # also under load, when the queue is never empty
                 try:
                     self._abort_cancelled()
@@ -319,6 +270,21 @@ class TritonPythonModel:
                 active.cancelled = True
                 self.loop.abort(request_id)
 
+    def _process(self, delta: EngineCoreOutput) -> None:
+        """One delta from the core: its RequestOutput (the front end's work), then its response."""
+        try:
+            processed = self.outputs.process((delta,))
+        except Exception:  # noqa: BLE001 - one request's output must not stop the others'
+            logger.exception("processing the output of %s failed", delta.request_id)
+            return
+        for request_id in processed.aborts:  # finished by a stop string: the core must stop generating it
+            self.loop.abort(request_id)
+        for out in processed.outputs:
+            try:
+                self._respond(out)
+            except Exception:  # noqa: BLE001
+                logger.exception("sending a response for %s failed", out.request_id)
+
     def _respond(self, out: RequestOutput) -> None:
         with self._active_lock:
             active = self._active.pop(out.request_id, None) if out.finished else self._active.get(out.request_id)
@@ -326,7 +292,7 @@ class TritonPythonModel:
             return
         if not out.finished:
             self._ask_cancelled(out.request_id, active)
-        if out.first_token_time is not None and len(out.token_ids) == len(out.new_token_ids) == 1:
+        if out.first_token_time is not None and out.num_output_tokens == len(out.new_token_ids) == 1:
             self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
             self.metrics.prompt.increment(out.num_prompt_tokens)
         self.metrics.generated.increment(len(out.new_token_ids))
@@ -349,110 +315,8 @@ class TritonPythonModel:
         m.finished(out.finish_reason or "unknown").increment(1)
         if out.finish_time is not None:
             m.e2e.observe(out.finish_time - out.arrival_time)
-            if out.first_token_time is not None and len(out.token_ids) > 1:
-                m.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
-
-
-# The reaper: a small process beside the stub that kills it once tritonserver is gone (killed, crashed, or
-# exited past its timeout without unloading the model), then exits; it exits too when the stub does. A
-# process, not a thread: a stub whose server died can block every thread of its own, the GIL included.
-_REAPER = """
-import os, signal, sys, time
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: Triton decides, then we see
-stub, server = int(sys.argv[1]), int(sys.argv[2])
-def started(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return None if fields[0] in "ZX" else fields[19]
-    except (OSError, IndexError):
-        return None
-server_start, stub_start = started(server), started(stub)
-while True:
-    time.sleep(0.5)
-    if started(stub) != stub_start:
-        sys.exit(0)
-    if started(server) != server_start:
-        print(f"orca reaper: tritonserver (pid {server}) is gone: killing its Python backend stub {stub}", flush=True)
-        os.kill(stub, signal.SIGKILL)
-        sys.exit(0)
-"""
-
-
-def _start_reaper() -> subprocess.Popen | None:
-    python = sys.executable if "python" in Path(sys.executable).name else shutil.which("python3")
-    if python is None:
-        logger.warning("no python3 found: the stub cannot watch for tritonserver's death")
-        return None
-    return subprocess.Popen([python, "-S", "-c", _REAPER, str(os.getpid()), str(os.getppid())],
-                            stdin=subprocess.DEVNULL, close_fds=True)
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def _flag(args: list[str], name: str) -> str | None:
-    """The value of tritonserver's --name=value (or --name value), else None."""
-    for i, arg in enumerate(args):
-        if arg.startswith(f"--{name}="):
-            return arg.split("=", 1)[1]
-        if arg == f"--{name}" and i + 1 < len(args):
-            return args[i + 1]
-    return None
-
-
-def _exit_timeout(args: list[str]) -> float:
-    """tritonserver's --exit-timeout-secs, else Triton's default."""
-    try:
-        return max(0.0, float(_flag(args, "exit-timeout-secs") or _TRITON_EXIT_TIMEOUT_S))
-    except ValueError:
-        return _TRITON_EXIT_TIMEOUT_S
-
-
-class _HttpProbe:
-    """Opens a fresh connection to tritonserver's HTTP port each time. While shutting down, Triton first
-    accepts new connections and closes (or resets) them unanswered, then closes its port. closed() is True
-    after two such answers in a row: unanswered connections, or (having been answered before) refused ones.
-    A port that refuses connections before it ever answered (Triton still loading models) and a slow
-    answer count for nothing; with HTTP off (--allow-http=false) nothing is noticed."""
-
-    def __init__(self, args: list[str]) -> None:
-        address = _flag(args, "http-address") or "0.0.0.0"
-        self.address = (
-            "127.0.0.1" if address in ("0.0.0.0", "") else address,
-            int(_flag(args, "http-port") or 8000),
-        )
-        self.enabled = (_flag(args, "allow-http") or "true").lower() not in ("false", "0")
-        self.answered = False
-        self.misses = 0
-
-    def closed(self) -> bool:
-        if not self.enabled:
-            return False
-        try:
-            sock = socket.create_connection(self.address, timeout=2)
-        except TimeoutError:
-            return False
-        except OSError:  # refused: not listening (yet, or any more)
-            self.misses = self.misses + 1 if self.answered else 0
-            return self.misses >= 2
-        with sock:
-            try:
-                sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: triton\r\nConnection: close\r\n\r\n")
-                reply = sock.recv(64)
-            except TimeoutError:
-                return False
-            except OSError:
-                reply = b""
-        if reply.startswith(b"HTTP/"):
-            self.answered, self.misses = True, 0
-        else:
-            self.misses += 1
-        return self.misses >= 2
+            if out.first_token_time is not None and out.num_output_tokens > 1:
+                m.tpot.observe((out.finish_time - out.first_token_time) / (out.num_output_tokens - 1))
 
 
 def _send_error(sender: Any, message: str, code: Any) -> None:

@@ -1,0 +1,167 @@
+"""``orca-bench core``: the scheduler thread's own cost per iteration, the model excluded.
+
+The engine runs over a stub executor that answers each plan at once (a token per sampled request, taken
+in turn from real English text tokenized with the model's tokenizer, with its log-probabilities and the
+top --logprobs alternatives), so what is timed is the host-side work around the model: scheduling,
+planning, completing the iteration, and building each request's output. B requests (--batch) are brought
+to a history of H generated tokens (--history), and then --steps decode iterations are timed, for every
+(B, H). Per iteration it reports the median of:
+- ``core_ms``: what the scheduler thread does (EngineCore.step: schedule, plan, stop rules, deltas);
+- ``output_ms``: what the output side does with those deltas (OutputProcessor.process: detokenizing,
+  stop strings, logprob entries, RequestOutput): on the Triton model's response thread, not the
+  scheduler's;
+- ``stub_ms``: the stub executor's own time (subtracted from core_ms).
+Engines before the token-only core did both on the scheduler thread: there core_ms is LLMEngine.step and
+output_ms is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+DEFAULT_BATCHES = (32, 256)
+DEFAULT_HISTORIES = (0, 1000)
+
+
+class StubExecutor:
+    """Answers each plan at once: no model, no tensors. Tokens come from `text_ids` in turn (so the
+    detokenizer sees real text); each sampled token gets its log-probability, rank 1 and `top_n`
+    alternatives."""
+
+    max_in_flight = 1
+
+    def __init__(self, num_blocks: int, text_ids: list[int], top_n: int, seed: int = 0) -> None:
+        from orca.plan import StepResult, TokenLogprobs
+
+        self._result, self._logprobs = StepResult, TokenLogprobs
+        self.num_blocks = num_blocks
+        self._text = text_ids
+        self._top_n = top_n
+        self._rng = random.Random(seed)
+        self._next: dict[str, int] = {}
+        self._results: list[Any] = []
+        self.seconds = 0.0  # time spent in submit, summed
+
+    def submit(self, plan: Any) -> None:
+        start = time.perf_counter()
+        result = self._result(plan.batch_id)
+        for p in plan.requests:
+            if p.sample_step is None:
+                continue
+            i = self._next.get(p.request_id, self._rng.randrange(len(self._text)))
+            token = self._text[i % len(self._text)]
+            self._next[p.request_id] = i + 1
+            result.sampled[p.request_id] = token
+            top = tuple(self._text[(i + k) % len(self._text)] for k in range(1, self._top_n + 1))
+            result.logprobs[p.request_id] = self._logprobs(
+                token, -0.5, 1, top, tuple(-1.0 - k for k in range(self._top_n))
+            )
+        for rid in plan.free_request_ids:
+            self._next.pop(rid, None)
+        self._results.append(result)
+        self.seconds += time.perf_counter() - start
+
+    def collect(self) -> Any:
+        return self._results.pop(0)
+
+    def shutdown(self) -> None:
+        self._results.clear()
+
+
+def english_token_ids(tokenizer: Any, limit: int = 50_000) -> list[int]:
+    """Real English text (Python's own documentation, pydoc_data.topics) as the model's tokens."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))[: limit * 5]
+    return list(tokenizer.encode(text, add_special_tokens=False))[:limit]
+
+
+def measure(model: str | None, batch: int, history: int, steps: int, top_n: int, block_size: int = 16) -> dict:
+    """One (batch, history) point: fresh engine over the stub executor, B requests brought to `history`
+    generated tokens, then `steps` timed decode iterations."""
+    from orca import EngineConfig, LLMEngine, SamplingParams
+    from orca.checkpoint import load_tokenizer, resolve_checkpoint
+
+    tokenizer = load_tokenizer(resolve_checkpoint(model))
+    text_ids = english_token_ids(tokenizer)
+    prompt_len = 16
+    per_request = prompt_len + history + steps + 2
+    num_blocks = batch * (-(-per_request // block_size)) + 1
+    stub = StubExecutor(num_blocks, text_ids, top_n)
+    config = EngineConfig(model=model, max_bs=batch, block_size=block_size, max_queue=batch,
+                          max_model_len=max(per_request + 1, 2048))
+    engine = LLMEngine(config, executor=stub)
+    core = getattr(engine, "core", None)  # the token-only core and its output processor (engine core v3)
+    params = SamplingParams(max_tokens=history + steps + 1, temperature=0, ignore_eos=True, logprobs=top_n)
+    for i in range(batch):
+        engine.add_request(f"r{i}", text_ids[i * prompt_len:(i + 1) * prompt_len], params)
+    while True:  # the prompts, then decode up to the history
+        outs = engine.step()
+        if outs and all(len(o.token_ids) >= history for o in outs) and len(outs) == batch:
+            break
+    core_ms, output_ms, stub_ms = [], [], []
+    for _ in range(steps):
+        before = stub.seconds
+        if core is None:
+            start = time.perf_counter()
+            outs = engine.step()
+            core_s, output_s = time.perf_counter() - start, 0.0
+        else:
+            start = time.perf_counter()
+            deltas = core.step()
+            mid = time.perf_counter()
+            outs = engine.output_processor.process(deltas).outputs
+            core_s, output_s = mid - start, time.perf_counter() - mid
+        assert len(outs) == batch
+        s = stub.seconds - before
+        core_ms.append((core_s - s) * 1e3)
+        output_ms.append(output_s * 1e3)
+        stub_ms.append(s * 1e3)
+    engine.shutdown()
+    return {
+        "batch": batch, "history": history, "steps": steps, "logprobs": top_n,
+        "core_ms": statistics.median(core_ms), "output_ms": statistics.median(output_ms),
+        "stub_ms": statistics.median(stub_ms),
+        "engine": "token-only core + OutputProcessor" if core is not None else "LLMEngine.step (one thread)",
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    from orca_client.bench_common import machine_info
+
+    points = [measure(args.model, b, h, args.steps, args.logprobs) for b in args.batch for h in args.history]
+    return {"command": "core", "machine": machine_info(), "points": points}
+
+
+def print_result(result: dict) -> None:
+    print(f"{'batch':>6} {'history':>8} {'core ms':>9} {'output ms':>10} {'stub ms':>8}  engine")
+    for p in result["points"]:
+        print(f"{p['batch']:>6} {p['history']:>8} {p['core_ms']:>9.3f} {p['output_ms']:>10.3f} "
+              f"{p['stub_ms']:>8.3f}  {p['engine']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_BATCHES))
+    p.add_argument("--history", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_HISTORIES))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--logprobs", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    result = run(args)
+    print_result(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

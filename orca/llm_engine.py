@@ -1,0 +1,145 @@
+"""The engine for synchronous callers: the token-only core with the front end around it, on one thread.
+
+``LLMEngine`` = EngineCore (orca/engine.py: scheduling, planning, token ids) + the front end's
+Tokenizer (orca/tokenizer.py: text in) + OutputProcessor (orca/output_processor.py: deltas in,
+RequestOutputs out, stop strings, logprob entries). ``step()`` runs one core iteration and processes its
+deltas at once. orca.LLM and the request-level baseline drive it; the Triton model instead drives the
+core from its scheduler thread (orca/engine_loop.py) and runs the same front end on its own threads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orca.config import EngineConfig
+from orca.engine import EngineCore, EngineStats, IterationStats
+from orca.executor import Executor
+from orca.output_processor import OutputProcessor, RequestOutput
+from orca.sampling_params import SamplingParams
+from orca.tokenizer import Tokenizer, check_stop_strings
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
+        """`executor` replaces the default worker(s) (EngineCore's)."""
+        self.core = EngineCore(config, executor)
+        self.text = Tokenizer.load(self.core.checkpoint)
+        self.output_processor = OutputProcessor(self.text)
+        self.eos_token_ids = self.text.eos_token_ids(self.core.eos_token_ids)
+
+    # -- what the core knows, for callers and benchmarks -------------------------------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def checkpoint(self) -> Any:
+        return self.core.checkpoint
+
+    @property
+    def model_config(self) -> Any:
+        return self.core.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def n_slots(self) -> int:
+        return self.core.n_slots
+
+    @property
+    def block_size(self) -> int:
+        return self.core.block_size
+
+    @property
+    def executor(self) -> Executor:
+        return self.core.executor
+
+    @property
+    def timeline(self) -> Any:
+        return self.core.timeline
+
+    @property
+    def last_iteration(self) -> IterationStats:
+        return self.core.last_iteration
+
+    @property
+    def failed(self) -> str | None:
+        return self.core.failed
+
+    @property
+    def profile(self) -> bool:
+        """Time each iteration's phases (IterationStats.timings); costs device syncs."""
+        return self.core.profile
+
+    @profile.setter
+    def profile(self, value: bool) -> None:
+        self.core.profile = value
+
+    @property
+    def capture_logits(self) -> bool:
+        """Attach each sampled row's logits to RequestOutput.logits."""
+        return self.core.capture_logits
+
+    @capture_logits.setter
+    def capture_logits(self, value: bool) -> None:
+        self.core.capture_logits = value
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's transformers tokenizer, or None."""
+        return self.text.hf
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def request_ids(self) -> list[str]:
+        return self.core.request_ids()
+
+    # -- requests --------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Any, params: SamplingParams) -> None:
+        """The core's checks, and the front end's: stop strings need a tokenizer."""
+        self.core.validate(prompt_token_ids, params)
+        check_stop_strings(params, self.text.available)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        self.validate(prompt_token_ids, params)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.core.add_request(request_id, prompt_token_ids, params, arrival_time, frozenset(self.eos_token_ids))
+        self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival_time)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Aborts a request; its final output ("cancelled") comes from the next step(). False if unknown."""
+        return self.core.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration of the core; every output it reports, processed."""
+        processed = self.output_processor.process(self.core.step())
+        for request_id in processed.aborts:  # finished by a stop string: the core must stop too
+            self.core.abort_request(request_id)
+        return processed.outputs
+
+    # -- text ------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.text.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.text.apply_chat_template(messages)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.text.decode(token_ids)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,76 @@
+"""orca_gpt's Triton custom metrics (served on Triton's metrics port beside its own): counters and
+histograms the response thread updates from RequestOutputs, gauges the scheduler thread publishes from
+EngineStats (only those that changed). Names and labels are part of the interface: docs in README.md,
+"Metrics"."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from orca.engine import EngineStats
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+# The gauges, each named (in Metrics' families) by the EngineStats field or property it shows.
+_GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
+           "n_slots")
+
+
+class Metrics:
+    """Triton custom metrics (served on the metrics port with Triton's own)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        C, G, H = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
+        fam = pb_utils.MetricFamily
+        self._families = {
+            "prompt": fam("orca_prompt_tokens_total", "Prompt tokens of admitted requests", C),
+            "generated": fam("orca_generated_tokens_total", "Generated tokens", C),
+            "finished": fam("orca_requests_finished_total", "Finished requests by finish reason", C),
+            "ttft": fam("orca_time_to_first_token_seconds", "Arrival to first token", H),
+            "tpot": fam("orca_time_per_output_token_seconds", "Per-token time after the first", H),
+            "e2e": fam("orca_request_latency_seconds", "Arrival to final response", H),
+            "batch": fam("orca_iteration_batch_size", "Requests per iteration", H),
+            "iteration": fam("orca_iteration_seconds", "Duration of an iteration in the workers (the model's time: "
+                             "plan submitted to result collected)", H),
+            "preemptions": fam("orca_preemptions_total", "Requests preempted (K/V blocks freed, recomputed later)", C),
+            "running": fam("orca_running_requests", "Admitted requests (holding K/V blocks)", G),
+            "waiting": fam("orca_waiting_requests", "Requests waiting for admission (new or preempted)", G),
+            "kv_total_blocks": fam("orca_kv_total_blocks", "K/V blocks in the pool", G),
+            "kv_allocated_blocks": fam("orca_kv_allocated_blocks", "K/V blocks held by requests", G),
+            "kv_used_tokens": fam("orca_kv_used_tokens", "Tokens whose keys and values the pool holds", G),
+            "kv_allocated_slots": fam("orca_kv_reserved_slots", "K/V slots in allocated blocks", G),
+            "n_slots": fam("orca_kv_slots", "K/V slots in the pool (n_slots)", G),
+        }
+        f = self._families
+        self.prompt = f["prompt"].Metric(labels=labels)
+        self.generated = f["generated"].Metric(labels=labels)
+        self._finished_labels = labels
+        self._finished: dict[str, Any] = {}
+        self.ttft = f["ttft"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
+        self.tpot = f["tpot"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
+        self.e2e = f["e2e"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
+        self.batch = f["batch"].Metric(labels=labels, buckets=BATCH_BUCKETS)
+        self.iteration = f["iteration"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
+        self.preemptions = f["preemptions"].Metric(labels=labels)
+        self._gauges = {key: f[key].Metric(labels=labels) for key in _GAUGES}
+        self._shown: dict[str, int] = {}
+        self._preemptions = 0
+
+    def publish(self, stats: EngineStats) -> None:
+        """Sets the gauges that changed and counts new preemptions (scheduler thread only)."""
+        for key, gauge in self._gauges.items():
+            value = getattr(stats, key)
+            if self._shown.get(key) != value:
+                gauge.set(value)
+                self._shown[key] = value
+        if stats.preemptions > self._preemptions:
+            self.preemptions.increment(stats.preemptions - self._preemptions)
+        self._preemptions = stats.preemptions
+
+    def finished(self, reason: str) -> Any:
+        if reason not in self._finished:
+            labels = {**self._finished_labels, "reason": reason}
+            self._finished[reason] = self._families["finished"].Metric(labels=labels)
+        return self._finished[reason]
