@@ -1,7 +1,7 @@
 """Session fixtures shared by the server tests.
 
 ``orca_server`` (alias ``triton_server``) starts ONE tritonserver (the binary from the nvidia-pytriton
-wheel, through :class:`orca_server.launcher.TritonServer`) for the whole test session, on free loopback
+wheel, through :class:`orca_server.server.TritonServer`) for the whole test session, on free loopback
 ports, serving the test repository of tests/_server.py: every shipped model as is, plus tiny variants.
 It is lazy like every pytest fixture: a run that requests it from no test never starts Triton.
 """
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orca_server.launcher import TritonServer
+from orca_server.server import TritonServer
 
 # "auto" dtype means bfloat16 on CPUs with native bfloat16 (orca.config.auto_dtype); the tests compare with
 # float32 references (transformers, runs alone), so every engine of the session, the Triton server's

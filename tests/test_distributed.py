@@ -27,7 +27,7 @@ import pytest
 from _fixtures import hf_greedy, tiny_checkpoint, tiny_reference
 
 from orca import EngineConfig, EngineFailedError, LLMEngine, RequestOutput, SamplingParams
-from orca_server.launcher import free_ports
+from orca_server.server import free_ports
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""Tests of orca_server.launcher: wheel discovery, backend dir, environment, CLI, and
+"""Tests of orca_server (wheel.py, server.py, launcher.py): wheel discovery, backend dir, environment, CLI, and
 real tritonserver runs on a throwaway decoupled model (tests/smoke_model).
 
 The smoke tests also pin down Python backend 2.51 behaviour that the engine's
@@ -33,14 +33,8 @@ import tritonclient.grpc as grpcclient
 from test_server_e2e import wait_for
 from tritonclient.utils import InferenceServerException
 
-from orca_server.launcher import (
-    TritonServer,
-    TritonServerError,
-    build_command,
-    find_pytriton_paths,
-    prepare_backend_dir,
-    server_env,
-)
+from orca_server.server import TritonServer, build_command
+from orca_server.wheel import TritonServerError, find_pytriton_paths, prepare_backend_dir, server_env
 
 SMOKE_MODEL = Path(__file__).resolve().parent / "smoke_model"
 REPO_ROOT = Path(__file__).resolve().parent.parent

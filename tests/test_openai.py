@@ -25,7 +25,7 @@ from test_server_e2e import metrics, wait_for
 
 from orca_openai import protocol
 from orca_openai.triton import Chunk, classify
-from orca_server.launcher import free_ports
+from orca_server.server import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "sk-orca-test"

@@ -32,7 +32,7 @@ from _reliability import (
 from _server import SHIPPED_MODEL, _with_parameters
 from checkpoints import make_gpt2
 
-from orca_server.launcher import TritonServer
+from orca_server.server import TritonServer
 
 MODEL = "orca_sigterm"
 MODEL_TP2 = "orca_sigterm_tp2"  # tensor parallel over two `python -m orca.worker` processes
