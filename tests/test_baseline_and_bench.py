@@ -466,7 +466,7 @@ def test_orca_bench_linears_times_each_backend_over_the_models_weights(tmp_path:
 
 
 def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofline(tmp_path: Path) -> None:
-    """The GPU benchmark (orca_client/decode_sweep.py) at CPU size: a random tiny Llama built on the spot,
+    """The GPU benchmark (orca_client/bench/decode.py) at CPU size: a random tiny Llama built on the spot,
     orca's reference, batched and flex backends, transformers' continuous batching, three batch sizes."""
     out = tmp_path / "decode.json"
     argv = ["decode", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,3,4", "--prompt-len", "6",
@@ -493,7 +493,7 @@ def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofl
 
 
 def test_decode_roofline_counts_weights_once_and_kv_per_request() -> None:
-    from orca_client.decode_sweep import roofline
+    from orca_client.bench.decode import roofline
 
     # 1 GB of weights and 1 kB per token of context at 1 TB/s: one request of 1000 tokens reads 1.001 GB.
     assert roofline(10**9, 1000, 1, 1000, 10**12) == pytest.approx(1 / 1.001e-3)

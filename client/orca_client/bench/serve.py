@@ -368,7 +368,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from orca.config import auto_dtype
     from orca.loader import resolve_checkpoint
-    from orca_client.bench_common import machine_info
+    from orca_client.bench.common import machine_info
     from orca_client.peers import PeerUnavailable, peer_python
 
     profiles = parse_profiles(args.profiles)

@@ -58,7 +58,7 @@ pass at one row cannot beat: every weight is read once). Reports ms per pass, th
 GFLOP/s per backend and rows, and the ratios reference / onednn and onednn / hybrid.
 
 ``orca-bench serve``: the servers under guidellm: orca's OpenAI API against vLLM's OpenAI server, each
-started and stopped in turn, with orca's per-hop latency at batch 1 (client/orca_client/serve_bench.py).
+started and stopped in turn, with orca's per-hop latency at batch 1 (client/orca_client/bench/serve.py).
 
 Benchmarks print numbers; they do not pass or fail.
 """
@@ -86,7 +86,7 @@ import tritonclient.grpc as grpcclient
 from tqdm import tqdm
 from tritonclient.utils import InferenceServerException
 
-from orca_client.bench_common import cb_generate, machine_info, write_json
+from orca_client.bench.common import cb_generate, machine_info, write_json
 from orca_client.client import OrcaClient, parse_result
 from orca_client.trace import PRESETS, TraceRequest, TraceSpec, make_trace, parse_range
 
@@ -1532,7 +1532,7 @@ def build_parser() -> argparse.ArgumentParser:
     li.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     li.set_defaults(func=cmd_linears)
 
-    from orca_client import decode_sweep
+    from orca_client.bench import decode as decode_sweep
 
     dc = sub.add_parser("decode", help="decode tokens/s against batch size (1-256) for orca's attention backends and "
                         "CUDA graphs, transformers' continuous batching and the bandwidth roofline (the GPU benchmark)",
@@ -1552,7 +1552,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     d.set_defaults(func=cmd_distributed)
 
-    from orca_client import serve_bench
+    from orca_client.bench import serve as serve_bench
 
     serve_bench.add_parser(sub)
     return p
