@@ -346,6 +346,14 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_parser(sub: Any) -> None:
+    dc = sub.add_parser("decode", help="decode tokens/s against batch size (1-256) for orca's attention backends and "
+                        "CUDA graphs, transformers' continuous batching and the bandwidth roofline (the GPU benchmark)",
+                        description=" ".join(__doc__.split("\n\n")[1].split()))
+    add_arguments(dc)
+    dc.set_defaults(func=cmd_decode)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m orca_client.bench.decode", description=__doc__.split("\n\n")[1])
     add_arguments(p)

@@ -263,7 +263,7 @@ def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, 
 # -- orca's own views: the model's share and the hops -------------------------------------------------
 def iteration_seconds(metrics_url: str, model: str) -> tuple[float, float]:
     """(sum, count) of the model's orca_iteration_seconds, from Triton's metrics."""
-    from orca_client.bench import fetch_metrics
+    from orca_client.bench.trace_cmd import fetch_metrics
 
     samples = fetch_metrics(metrics_url, model, timeout=10)
     if samples is None:
