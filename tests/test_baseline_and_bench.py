@@ -26,6 +26,8 @@ import tritonclient.grpc as grpcclient
 from _fixtures import FAMILIES, drain, smollm2, tiny_checkpoint, tiny_engine
 from _server import REQUEST_LEVEL_TINY, REQUEST_LEVEL_TINY_BATCH
 from orca_client import bench as orca_bench
+from orca_client.bench import offline as orca_bench_offline
+from orca_client.bench import trace_cmd as orca_bench_trace
 from orca_client.client import parse_result
 from orca_client.trace import PRESETS, TraceSpec, make_trace
 
@@ -466,7 +468,7 @@ def test_orca_bench_linears_times_each_backend_over_the_models_weights(tmp_path:
 
 
 def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofline(tmp_path: Path) -> None:
-    """The GPU benchmark (orca_client/decode_sweep.py) at CPU size: a random tiny Llama built on the spot,
+    """The GPU benchmark (orca_client/bench/decode.py) at CPU size: a random tiny Llama built on the spot,
     orca's reference, batched and flex backends, transformers' continuous batching, three batch sizes."""
     out = tmp_path / "decode.json"
     argv = ["decode", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,3,4", "--prompt-len", "6",
@@ -493,7 +495,7 @@ def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofl
 
 
 def test_decode_roofline_counts_weights_once_and_kv_per_request() -> None:
-    from orca_client.decode_sweep import roofline
+    from orca_client.bench.decode import roofline
 
     # 1 GB of weights and 1 kB per token of context at 1 TB/s: one request of 1000 tokens reads 1.001 GB.
     assert roofline(10**9, 1000, 1, 1000, 10**12) == pytest.approx(1 / 1.001e-3)
@@ -501,7 +503,7 @@ def test_decode_roofline_counts_weights_once_and_kv_per_request() -> None:
 
 
 def test_kv_usage_weights_iterations_by_duration() -> None:
-    usage = orca_bench.KVUsage(block_size=4)
+    usage = orca_bench_offline.KVUsage(block_size=4)
     for duration, used, blocks, batch in ((1.0, 8, 4, 2), (3.0, 16, 4, 3), (5.0, 0, 0, 1)):
         usage.add(IterationStats(batch_size=batch, duration=duration, kv_used_tokens=used, kv_allocated_blocks=blocks))
     summary = usage.summary()
@@ -509,7 +511,7 @@ def test_kv_usage_weights_iterations_by_duration() -> None:
     assert summary["utilization"] == pytest.approx((0.5 * 1 + 1.0 * 3) / 4)
     assert summary["mean_allocated_blocks"] == pytest.approx(4.0) and summary["peak_allocated_blocks"] == 4
     assert usage.iterations == 3 and usage.mean_batch_size == pytest.approx(2.0)
-    assert orca_bench.KVUsage(block_size=16).summary()["utilization"] is None
+    assert orca_bench_offline.KVUsage(block_size=16).summary()["utilization"] is None
 
 
 METRICS_TEXT = """# HELP orca_kv_allocated_blocks K/V blocks held by requests
@@ -526,12 +528,12 @@ nv_inference_count{{model="orca_gpt",version="1"}} 12
 
 def test_parse_metrics_keeps_one_models_samples() -> None:
     text = METRICS_TEXT.format(allocated=3, used=40, slots=48, preemptions=2)
-    assert orca_bench.parse_metrics(text, "orca_gpt") == {
+    assert orca_bench_trace.parse_metrics(text, "orca_gpt") == {
         "orca_kv_allocated_blocks": 3, "orca_kv_used_tokens": 40, "orca_kv_reserved_slots": 48,
         "orca_kv_total_blocks": 100, "orca_preemptions_total": 2, "nv_inference_count": 12,
     }
-    assert orca_bench.parse_metrics(text, "other") == {"orca_kv_allocated_blocks": 99}
-    assert orca_bench.parse_metrics(text, "request_level_gpt") == {}
+    assert orca_bench_trace.parse_metrics(text, "other") == {"orca_kv_allocated_blocks": 99}
+    assert orca_bench_trace.parse_metrics(text, "request_level_gpt") == {}
 
 
 @pytest.fixture
@@ -569,7 +571,7 @@ def test_kv_sampler_averages_the_busy_samples(metrics_endpoint: Any) -> None:
         METRICS_TEXT.format(allocated=4, used=64, slots=64, preemptions=7),  # 100%
         METRICS_TEXT.format(allocated=0, used=0, slots=0, preemptions=8),
     ])
-    with orca_bench.KVSampler(url, "orca_gpt", interval=0.01, block_size=99) as sampler:
+    with orca_bench_trace.KVSampler(url, "orca_gpt", interval=0.01, block_size=99) as sampler:
         deadline = time.monotonic() + 10
         while len(sampler.samples) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -588,7 +590,7 @@ def test_kv_sampler_reports_none_without_gauges_or_endpoint(metrics_endpoint: An
         ("http://127.0.0.1:9/metrics", "orca_gpt", "not reachable"),  # the discard port: nothing listens
         ("", "orca_gpt", "no metrics URL"),
     ):
-        with orca_bench.KVSampler(sampler_url, model, interval=0.01) as sampler:
+        with orca_bench_trace.KVSampler(sampler_url, model, interval=0.01) as sampler:
             pass
         assert sampler.summary() is None and note in (sampler.note or "")
 
@@ -600,6 +602,6 @@ def test_throughput_within_slo_reads_the_curve_up_to_its_first_crossing() -> Non
     curve = [run(2, 1.8, 0.2), run(1, 1.0, 0.1), run(3, 2.6, 0.6), run(4, 3.0, 0.3)]  # any order
     # 0.2 -> 0.6 crosses 0.3 a quarter of the way from 1.8 to 2.6; the later point back under the SLO
     # (noise past the knee) does not count.
-    assert orca_bench.throughput_within_slo(curve, slo=0.3) == pytest.approx(2.0)
-    assert orca_bench.throughput_within_slo(curve, slo=1.0) == pytest.approx(3.0)
-    assert orca_bench.throughput_within_slo(curve, slo=0.05) == 0.0
+    assert orca_bench_trace.throughput_within_slo(curve, slo=0.3) == pytest.approx(2.0)
+    assert orca_bench_trace.throughput_within_slo(curve, slo=1.0) == pytest.approx(3.0)
+    assert orca_bench_trace.throughput_within_slo(curve, slo=0.05) == 0.0

@@ -389,10 +389,10 @@ def test_make_serve_starts_orca_openai_beside_triton(tmp_path: Path) -> None:
 
 
 def test_serve_bench_hops_time_each_endpoint_beside_the_iterations(orca_server: Any, api: str) -> None:
-    """orca-bench serve's batch-1 view (client/orca_client/serve_bench.py measure_hops), on the real server:
+    """orca-bench serve's batch-1 view (client/orca_client/bench/serve.py measure_hops), on the real server:
     one request at a time through Triton's HTTP generate_stream, its gRPC stream and orca-openai's events,
     each with every token's arrival, and the model's share from Triton's orca_iteration_seconds."""
-    from orca_client.serve_bench import HOPS, Running, measure_hops
+    from orca_client.bench.serve import HOPS, Running, measure_hops
 
     server = Running(api, "orca_tiny", None, orca_server.http_url, orca_server.grpc_url, orca_server.metrics_url,
                      api_key=API_KEY)

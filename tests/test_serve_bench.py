@@ -1,4 +1,4 @@
-"""orca-bench serve's own parts (client/orca_client/serve_bench.py): its profiles, how it reads a guidellm
+"""orca-bench serve's own parts (client/orca_client/bench/serve.py): its profiles, how it reads a guidellm
 report (a real one, trimmed to the keys it reads: tests/guidellm_report.json) and per-process CPU from
 /proc. The hops against a real server are in tests/test_openai.py; guidellm and vLLM's server themselves
 run only in the benchmark (docs/PEERS.md)."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from orca_client import bench
-from orca_client.serve_bench import Profile, cpu_seconds, cpu_share, parse_profiles, summarize_guidellm
+from orca_client.bench.serve import Profile, cpu_seconds, cpu_share, parse_profiles, summarize_guidellm
 
 
 def test_profiles_parse_and_name_guidellms_own() -> None:

@@ -1,8 +1,8 @@
 """Client side of orca_gpt: a small library over tritonclient gRPC streaming, the orca-client CLI and
 the orca-bench benchmarks.
 
-The client classes load on first use (PEP 562), so a module that needs no tritonclient (orca_client.
-decode_sweep, run on a GPU machine that has only torch and transformers) imports without it."""
+The client classes load on first use (PEP 562), so a module that needs no tritonclient
+(orca_client.bench.decode, run on a GPU machine that has only torch and transformers) imports without it."""
 
 from __future__ import annotations
 

@@ -263,7 +263,7 @@ def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, 
 # -- orca's own views: the model's share and the hops -------------------------------------------------
 def iteration_seconds(metrics_url: str, model: str) -> tuple[float, float]:
     """(sum, count) of the model's orca_iteration_seconds, from Triton's metrics."""
-    from orca_client.bench import fetch_metrics
+    from orca_client.bench.trace_cmd import fetch_metrics
 
     samples = fetch_metrics(metrics_url, model, timeout=10)
     if samples is None:
@@ -368,7 +368,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from orca.checkpoint import resolve_checkpoint
     from orca.config import auto_dtype
-    from orca_client.bench_common import machine_info
+    from orca_client.bench.common import machine_info
     from orca_client.peers import PeerUnavailable, peer_python
 
     profiles = parse_profiles(args.profiles)

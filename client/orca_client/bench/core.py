@@ -1,6 +1,5 @@
-"""``orca-bench core``: the scheduler thread's own cost per iteration, the model excluded.
-
-The engine runs over a stub executor that answers each plan at once (a token per sampled request, taken
+"""``orca-bench core``: the scheduler thread's own cost per iteration, the model excluded. The engine runs
+over a stub executor that answers each plan at once (a token per sampled request, taken
 in turn from real English text tokenized with the model's tokenizer, with its log-probabilities and the
 top --logprobs alternatives), so what is timed is the host-side work around the model: scheduling,
 planning, completing the iteration, and building each request's output. B requests (--batch) are brought
@@ -22,6 +21,9 @@ import random
 import statistics
 import time
 from typing import Any
+
+from orca_client.bench.common import machine_info, write_json
+from orca_client.bench.options import doc_description, nonnegative_int, positive_int
 
 DEFAULT_BATCHES = (32, 256)
 DEFAULT_HISTORIES = (0, 1000)
@@ -130,11 +132,13 @@ def measure(model: str | None, batch: int, history: int, steps: int, top_n: int,
     }
 
 
-def run(args: argparse.Namespace) -> dict:
-    from orca_client.bench_common import machine_info
-
+def cmd_core(args: argparse.Namespace) -> int:
     points = [measure(args.model, b, h, args.steps, args.logprobs) for b in args.batch for h in args.history]
-    return {"command": "core", "machine": machine_info(), "points": points}
+    result = {"command": "core", "machine": machine_info(), "points": points}
+    print_result(result)
+    if args.json:
+        write_json(args.json, result)
+    return 0
 
 
 def print_result(result: dict) -> None:
@@ -144,24 +148,28 @@ def print_result(result: dict) -> None:
               f"{p['stub_ms']:>8.3f}  {p['engine']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    import json
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_BATCHES))
-    p.add_argument("--history", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_HISTORIES))
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--logprobs", type=int, default=5)
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    result = run(args)
-    print_result(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0
+def add_parser(sub: Any) -> None:
+    c = sub.add_parser("core", help="the scheduler thread's own cost per iteration, the model excluded (a stub "
+                       "executor), at batch sizes and history lengths", description=doc_description(__doc__))
+    c.add_argument("--model", default=None, help="checkpoint whose config and tokenizer to use (default: "
+                   "SmolLM2-135M-Instruct; its weights are never loaded)")
+    c.add_argument("--batch", type=int_list, default=list(DEFAULT_BATCHES),
+                   help="requests per iteration, comma-separated (default: 32,256)")
+    c.add_argument("--history", type=int_list, default=list(DEFAULT_HISTORIES),
+                   help="generated tokens each request has before the timed iterations, comma-separated "
+                   "(default: 0,1000)")
+    c.add_argument("--steps", type=positive_int, default=30, help="timed iterations per point (default: %(default)s)")
+    c.add_argument("--logprobs", type=nonnegative_int, default=5,
+                   help="top alternatives per token, as SamplingParams.logprobs (default: %(default)s)")
+    c.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    c.set_defaults(func=cmd_core)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return values

@@ -21,7 +21,7 @@ Orca configurations (--systems): orca-reference (attention_backend reference), o
 increments), orca-flex (flex, CUDA graphs off), orca-flex-graphs (flex with decode iterations replayed
 from CUDA graphs); and transformers. The default is all five on CUDA, and orca-reference, orca-batched and
 transformers elsewhere (flex is unfused off CUDA).
-Runs without tritonclient: ``python -m orca_client.decode_sweep`` works where only torch and transformers
+Runs without tritonclient: ``python -m orca_client.bench.decode`` works where only torch and transformers
 are installed (the GPU machine).
 """
 
@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orca_client.bench_common import cb_generate, machine_info, write_json
+from orca_client.bench.common import cb_generate, machine_info, write_json
 
 SHAPES: dict[str, dict[str, int]] = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -346,8 +346,16 @@ def cmd_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_parser(sub: Any) -> None:
+    dc = sub.add_parser("decode", help="decode tokens/s against batch size (1-256) for orca's attention backends and "
+                        "CUDA graphs, transformers' continuous batching and the bandwidth roofline (the GPU benchmark)",
+                        description=" ".join(__doc__.split("\n\n")[1].split()))
+    add_arguments(dc)
+    dc.set_defaults(func=cmd_decode)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m orca_client.decode_sweep", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m orca_client.bench.decode", description=__doc__.split("\n\n")[1])
     add_arguments(p)
     try:
         return cmd_decode(p.parse_args(argv))

@@ -1,6 +1,6 @@
 """What the orca-bench commands share that needs neither tritonclient nor a server: the machine record and
 the JSON output every command writes, and driving transformers' continuous batching (the in-process
-reference of `orca-bench offline` and `orca-bench decode`). orca_client.decode_sweep imports only this,
+reference of `orca-bench offline` and `orca-bench decode`). orca_client.bench.decode imports only this,
 so it runs where only torch and transformers are installed."""
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+"""orca-bench: reproduce Orca's evaluation here (docs/BENCHMARKS.md).
+
+One module per subcommand, in the order of ``orca-bench --help``; each holds the subcommand's long
+description (its docstring, which --help shows), its options (add_parser) and its cmd_*:
+
+- trace_cmd: ``orca-bench trace``, the paper's workload (orca_client.trace) against models of a running
+  Triton server at a sweep of arrival rates: latencies, throughput within an SLO, the K/V pool's use from
+  Triton's metrics, optionally each model's iteration timeline;
+- timeline_cmd: ``orca-bench timeline``, an iteration timeline as a Perfetto trace JSON and a PNG (the
+  drawing itself is orca_client.timeline);
+- offline: ``orca-bench offline``, orca's engine against transformers' continuous batching in one
+  process, and CPU peers (vLLM, llama.cpp) in their own venvs: tokens/s, MFU, the K/V pool, single stream;
+- linears: ``orca-bench linears``, the model's linear layers alone per linear_backend;
+- decode: ``orca-bench decode``, decode tokens/s against batch size and the bandwidth roofline (the GPU
+  benchmark; ``python -m orca_client.bench.decode`` runs it without tritonclient);
+- distributed: ``orca-bench distributed``, the control plane's cost per iteration for tp / pp layouts;
+- serve: ``orca-bench serve``, the servers under guidellm (orca's OpenAI API against vLLM's OpenAI server)
+  and orca's per-hop latency at batch 1;
+- core: ``orca-bench core``, the scheduler thread's own cost per iteration (the engine core over a stub
+  executor) and the output side's, against batch size and history length.
+
+Shared: common (the machine record, the JSON output, transformers' continuous batching; no tritonclient)
+and options (the argparse types and the workload options of trace and offline). This module imports no
+subcommand until build_parser runs, so orca_client.bench.decode imports without tritonclient.
+
+Benchmarks print numbers; they do not pass or fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from orca_client.bench import core, decode, distributed, linears, offline, serve, timeline_cmd, trace_cmd
+
+    p = argparse.ArgumentParser(prog="orca-bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for command in (trace_cmd, timeline_cmd, offline, linears, decode, distributed, serve, core):
+        command.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tritonclient.utils import InferenceServerException
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError, InferenceServerException) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
