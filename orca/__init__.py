@@ -5,10 +5,10 @@ The engine package knows nothing of Triton: model_repository/orca_gpt/1/model.py
 
 from orca.checkpoint import ModelConfig
 from orca.config import EngineConfig
-from orca.engine import EngineCore, EngineCoreOutput, EngineFailedError, IterationStats, QueueFullError
-from orca.llm import LLM, CompletionOutput
-from orca.llm_engine import LLMEngine
-from orca.output_processor import Logprob, OutputProcessor, RequestOutput
+from orca.core.engine import EngineCore, EngineCoreOutput, EngineFailedError, IterationStats, QueueFullError
+from orca.frontend.llm import LLM, CompletionOutput
+from orca.frontend.llm_engine import LLMEngine
+from orca.frontend.output_processor import Logprob, OutputProcessor, RequestOutput
 from orca.sampling_params import SamplingParams
 
 __all__ = [

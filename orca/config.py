@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 KV_ADMISSION_POLICIES = ("reserve", "on_demand")
-"""EngineConfig.kv_admission's values (the scheduler's admission policies, orca/scheduler.py)."""
+"""EngineConfig.kv_admission's values (the scheduler's admission policies, orca/core/scheduler.py)."""
 TRACE_DEFAULT_MAX_BYTES = 16 << 20
-"""EngineConfig.trace_max_bytes's default: a trace file rotates past 16 MiB (orca/timeline.py)."""
+"""EngineConfig.trace_max_bytes's default: a trace file rotates past 16 MiB (orca/core/timeline.py)."""
 TRACE_DEFAULT_BACKUPS = 2
 TRACE_MIN_MAX_BYTES = 1024
 
@@ -88,7 +88,7 @@ class EngineConfig:
     - tensor_parallel_size, pipeline_parallel_size: Megatron-style tensor parallelism inside each pipeline
       stage, and stages of consecutive layers. Both 1: one worker in the engine's own process. Otherwise
       one worker process per rank (rank = stage x tensor_parallel_size + tp rank; local rank i uses cuda:i
-      on a GPU host), on torch.distributed (orca/distributed.py).
+      on a GPU host), on torch.distributed (orca/executor/distributed.py).
     - n_workers: batches in flight (Orca's n_workers); None = one per pipeline stage. At most the number of
       stages.
     - distributed_backend: torch.distributed backend of the data plane: auto (nccl on CUDA, gloo on CPU).
@@ -100,7 +100,7 @@ class EngineConfig:
       nodes (python -m orca.worker), ranked by (node index, local index).
     - max_model_len: longest prompt + completion; None means the model's max_position_embeddings.
     - seed: seeds the draw of per-request seeds for requests that give none (None: from the OS).
-    - trace: a file to record the iteration timeline in (orca/timeline.py: per iteration its requests and
+    - trace: a file to record the iteration timeline in (orca/core/timeline.py: per iteration its requests and
       their phases, admissions, finishes, preemptions, queue length, K/V blocks); None or "" = off (the
       default, and then free). A new engine starts the file afresh.
     - trace_max_bytes, trace_backups: the trace's bound: at most trace_max_bytes per file, rotated to

@@ -1,6 +1,7 @@
 """What the Triton model needs to know about tritonserver itself, beside the engine: whether it is shutting
 down (HttpProbe, through its HTTP port, and its --exit-timeout-secs) and whether it is still alive (the
-reaper, a process that kills the stub once tritonserver is gone). Nothing here calls into Triton."""
+reaper, a process that kills the stub once tritonserver is gone), and how the engine's log reaches the
+server's (log_to_stderr). Nothing here calls into Triton."""
 
 from __future__ import annotations
 
@@ -117,3 +118,18 @@ class HttpProbe:
         else:
             self.misses += 1
         return self.misses >= 2
+
+
+def log_to_stderr(*names: str) -> None:
+    """Sends the INFO records of the `orca` loggers (loading, compiling at load, the K/V pool) and of the
+    loggers `names` to stderr, which Triton's Python backend stub passes on to the server's log. Once per
+    process: a second call adds nothing."""
+    for name in ("orca", *names):
+        log = logging.getLogger(name)
+        log.setLevel(logging.INFO)
+        if not any(getattr(h, "_orca_stderr", False) for h in log.handlers):
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            handler._orca_stderr = True
+            log.addHandler(handler)
+            log.propagate = False

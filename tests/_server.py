@@ -44,7 +44,7 @@ TINY_MODELS = {
 }
 # Models the failure tests make fail (they unload themselves): no other test may rely on them.
 FAILING_MODELS = ("orca_tiny_tp2", "orca_tiny_hang", "orca_tiny_crash")
-# $ORCA_ENGINE_FAULT for the test server (orca.engine_loop.fault_from_env): only these models fail.
+# $ORCA_ENGINE_FAULT for the test server (orca.core.engine_loop.fault_from_env): only these models fail.
 ENGINE_FAULTS = "orca_tiny_hang:3:hang,orca_tiny_crash:3:crash,orca_tiny_raise:3:raise"
 
 # The baseline serving the tiny checkpoint. Triton runs a batch as soon as it holds max_batch_size

@@ -1,4 +1,4 @@
-"""The request-level baseline (orca.request_level, model_repository/request_level_gpt), the Orca trace
+"""The request-level baseline (orca.frontend.request_level, model_repository/request_level_gpt), the Orca trace
 generator and the orca-bench commands.
 
 The baseline is checked offline against the iteration-level engine (same tokens, same finish reasons)
@@ -32,7 +32,7 @@ from orca_client.client import parse_result
 from orca_client.trace import PRESETS, TraceSpec, make_trace
 
 from orca import EngineConfig, IterationStats, LLMEngine, SamplingParams
-from orca.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
+from orca.frontend.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
 
 
 # -- the baseline, offline -----------------------------------------------------------------------------
@@ -450,6 +450,20 @@ def test_orca_bench_distributed_measures_the_control_plane(tmp_path: Path) -> No
         assert 0 < r["plan_bytes_median"] < 1000 and 0 <= r["overhead_ms_median"] < r["iteration_ms_median"]
     # What is sent per iteration does not grow with the tokens held (only integer widths may).
     assert abs(parallel[1]["plan_bytes_median"] - parallel[0]["plan_bytes_median"]) <= 32
+
+
+def test_orca_bench_core_times_the_scheduler_thread_and_the_output_side_apart(tmp_path: Path) -> None:
+    """The engine core over the stub executor: every (batch, history) point, its requests brought to the
+    history first; the core's time and the output side's are measured apart, the stub's taken out."""
+    out = tmp_path / "core.json"
+    argv = ["core", "--model", str(tiny_checkpoint("gpt2")), "--batch", "2,5", "--history", "0,40", "--steps", "4",
+            "--logprobs", "2", "--json", str(out)]
+    assert orca_bench.main(argv) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [(p["batch"], p["history"]) for p in points] == [(2, 0), (2, 40), (5, 0), (5, 40)]
+    for p in points:
+        assert p["steps"] == 4 and p["core_ms"] > 0 and p["output_ms"] > 0 and p["stub_ms"] > 0
+        assert p["engine"] == "token-only core + OutputProcessor"
 
 
 def test_orca_bench_linears_times_each_backend_over_the_models_weights(tmp_path: Path) -> None:

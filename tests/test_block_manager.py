@@ -1,4 +1,4 @@
-"""The K/V block bookkeeping (orca.block_manager.BlockManager), in pure Python: block tables, the free
+"""The K/V block bookkeeping (orca.core.block_manager.BlockManager), in pure Python: block tables, the free
 heap (lowest id first), and the arithmetic the scheduler relies on."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca.block_manager import BlockManager
+from orca.core.block_manager import BlockManager
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 2.0, None, "4"])

@@ -131,7 +131,7 @@ def _generate_in_a_subprocess(tmp_path: Path, **env: str) -> tuple[str, str]:
     script = tmp_path / "generate.py"
     script.write_text(
         "from orca import SamplingParams\n"
-        "from orca.llm import LLM\n"
+        "from orca.frontend.llm import LLM\n"
         f"llm = LLM({str(tiny_checkpoint('gpt2'))!r}, block_size=4, n_slots=64)\n"
         "print('REASON', llm.engine.executor.worker.no_compile_reason)\n"
         "out = llm.generate([[5, 17, 33, 2]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))\n"

@@ -16,8 +16,8 @@ from checkpoints import make_mixtral
 
 import orca.worker
 from orca import EngineConfig, LLMEngine, SamplingParams
+from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan
 from orca.models.loader import load_model
-from orca.plan import PlannedRequest, SamplingSpec, StepPlan
 from orca.worker import Worker
 from orca.worker.cuda_graphs import graph_size_for, graph_sizes, why_no_graphs
 

@@ -9,7 +9,7 @@ import pytest
 from _fixtures import drain, smollm2
 
 from orca import SamplingParams
-from orca.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from orca.frontend.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! It's 3.14 -- isn't it?  Two  spaces,\ttabs\nand newlines.\n\n",

@@ -1,5 +1,5 @@
 """Distributed Orca on CPU processes and gloo: tensor parallelism, pipeline stages with batches in flight,
-and workers that fail loudly (orca/distributed.py).
+and workers that fail loudly (orca/executor/distributed.py).
 
 Parity: tp 2, pp 2 and tp 2 x pp 2 give the tokens of one process (and transformers' greedy tokens) for
 GPT-2 and Llama with grouped-query attention, on a workload that mixes whole and chunked prompts with

@@ -11,8 +11,8 @@ import pytest
 from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_engine, tiny_reference
 
 from orca import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from orca.core.plan import StepPlan, StepResult
 from orca.executor import InProcessExecutor
-from orca.plan import StepPlan, StepResult
 
 MAX_BS = 5
 N_SLOTS = 128  # a request needs up to 24 + 20 = 44 slots, 22 on average: about five fit at once

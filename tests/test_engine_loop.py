@@ -1,4 +1,4 @@
-"""The scheduler thread (orca.engine_loop.EngineLoop) that the Triton model drives: it never blocks the
+"""The scheduler thread (orca.core.engine_loop.EngineLoop) that the Triton model drives: it never blocks the
 caller, reports every output through its callback, and gives every request exactly one final output —
 on completion, abort (how the Triton model passes on a client's cancellation), and shutdown. Its stats
 callbacks feed the model's metrics: one per iteration that ran, and the engine's snapshot whenever it
@@ -15,8 +15,8 @@ import pytest
 from _fixtures import RequestOutputs, tiny_core, tiny_engine
 
 from orca import QueueFullError, RequestOutput, SamplingParams
-from orca.engine import EngineStats, IterationStats
-from orca.engine_loop import EngineLoop
+from orca.core.engine import EngineStats, IterationStats
+from orca.core.engine_loop import EngineLoop
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

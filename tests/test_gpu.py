@@ -93,9 +93,9 @@ def test_seeded_sampling_draws_the_cpus_tokens() -> None:
 
 
 def test_iteration_inputs_reach_the_gpu_through_pinned_non_blocking_copies() -> None:
-    """orca/device.py: what upload returns is on the GPU with the host values once the stream has run, and
+    """orca/models/device.py: what upload returns is on the GPU with the host values once the stream has run, and
     its staging buffer was pinned (a pageable source would have made the copy synchronous)."""
-    from orca.device import upload
+    from orca.models.device import upload
 
     values = list(range(1000))
     out = upload(values, torch.int64, torch.device("cuda"))

@@ -11,9 +11,9 @@ import torch
 from _fixtures import FAMILIES, drain, tiny_checkpoint, tiny_engine, tiny_reference
 
 from orca import LLM, LLMEngine, Logprob, RequestOutput, SamplingParams
-from orca.plan import SamplingSpec, TokenLogprobs
-from orca.sampler import token_logprobs
-from orca.serving import logprobs_json, parse_generate_request, response_tensors
+from orca.core.plan import SamplingSpec, TokenLogprobs
+from orca.worker.sampler import token_logprobs
+from orca_triton.generate import logprobs_json, parse_generate_request, response_tensors
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9], [100]]
 

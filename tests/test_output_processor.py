@@ -13,9 +13,9 @@ import pytest
 from _fixtures import smollm2, tiny_core, tiny_engine
 
 from orca import EngineCoreOutput, OutputProcessor, SamplingParams
-from orca.plan import TokenLogprobs
-from orca.request import FinishReason, Request
-from orca.tokenizer import Tokenizer
+from orca.core.plan import TokenLogprobs
+from orca.core.request import FinishReason, Request
+from orca.frontend.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from orca.plan import SamplingSpec
-from orca.sampler import SamplingTensors, counter_uniform, sample
+from orca.core.plan import SamplingSpec
 from orca.sampling_params import SamplingParams
+from orca.worker.sampler import SamplingTensors, counter_uniform, sample
 
 
 def spread_seeds(n: int, seed: int = 0) -> torch.Tensor:
@@ -157,7 +157,7 @@ def test_mixed_batch_rows_follow_their_own_options() -> None:
 
 
 def _request(i: int, params: SamplingParams) -> SamplingSpec:
-    """What a worker receives for a request in a plan (orca/plan.py)."""
+    """What a worker receives for a request in a plan (orca/core/plan.py)."""
     seed = params.seed if params.seed is not None else 99
     return SamplingSpec(params.temperature, params.top_k, params.top_p, seed)
 

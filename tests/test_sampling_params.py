@@ -7,8 +7,8 @@ import pytest
 from _fixtures import drain, hf_greedy, tiny_checkpoint, tiny_engine, tiny_reference
 
 from orca import EngineConfig, LLMEngine, QueueFullError, SamplingParams
+from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.executor import InProcessExecutor
-from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.sampling_params import DEFAULT_MAX_TOKENS
 from orca.worker import Worker
 

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca.block_manager import BlockManager
-from orca.request import FinishReason, Request
+from orca.core.block_manager import BlockManager
+from orca.core.request import FinishReason, Request
+from orca.core.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
 from orca.sampling_params import SamplingParams
-from orca.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
 
 TOKEN = 7
 

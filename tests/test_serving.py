@@ -1,4 +1,4 @@
-"""orca.serving: what a generate request means, checked without a server (the e2e tests cover the wire)."""
+"""orca_triton.generate: what a generate request means, checked without a server (the e2e tests cover the wire)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from orca import RequestOutput
-from orca.serving import GenerateRequest, parse_generate_request, response_tensors
+from orca_triton.generate import GenerateRequest, parse_generate_request, response_tensors
 
 
 class FakeCodec:

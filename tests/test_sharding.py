@@ -27,7 +27,6 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from orca.checkpoint import read_model_config
-from orca.kv_cache import KVLayout
 from orca.models.attention import AttentionMetadata
 from orca.models.loader import MODEL_CLASSES, load_model
 from orca.parallel import (
@@ -39,6 +38,7 @@ from orca.parallel import (
     packed_qkv_shard,
     shard_tensor,
 )
+from orca.worker.kv_cache import KVLayout
 
 ATOL = 1e-4
 FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")

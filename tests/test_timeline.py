@@ -1,4 +1,4 @@
-"""The iteration timeline (issue 13): orca/timeline.py records what the engine did per iteration;
+"""The iteration timeline (issue 13): orca/core/timeline.py records what the engine did per iteration;
 `orca-bench timeline` turns a trace into a Perfetto JSON and a PNG; `orca-bench trace --timeline` records
 one for each model it drives through Triton."""
 
@@ -19,8 +19,8 @@ from orca_client import bench as orca_bench
 from orca_client.timeline import request_tracks, to_perfetto
 
 from orca import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from orca.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
-from orca.timeline import Timeline, read_timeline, rotated_paths
+from orca.core.timeline import Timeline, read_timeline, rotated_paths
+from orca.frontend.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
 
 MAX_BS = 4
 BUDGET = 16  # tokens per iteration: prompts longer than that run in chunks

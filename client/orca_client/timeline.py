@@ -1,4 +1,4 @@
-"""``orca-bench timeline``: an iteration timeline (orca/timeline.py) as a Chrome/Perfetto trace and a picture.
+"""``orca-bench timeline``: an iteration timeline (orca/core/timeline.py) as a Chrome/Perfetto trace and a picture.
 
 - ``to_perfetto``: Chrome's trace event format (JSON; open it in https://ui.perfetto.dev or
   chrome://tracing). Process "iterations": one slice per iteration (batch size, tokens, queue, K/V blocks,

@@ -6,7 +6,7 @@ tokens of one request only, and requests differ in phase (initiation: a prompt o
 one token) and in how many keys and values they already have, so it runs request by request against that
 request's own keys and values, and the results are merged back into the flattened output.
 
-Keys and values live in the worker's K/V pool (orca/kv_cache.py). Per layer, an iteration writes all its
+Keys and values live in the worker's K/V pool (orca/worker/kv_cache.py). Per layer, an iteration writes all its
 new keys and values with one scatter (``index_copy_`` at each token's slot), then reads each request's
 keys and values: a view of the pool when the request's blocks are consecutive, else one gather for all
 such requests together. The slot arithmetic is done once per iteration (AttentionMetadata.build), not
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from orca.config import ATTENTION_BACKENDS
-from orca.device import upload
+from orca.models.device import upload
 
 # The flex backend's tiles: FLEX_Q_BLOCK query rows (a tile of increments spans up to this many requests,
 # whose blocks its kernel program reads) by at least FLEX_KV_BLOCK pool slots (a whole number of K/V blocks).

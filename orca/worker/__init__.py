@@ -5,7 +5,7 @@ flat tensors (every token of every request in one [T] row vector, positions, poo
 AttentionMetadata, runs the model once, computes logits only for the rows that sample, and samples one
 token for each. It never sees a Request and never decides anything: the driver's scheduler did.
 
-With parallelism (orca/distributed.py runs one Worker per rank) a worker holds its pipeline stage's layers
+With parallelism (orca/executor/distributed.py runs one Worker per rank) a worker holds its pipeline stage's layers
 and its tensor-parallel share of their heads, and of their K/V: every rank of every stage prepares the
 same metadata from the same plan; a stage after the first receives the previous stage's [T, hidden]
 activations and the last stage's first tensor-parallel rank samples.
@@ -23,16 +23,16 @@ import torch
 
 from orca.checkpoint import ModelConfig, resolve_checkpoint
 from orca.config import EngineConfig
-from orca.device import upload
-from orca.kv_cache import KVLayout, blocks_from_gpu_memory
+from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.models.attention import FLEX_Q_BLOCK, AttentionMetadata, PhaseTimer, resolve_attention_backend
+from orca.models.device import upload
 from orca.models.layers import resolve_linear_backend
 from orca.models.loader import checkpoint_bytes, load_model
 from orca.parallel import ParallelContext, local_kv_heads
-from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
-from orca.sampler import SamplingTensors, sample, token_logprobs
 from orca.worker.compiled import CompiledForward, why_not_compiled
 from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, why_no_graphs
+from orca.worker.kv_cache import KVLayout, blocks_from_gpu_memory
+from orca.worker.sampler import SamplingTensors, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class _RequestState:
 
 
 class Worker:
-    """One device's share of the engine. In-process today (orca/executor.py); the same class serves as the
+    """One device's share of the engine. In-process today (orca/executor/__init__.py); the same class serves as the
     body of a worker process."""
 
     def __init__(
@@ -223,7 +223,7 @@ class Worker:
 
     # -- iterations ------------------------------------------------------------------------------
     def inject_fault(self, message: str) -> None:
-        """Fault injection for the reliability tests ($ORCA_ENGINE_FAULT kind raise, orca/engine_loop.py):
+        """Fault injection for the reliability tests ($ORCA_ENGINE_FAULT kind raise, orca/core/engine_loop.py):
         the next plan this worker executes raises RuntimeError(message) inside the iteration, after the
         model has run (its keys and values are written) and before sampling: that plan fails, as any
         exception in an iteration would."""

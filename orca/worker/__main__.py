@@ -1,4 +1,4 @@
-"""``python -m orca.worker``: start this node's ranks of a distributed engine (orca/distributed.py).
+"""``python -m orca.worker``: start this node's ranks of a distributed engine (orca/executor/distributed.py).
 
 The driver (the engine inside Triton, with tensor_parallel_size x pipeline_parallel_size > local_workers)
 listens at control_address; each other node runs this command with the driver's address. Defaults come
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = _num_ranks(args.num_ranks)
     threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // ranks)
     if args.local_index is not None:
-        from orca.distributed import run_worker
+        from orca.executor.distributed import run_worker
 
         return run_worker(host, port, secret.encode(), node, args.local_index, threads, args.connect_timeout)
     # One process per local rank, each a fresh interpreter.

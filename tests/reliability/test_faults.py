@@ -1,7 +1,7 @@
 """Faults: an exception inside one iteration fails that iteration's requests only, and the engine and the
 Triton model keep serving; a client that stops reading its stream blocks nobody else.
 
-The exception is real: $ORCA_ENGINE_FAULT="MODEL:ITER:raise" (orca/engine_loop.py) makes the in-process
+The exception is real: $ORCA_ENGINE_FAULT="MODEL:ITER:raise" (orca/core/engine_loop.py) makes the in-process
 worker raise inside its iteration (after the model ran, before sampling), as a device or kernel error would.
 tests/_server.py sets it for orca_tiny_raise at iteration 3.
 """
@@ -37,7 +37,7 @@ from _reliability import (
 from orca_client.client import build_inputs, parse_result
 
 from orca import LLM, SamplingParams
-from orca.engine_loop import EngineLoop
+from orca.core.engine_loop import EngineLoop
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

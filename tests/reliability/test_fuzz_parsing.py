@@ -1,4 +1,4 @@
-"""Fuzzed requests at the parsing layer: orca.serving.parse_generate_request (Triton tensors and request
+"""Fuzzed requests at the parsing layer: orca_triton.generate.parse_generate_request (Triton tensors and request
 parameters -> GenerateRequest) and SamplingParams, followed by the engine's own request validation
 (LLMEngine.validate, which EngineLoop.submit runs), exactly as model.py chains them.
 
@@ -35,7 +35,7 @@ from hypothesis.extra import numpy as hnp
 
 from orca import LLMEngine, Logprob, RequestOutput
 from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, SamplingParams
-from orca.serving import (
+from orca_triton.generate import (
     INPUT_NAMES,
     PROMPT_INPUTS,
     RETURN_FLAGS,
@@ -377,7 +377,7 @@ def test_text_input_fuzzed(engine: LLMEngine, text: str | bytes) -> None:
 # -- what the fuzzing found, pinned -----------------------------------------------------------------
 # Each of these raised something other than ValueError (an INTERNAL error in the server; the top_k one
 # failed the whole iteration, every request batched with it included), or gave a message without the
-# field or the allowed range, before the fixes in orca/serving.py and orca/sampling_params.py.
+# field or the allowed range, before the fixes in orca_triton/generate.py and orca/sampling_params.py.
 FOUND = [
     # SamplingParams took any top_k; the worker's int64 tensor overflowed and the iteration failed.
     ("no_tokenizer", {"sampling_parameters": '{"top_k": 100000000000000000000000000000}'}, {},

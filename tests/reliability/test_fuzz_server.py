@@ -8,7 +8,7 @@ HTTP server-sent-event stream) are generating, each run again as soon as it ends
 is sent only while all three are generating.
 
 Each malformed request must be answered with an error naming the field, and for numeric fields the allowed
-range. What the transports show of the error code: orca_gpt answers INVALID_ARG (orca.serving's
+range. What the transports show of the error code: orca_gpt answers INVALID_ARG (orca_triton.generate's
 ValueError), but Triton's `/generate` endpoints report every response error of a decoupled model as HTTP
 400, and a gRPC stream (the only gRPC way to a decoupled model) hands over the message without a status
 code. So the check is HTTP 400 plus a message that is not one of orca_gpt's other errors (INTERNAL:
@@ -460,7 +460,7 @@ def test_malformed_requests_refused_while_valid_streams_run(orca_server: Any, al
 # traceback through the request path.
 CRASH = re.compile(r"is not healthy|[Ss]tub process.*(died|unhealthy|restart|exit)|Segmentation fault|core dumped|"
                    r"could not submit a request|sending a response for .* failed")
-REQUEST_PATH = ("orca/serving.py", "orca/sampling_params.py", "in _submit", "in execute")
+REQUEST_PATH = ("orca_triton/generate.py", "orca/sampling_params.py", "in _submit", "in execute")
 
 
 def assert_no_crash(log: str) -> None:

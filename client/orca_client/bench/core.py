@@ -37,7 +37,7 @@ class StubExecutor:
     max_in_flight = 1
 
     def __init__(self, num_blocks: int, text_ids: list[int], top_n: int, seed: int = 0) -> None:
-        from orca.plan import StepResult, TokenLogprobs
+        from orca.core.plan import StepResult, TokenLogprobs
 
         self._result, self._logprobs = StepResult, TokenLogprobs
         self.num_blocks = num_blocks
@@ -86,16 +86,19 @@ def measure(model: str | None, batch: int, history: int, steps: int, top_n: int,
     """One (batch, history) point: fresh engine over the stub executor, B requests brought to `history`
     generated tokens, then `steps` timed decode iterations."""
     from orca import EngineConfig, LLMEngine, SamplingParams
-    from orca.checkpoint import load_tokenizer, resolve_checkpoint
+    from orca.checkpoint import load_tokenizer, read_model_config, resolve_checkpoint
 
-    tokenizer = load_tokenizer(resolve_checkpoint(model))
-    text_ids = english_token_ids(tokenizer)
+    checkpoint = resolve_checkpoint(model)
+    tokenizer = load_tokenizer(checkpoint)
+    if tokenizer is not None:
+        text_ids = english_token_ids(tokenizer)
+    else:  # a checkpoint without a tokenizer (the tests' tiny models): its ids in turn, no text
+        text_ids = list(range(min(read_model_config(checkpoint)[0].vocab_size, 4096)))
     prompt_len = 16
     per_request = prompt_len + history + steps + 2
     num_blocks = batch * (-(-per_request // block_size)) + 1
     stub = StubExecutor(num_blocks, text_ids, top_n)
-    config = EngineConfig(model=model, max_bs=batch, block_size=block_size, max_queue=batch,
-                          max_model_len=max(per_request + 1, 2048))
+    config = EngineConfig(model=model, max_bs=batch, block_size=block_size, max_queue=batch)
     engine = LLMEngine(config, executor=stub)
     core = getattr(engine, "core", None)  # the token-only core and its output processor (engine core v3)
     params = SamplingParams(max_tokens=history + steps + 1, temperature=0, ignore_eos=True, logprobs=top_n)

@@ -1,4 +1,4 @@
-"""``orca-bench distributed``: the control plane of distributed execution (orca/distributed.py), in this
+"""``orca-bench distributed``: the control plane of distributed execution (orca/executor/distributed.py), in this
 process: for each layout (--layouts, tp x pp) a fresh engine runs B requests (--batch) at each context
 length (--context-lens), decode iterations only measured. Per iteration: the plan's pickled size, the
 driver's submit-to-collect time, and the workers' own execute time (the ranks' earliest start to latest

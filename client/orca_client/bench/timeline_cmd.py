@@ -5,7 +5,7 @@ and a PNG: requests as horizontal bars coloured by phase over iterations, as in 
 4, with the batch size, the queue and the K/V pool in use below. Reads the rotated files (TRACE.1, ...)
 too.
 
-This module is the subcommand; the trace file is read by orca.timeline, and drawn by orca_client.timeline
+This module is the subcommand; the trace file is read by orca.core.timeline, and drawn by orca_client.timeline
 (the Perfetto JSON and the picture).
 """
 
@@ -21,9 +21,9 @@ from orca_client.bench.options import doc_description, positive_int
 
 def draw_timeline(trace: str, perfetto: str | None, png: str | None, title: str | None = None,
                   x: str = "iteration", max_requests: int | None = None) -> dict[str, Any]:
-    """Reads a trace (orca.timeline.read_timeline), writes the Perfetto JSON and the PNG
+    """Reads a trace (orca.core.timeline.read_timeline), writes the Perfetto JSON and the PNG
     (orca_client.timeline), prints and returns its summary."""
-    from orca.timeline import read_timeline
+    from orca.core.timeline import read_timeline
     from orca_client import timeline as tl
 
     timeline = read_timeline(trace)

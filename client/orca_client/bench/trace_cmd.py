@@ -9,7 +9,7 @@ orca_preemptions_total the point added (none for models without these gauges, su
 request_level_gpt). Writes JSON and the paper's Figure 10 (median normalized latency against throughput)
 plus the throughput each model sustains within a latency SLO. The engine options (kv_admission,
 max_num_batched_tokens, ...) are the served model's config.pbtxt parameters, recorded in the JSON. With
---timeline DIR each model also records its iteration timeline (orca/timeline.py) in DIR/MODEL.jsonl:
+--timeline DIR each model also records its iteration timeline (orca/core/timeline.py) in DIR/MODEL.jsonl:
 orca-bench reloads the model with its config's trace parameter set to that file (Triton's explicit model
 control: load_model with a config override), drives it, reloads it with the trace parameter it had, and
 then draws the trace (as orca-bench timeline does) when DIR is readable here. DIR is a path on the

@@ -1,7 +1,7 @@
 """Triton adapter for the Orca engine: a decoupled Python model.
 
 Thin by design: Triton tensors in, engine calls, Triton responses out. The scheduling is the engine core's
-(orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca.serving's; text is the front
+(orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca_triton.generate's; text is the front
 end's (orca.Tokenizer in, orca.OutputProcessor out).
 
 Threads: Triton calls execute(), which parses and tokenizes, submits token ids and returns at once. The
@@ -45,11 +45,11 @@ from orca import (
     QueueFullError,
     RequestOutput,
 )
-from orca.engine import IterationStats
-from orca.engine_loop import EngineLoop, fault_from_env
-from orca.serving import INPUT_NAMES, GenerateRequest, log_to_stderr, parse_generate_request, response_tensors
-from orca.tokenizer import Tokenizer
-from orca_triton.lifecycle import HttpProbe, cmdline, start_reaper
+from orca.core.engine import IterationStats
+from orca.core.engine_loop import EngineLoop, fault_from_env
+from orca.frontend.tokenizer import Tokenizer
+from orca_triton.generate import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
+from orca_triton.lifecycle import HttpProbe, cmdline, log_to_stderr, start_reaper
 from orca_triton.lifecycle import exit_timeout as triton_exit_timeout
 from orca_triton.metrics import Metrics
 
@@ -92,7 +92,7 @@ class TritonPythonModel:
         self._active_lock = threading.Lock()
         self._responses: queue.Queue[EngineCoreOutput | _Failure | None] = queue.Queue()
         # The core is built (loaded, compiled, warmed up) on the loop's own thread, which then steps it:
-        # this thread (the stub's, which calls execute) never runs torch's ops (orca/engine_loop.py).
+        # this thread (the stub's, which calls execute) never runs torch's ops (orca/core/engine_loop.py).
         self.loop = EngineLoop(
             lambda: EngineCore(config), on_output=self._responses.put, on_iteration=self._on_iteration,
             on_stats=self.metrics.publish, on_failure=self._on_engine_failure,

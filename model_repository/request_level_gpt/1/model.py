@@ -2,9 +2,9 @@
 
 Not decoupled: Triton's dynamic batcher forms the batch and hands it to execute() as a list of requests
 (each with its own tensors, so prompts of different lengths need no padding). execute() runs the whole
-batch with orca.request_level.RequestLevelBatcher on the same engine model code as orca_gpt and returns
+batch with orca.frontend.request_level.RequestLevelBatcher on the same engine model code as orca_gpt and returns
 one response per request only when the longest member is done; requests arriving meanwhile queue in
-Triton until the next batch. Request meaning (inputs, sampling parameters, outputs) is orca.serving's,
+Triton until the next batch. Request meaning (inputs, sampling parameters, outputs) is orca_triton.generate's,
 exactly as for orca_gpt, with Triton's batch dimension in front of every tensor.
 """
 
@@ -18,8 +18,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from orca import EngineConfig, LLMEngine
-from orca.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
-from orca.serving import INPUT_NAMES, GenerateRequest, log_to_stderr, parse_generate_request, response_tensors
+from orca.frontend.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
+from orca_triton.generate import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
+from orca_triton.lifecycle import log_to_stderr
 
 logger = logging.getLogger("request_level_gpt")
 

@@ -12,7 +12,7 @@ that origin. Request ids are the engine's.
 - ``header`` (the first line of every file, rotated ones too): ``version`` (1), ``run`` (an id of this
   recording: files of another run at the same path are never mixed in), ``origin_unix`` (wall-clock
   seconds at t = 0), ``pid``, ``scheduling`` ("iteration-level", or "request-level" for the baseline of
-  orca/request_level.py), ``model`` (the checkpoint), ``max_bs``, ``block_size``, ``kv_total_blocks``,
+  orca/frontend/request_level.py), ``model`` (the checkpoint), ``max_bs``, ``block_size``, ``kv_total_blocks``,
   ``kv_admission``, ``max_num_batched_tokens`` (null = no budget), ``n_workers``.
 - ``arrival``: a request joined the engine: ``t``, ``id``, ``prompt_tokens``, ``max_tokens`` (new tokens).
 - ``iteration``: one iteration, written when its result has been processed, in batch id order:
@@ -29,7 +29,7 @@ that origin. Request ids are the engine's.
   ``id``, ``reason``, ``tokens`` (generated in all)), and ``error`` (why the iteration failed, or null).
 - ``finish``: a request that ended between iterations (cancelled while waiting or between iterations, or
   every request when the engine failed): ``t``, ``id``, ``reason``, ``tokens``.
-- ``batch``: request-level scheduling only (orca/request_level.py), after each batch: ``t``, ``batch``,
+- ``batch``: request-level scheduling only (orca/frontend/request_level.py), after each batch: ``t``, ``batch``,
   ``members`` (objects ``id``, ``run_tokens`` (what it ran for: the batch's longest), ``kept_tokens`` (what
   its own stop condition kept; the rest were computed and thrown away), ``reason``).
 
@@ -58,9 +58,9 @@ from typing import TYPE_CHECKING, Any
 from orca.config import TRACE_DEFAULT_BACKUPS, TRACE_DEFAULT_MAX_BYTES, TRACE_MIN_MAX_BYTES
 
 if TYPE_CHECKING:
-    from orca.block_manager import BlockManager
-    from orca.request import Request
-    from orca.scheduler import OrcaScheduler, ScheduledBatch
+    from orca.core.block_manager import BlockManager
+    from orca.core.request import Request
+    from orca.core.scheduler import OrcaScheduler, ScheduledBatch
 
 VERSION = 1
 DEFAULT_MAX_BYTES = TRACE_DEFAULT_MAX_BYTES

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from orca.device import upload
-from orca.plan import SamplingSpec, TokenLogprobs
+from orca.core.plan import SamplingSpec, TokenLogprobs
+from orca.models.device import upload
 from orca.sampling_params import MIN_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1

@@ -1,10 +1,10 @@
 """The engine for synchronous callers: the token-only core with the front end around it, on one thread.
 
-``LLMEngine`` = EngineCore (orca/engine.py: scheduling, planning, token ids) + the front end's
-Tokenizer (orca/tokenizer.py: text in) + OutputProcessor (orca/output_processor.py: deltas in,
+``LLMEngine`` = EngineCore (orca/core/engine.py: scheduling, planning, token ids) + the front end's
+Tokenizer (orca/frontend/tokenizer.py: text in) + OutputProcessor (orca/frontend/output_processor.py: deltas in,
 RequestOutputs out, stop strings, logprob entries). ``step()`` runs one core iteration and processes its
 deltas at once. orca.LLM and the request-level baseline drive it; the Triton model instead drives the
-core from its scheduler thread (orca/engine_loop.py) and runs the same front end on its own threads.
+core from its scheduler thread (orca/core/engine_loop.py) and runs the same front end on its own threads.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 from typing import Any
 
 from orca.config import EngineConfig
-from orca.engine import EngineCore, EngineStats, IterationStats
+from orca.core.engine import EngineCore, EngineStats, IterationStats
 from orca.executor import Executor
-from orca.output_processor import OutputProcessor, RequestOutput
+from orca.frontend.output_processor import OutputProcessor, RequestOutput
+from orca.frontend.tokenizer import Tokenizer, check_stop_strings
 from orca.sampling_params import SamplingParams
-from orca.tokenizer import Tokenizer, check_stop_strings
 
 
 class LLMEngine:

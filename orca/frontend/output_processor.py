@@ -1,9 +1,9 @@
 """The output side of the front end: the engine core's deltas in, each request's RequestOutput out.
 
-The core (orca/engine.py) reports per iteration only what changed for a request (EngineCoreOutput: new
+The core (orca/core/engine.py) reports per iteration only what changed for a request (EngineCoreOutput: new
 token ids, their TokenLogprobs, how it finished). ``OutputProcessor`` keeps, per request, everything that
 accumulates: the generated ids, the logprob entries and their sum, and the incremental detokenizer with
-the stop strings (orca/detokenizer.py). It runs where outputs are consumed (the Triton model's response
+the stop strings (orca/frontend/detokenizer.py). It runs where outputs are consumed (the Triton model's response
 thread, LLM.generate, the request-level baseline), never on the scheduler thread, and builds each
 RequestOutput in O(new tokens): the cumulative fields (token_ids, logprobs, text) are read from the
 request's history only when a consumer asks for them.
@@ -21,12 +21,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca.detokenizer import IncrementalDetokenizer
-from orca.engine import EngineCoreOutput
-from orca.plan import TokenLogprobs
-from orca.request import FinishReason
+from orca.core.engine import EngineCoreOutput
+from orca.core.plan import TokenLogprobs
+from orca.core.request import FinishReason
+from orca.frontend.detokenizer import IncrementalDetokenizer
+from orca.frontend.tokenizer import Tokenizer
 from orca.sampling_params import SamplingParams
-from orca.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

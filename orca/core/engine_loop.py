@@ -8,7 +8,7 @@ and stepping it from another thread gives the process a second team and slower s
 Callers on other threads (Triton's execute) never block on generation: ``submit`` validates and enqueues
 token ids (the caller tokenized them: this thread never sees text), ``abort`` enqueues; the loop thread
 applies queued commands between iterations, runs one iteration, and hands every EngineCoreOutput (a
-delta) to ``on_output``; the caller's OutputProcessor (orca/output_processor.py) turns them into
+delta) to ``on_output``; the caller's OutputProcessor (orca/frontend/output_processor.py) turns them into
 RequestOutputs on its own thread. When there is nothing to run it sleeps on the command queue.
 
 Client cancellation is the caller's to notice (the Triton model asks each request's sender on its
@@ -31,8 +31,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orca.engine import EngineCore, EngineCoreOutput, EngineFailedError, EngineStats, IterationStats, QueueFullError
-from orca.request import FinishReason
+from orca.core.engine import (
+    EngineCore,
+    EngineCoreOutput,
+    EngineFailedError,
+    EngineStats,
+    IterationStats,
+    QueueFullError,
+)
+from orca.core.request import FinishReason
 from orca.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -105,7 +112,7 @@ class EngineLoop:
             raise self._build_error
         core = self.core
         self._stats = core.stats()
-        # Worker processes have their own per-iteration deadline (orca/distributed.py).
+        # Worker processes have their own per-iteration deadline (orca/executor/distributed.py).
         self._watchdog = None if core.config.distributed else threading.Thread(
             target=self._watch, name="orca-watchdog", daemon=True
         )

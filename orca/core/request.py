@@ -1,5 +1,5 @@
 """A request's state in the engine core. Only the core (engine and scheduler) reads or writes it: workers
-see plain StepPlans (orca/plan.py), never a Request; the front end sees EngineCoreOutputs. Token ids only:
+see plain StepPlans (orca/core/plan.py), never a Request; the front end sees EngineCoreOutputs. Token ids only:
 no text, no accumulated output beyond the ids the next plans need."""
 
 from __future__ import annotations
@@ -100,8 +100,8 @@ def stop_reason(
 ) -> FinishReason | None:
     """The token-level stop rules, in one place, for `token`, the `num_generated`-th generated token: a stop
     token id, or EOS unless ignore_eos, gives "stop"; else reaching max_tokens gives "length". The core
-    applies them to every sampled token; the request-level baseline (orca/request_level.py) afterwards, to
-    cut each padded member back. Stop strings are text: the front end's (orca/output_processor.py)."""
+    applies them to every sampled token; the request-level baseline (orca/frontend/request_level.py) afterwards, to
+    cut each padded member back. Stop strings are text: the front end's (orca/frontend/output_processor.py)."""
     if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
         return FinishReason.STOP
     if num_generated >= params.max_tokens:

@@ -13,7 +13,7 @@ from collections import deque
 from typing import Protocol
 
 from orca.config import EngineConfig
-from orca.plan import StepPlan, StepResult
+from orca.core.plan import StepPlan, StepResult
 
 
 class WorkerFailure(RuntimeError):
@@ -64,7 +64,7 @@ def make_executor(config: EngineConfig) -> Executor:
     """The executor `config` asks for: worker processes with tensor or pipeline parallelism, else one
     worker in this process."""
     if config.distributed:
-        from orca.distributed import DistributedExecutor
+        from orca.executor.distributed import DistributedExecutor
 
         return DistributedExecutor(config)
     return InProcessExecutor(config)

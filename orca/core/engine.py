@@ -10,12 +10,12 @@ ids, their log-probabilities, and how it finished (``EngineCoreOutput``, a delta
 
 The core holds no tokenizer: text (tokenizing, chat templates, detokenizing, stop strings) and each
 request's accumulated output (ids, logprob entries, RequestOutput) are the front end's
-(orca/output_processor.py), on the thread that consumes outputs. So an iteration's host-side cost here
+(orca/frontend/output_processor.py), on the thread that consumes outputs. So an iteration's host-side cost here
 grows with the batch, never with how long a request's history is. The core alone mutates Request
 objects; workers see plans. It knows nothing of tensors (the workers own the device) and nothing of
-Triton. With ``EngineConfig.trace`` set it records the iteration timeline (orca/timeline.py) through
+Triton. With ``EngineConfig.trace`` set it records the iteration timeline (orca/core/timeline.py) through
 ``self.timeline``; off (None), each hook costs one ``is not None`` check.
-``LLMEngine`` (orca/llm_engine.py) puts the front end around it for synchronous callers (orca.LLM, the
+``LLMEngine`` (orca/frontend/llm_engine.py) puts the front end around it for synchronous callers (orca.LLM, the
 request-level baseline); ``EngineLoop`` (engine_loop.py) drives it from a background thread for the
 Triton model.
 """
@@ -30,15 +30,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca.block_manager import BlockManager
 from orca.checkpoint import ModelConfig, read_model_config, resolve_checkpoint
 from orca.config import EngineConfig
+from orca.core.block_manager import BlockManager
+from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
+from orca.core.request import FinishReason, Request
+from orca.core.scheduler import OrcaScheduler, ScheduledBatch
+from orca.core.timeline import TimelineRecorder
 from orca.executor import Executor, WorkerFailure, make_executor
-from orca.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
-from orca.request import FinishReason, Request
 from orca.sampling_params import SamplingParams
-from orca.scheduler import OrcaScheduler, ScheduledBatch
-from orca.timeline import TimelineRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
         """`executor` replaces the default worker(s) (it must serve this config's model): the in-process
-        worker, or worker processes when tensor or pipeline parallelism is on (orca/distributed.py)."""
+        worker, or worker processes when tensor or pipeline parallelism is on (orca/executor/distributed.py)."""
         config = config or EngineConfig()
         self.config = config
         self.checkpoint = resolve_checkpoint(config.model)
@@ -156,7 +156,7 @@ class EngineCore:
         self._in_flight: deque[tuple[ScheduledBatch, float]] = deque()
         self._worker_holds: set[str] = set()  # requests whose state the workers keep
         self._to_free: list[str] = []  # ... and must drop before the next plan
-        # The iteration timeline (orca/timeline.py): None = off, and every hook below is skipped.
+        # The iteration timeline (orca/core/timeline.py): None = off, and every hook below is skipped.
         self.timeline: TimelineRecorder | None = None
         if config.trace:
             self.timeline = TimelineRecorder(

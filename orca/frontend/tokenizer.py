@@ -1,7 +1,7 @@
 """The front end's text, in one place: a model's tokenizer behind the checks every caller needs.
 
-Text turns into token ids before a request reaches the engine core (orca/engine.py holds no tokenizer),
-and back into text after (orca/output_processor.py): the Triton model does both on its own threads, the
+Text turns into token ids before a request reaches the engine core (orca/core/engine.py holds no tokenizer),
+and back into text after (orca/frontend/output_processor.py): the Triton model does both on its own threads, the
 offline LLM in the caller's.
 """
 

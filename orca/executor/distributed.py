@@ -41,9 +41,9 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 
 from orca.checkpoint import read_model_config, resolve_checkpoint
 from orca.config import EngineConfig
+from orca.core.plan import StepPlan, StepResult
 from orca.executor import WorkerFailure
 from orca.parallel import ParallelLayout
-from orca.plan import StepPlan, StepResult
 
 logger = logging.getLogger(__name__)
 

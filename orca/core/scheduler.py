@@ -34,9 +34,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from orca.block_manager import BlockManager
 from orca.config import KV_ADMISSION_POLICIES
-from orca.request import FinishReason, Request
+from orca.core.block_manager import BlockManager
+from orca.core.request import FinishReason, Request
 
 
 @dataclass

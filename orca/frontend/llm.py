@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from orca.config import EngineConfig
-from orca.llm_engine import LLMEngine
-from orca.output_processor import Logprob
+from orca.frontend.llm_engine import LLMEngine
+from orca.frontend.output_processor import Logprob
 from orca.sampling_params import SamplingParams
 
 
@@ -30,7 +30,7 @@ class CompletionOutput:
 class LLM:
     """``LLM(model=path_or_gguf, **EngineConfig options)``; ``model=None`` is SmolLM2-135M-Instruct.
     ``LLM(model, trace="run.jsonl")`` records the iteration timeline of every generate() in that file
-    (orca/timeline.py; ``orca-bench timeline run.jsonl`` draws it)."""
+    (orca/core/timeline.py; ``orca-bench timeline run.jsonl`` draws it)."""
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **options))

@@ -21,7 +21,7 @@ Memory, where FasterTransformer would run out of it (documented choices, both ra
   consecutive sub-batches in arrival order (as if Triton's max_batch_size were smaller); every member is
   still answered only when the last sub-batch ends.
 
-With the engine's trace on (EngineConfig.trace), its timeline (orca/timeline.py) says
+With the engine's trace on (EngineConfig.trace), its timeline (orca/core/timeline.py) says
 ``scheduling: "request-level"`` and, after each batch, a ``batch`` record gives every member's
 ``run_tokens`` and the ``kept_tokens`` its own stop condition kept: the iterations in between computed
 tokens that were thrown away, which ``orca-bench timeline`` draws as such.
@@ -33,10 +33,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from orca.detokenizer import IncrementalDetokenizer
-from orca.llm_engine import LLMEngine
-from orca.output_processor import RequestOutput
-from orca.request import FinishReason, stop_reason
+from orca.core.request import FinishReason, stop_reason
+from orca.frontend.detokenizer import IncrementalDetokenizer
+from orca.frontend.llm_engine import LLMEngine
+from orca.frontend.output_processor import RequestOutput
 from orca.sampling_params import SamplingParams
 
 # What the baseline's engine must be: FasterTransformer reserves each member's memory up front and runs
@@ -173,7 +173,7 @@ class RequestLevelBatcher:
 
     def _cut(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
         """The member's tokens up to its own stop condition, by the engine's own rules: the core's token
-        rules (orca/request.py stop_reason), then the front end's stop strings (the detokenizer's)."""
+        rules (orca/core/request.py stop_reason), then the front end's stop strings (the detokenizer's)."""
         engine = self.engine
         detok = None if engine.tokenizer is None else IncrementalDetokenizer(engine.tokenizer, params.stop)
         kept: list[int] = []

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from orca.output_processor import Logprob, RequestOutput
+from orca.frontend.output_processor import Logprob, RequestOutput
+from orca.frontend.tokenizer import check_stop_strings
 from orca.sampling_params import SamplingParams, json_object, json_type, json_value
-from orca.tokenizer import check_stop_strings
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
 RETURN_FLAGS = (
@@ -45,7 +43,7 @@ INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_i
 
 
 class TextCodec(Protocol):
-    """What parsing needs: the model's tokenizer behind the front end's checks (orca.tokenizer.Tokenizer)."""
+    """What parsing needs: the model's tokenizer behind the front end's checks (orca.frontend.tokenizer.Tokenizer)."""
 
     def encode(self, text: str) -> list[int]: ...
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -276,18 +274,3 @@ def logprobs_json(logprobs: list[dict[int, Logprob]], codec: TextCodec | None) -
         }
         for entry in logprobs
     ])
-
-
-def log_to_stderr(*names: str) -> None:
-    """Sends the INFO records of the `orca` loggers (loading, compiling at load, the K/V pool) and of the
-    loggers `names` to stderr, which Triton's Python backend stub passes on to the server's log. Once per
-    process: a second call adds nothing."""
-    for name in ("orca", *names):
-        log = logging.getLogger(name)
-        log.setLevel(logging.INFO)
-        if not any(getattr(h, "_orca_stderr", False) for h in log.handlers):
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            handler._orca_stderr = True
-            log.addHandler(handler)
-            log.propagate = False

@@ -1,6 +1,6 @@
 """K/V block accounting (paged K/V): pure bookkeeping, never a tensor.
 
-The K/V pool (orca/kv_cache.py, on the worker) is preallocated once as ``num_blocks`` fixed-size blocks of
+The K/V pool (orca/worker/kv_cache.py, on the worker) is preallocated once as ``num_blocks`` fixed-size blocks of
 ``block_size`` slots; a slot holds one token's keys and values in every layer, so ``n_slots`` =
 ``num_blocks x block_size`` keeps Orca's meaning. Each request owns a block table: the ids of its blocks in
 order, token ``p`` living in slot ``table[p // block_size] * block_size + p % block_size``.

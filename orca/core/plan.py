@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """What a worker needs to draw a request's tokens (orca/sampler.py)."""
+    """What a worker needs to draw a request's tokens (orca/worker/sampler.py)."""
 
     temperature: float
     top_k: int

@@ -1,0 +1,67 @@
+"""The package layout is the architecture (docs/design.md, "Layout"): no import from a lower layer to a
+higher one, the engine knows nothing of Triton, text or benchmarks, and the driver loads no model code
+unless it runs a worker in its own process."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> packages its modules may import at module level (besides itself and the standard library)
+ALLOWED = {
+    "orca.core": {"orca.config", "orca.sampling_params", "orca.checkpoint", "orca.executor"},
+    "orca.frontend": {"orca.config", "orca.sampling_params", "orca.checkpoint", "orca.core", "orca.executor"},
+    "orca.executor": {"orca.config", "orca.sampling_params", "orca.checkpoint", "orca.core.plan", "orca.parallel"},
+}
+NEVER_FROM_ORCA = ("orca_triton", "orca_client", "orca_openai", "orca_server", "triton_python_backend_utils")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(path: Path) -> list[str]:
+    """Modules imported at module level (not inside functions: those load only where they run)."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_no_layer_imports_a_higher_one() -> None:
+    wrong = []
+    for path in sorted((ROOT / "orca").rglob("*.py")):
+        mod = module_name(path)
+        for imported in top_level_imports(path):
+            if imported.split(".")[0] in NEVER_FROM_ORCA:
+                wrong.append(f"{mod} imports {imported}")
+            for package, allowed in ALLOWED.items():
+                if within(mod, package) and within(imported, "orca") and not within(imported, package):
+                    if not any(within(imported, a) for a in allowed):
+                        wrong.append(f"{mod} imports {imported}")
+    for path in sorted((ROOT / "orca_openai").rglob("*.py")):
+        wrong += [f"{module_name(path)} imports {i}" for i in top_level_imports(path) if within(i, "orca_client.bench")]
+    assert wrong == []
+
+
+def test_the_driver_loads_no_model_code() -> None:
+    """`import orca` and an engine core's front end import neither the models nor the worker: only an
+    in-process worker (or a worker process) does."""
+    code = (
+        "import sys, orca, orca.frontend.output_processor, orca.core.engine_loop\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('orca.models', 'orca.worker'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
