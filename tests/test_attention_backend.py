@@ -1,5 +1,5 @@
 """EngineConfig.attention_backend: the flex backend (one flex_attention call per layer over the whole K/V pool,
-orca/models/attention.py) and the batched one (the increments of an iteration as one padded batch) give
+orca/models/attention/flex.py) and the batched one (the increments of an iteration as one padded batch) give
 the reference's numbers (per-request SDPA, fp32, 1e-4) on mixed iterations
 (prompts, chunks after a cached prefix, increments at different positions, partly filled last blocks,
 shuffled block tables, GQA and MHA, sliding windows) at block sizes 1, 4 and 16; its block-sparse
@@ -23,15 +23,10 @@ from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_referenc
 from checkpoints import make_mistral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
-from orca.models.attention import (
-    BATCHED_MIN_INCREMENTS,
-    FLEX_Q_BLOCK,
-    AttentionMetadata,
-    FlexLayout,
-    resolve_attention_backend,
-    selective_attention,
-)
-from orca.worker import FLEX_DECODING_ROWS, Worker, flex_warm_up_plans
+from orca.models.attention import AttentionMetadata, resolve_attention_backend, selective_attention
+from orca.models.attention.batched import BATCHED_MIN_INCREMENTS
+from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
+from orca.worker import Worker, flex_warm_up_plans
 
 BLOCK_SIZES = (1, 4, 16)
 # (new tokens, cached tokens) per request, increments first as the worker orders them: two increments at

@@ -116,7 +116,7 @@ class EngineLoop:
         self._watchdog = None if core.config.distributed else threading.Thread(
             target=self._watch, name="orca-watchdog", daemon=True
         )
-        if fault is not None and fault[1] == "raise" and not hasattr(core.executor, "worker"):
+        if fault is not None and fault[1] == "raise" and not hasattr(core.executor, "inject_fault"):
             self.shutdown()
             raise ValueError("$ORCA_ENGINE_FAULT kind raise needs the in-process worker (no parallelism)")
 
@@ -213,7 +213,7 @@ class EngineLoop:
             self._busy_since = time.monotonic()
             if self._fault is not None and self._iterations == self._fault[0]:
                 if self._fault[1] == "raise":  # inside the worker's next iteration: it fails, the loop goes on
-                    self.core.executor.worker.inject_fault(
+                    self.core.executor.inject_fault(
                         f"fault injected by $ORCA_ENGINE_FAULT in iteration {self._iterations}")
                 else:
                     _inject(self._fault[1])  # a hang counts as the iteration's (the watchdog sees it)

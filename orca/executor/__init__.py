@@ -53,6 +53,10 @@ class InProcessExecutor:
     def submit(self, plan: StepPlan) -> None:
         self._results.append(self.worker.execute(plan))
 
+    def inject_fault(self, message: str) -> None:
+        """The failure tests: the worker raises `message` inside the next plan it executes."""
+        self.worker.inject_fault(message)
+
     def collect(self) -> StepResult:
         return self._results.popleft()
 

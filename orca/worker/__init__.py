@@ -17,6 +17,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from orca.checkpoint import ModelConfig, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
-from orca.models.attention import FLEX_Q_BLOCK, AttentionMetadata, PhaseTimer, resolve_attention_backend
+from orca.models.attention import AttentionMetadata, PhaseTimer, get_backend, resolve_attention_backend
 from orca.models.device import upload
 from orca.models.layers import resolve_linear_backend
 from orca.models.loader import checkpoint_bytes, load_model
@@ -37,9 +38,6 @@ from orca.worker.sampler import SamplingTensors, sample, token_logprobs
 logger = logging.getLogger(__name__)
 
 PROFILE_TOKENS_WITHOUT_BUDGET = 8192
-# Inductor lowers flex_attention to its decoding kernel below this many query rows and to its main kernel
-# from there (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding): a guard on the row count.
-FLEX_DECODING_ROWS = 128
 PROMPT_AND_INCREMENT_SLOTS = 3  # what prompt_and_increment_plans' iterations write
 
 
@@ -67,15 +65,17 @@ class Worker:
         weight_bytes = checkpoint_bytes(self.checkpoint, self.dtype) // ranks
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype, weight_bytes)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        # The backend: its metadata class, whose builder runs once per iteration and whose traits say what it
+        # needs of the pool and of the load (orca/models/attention/base.py).
+        self.attention: type[AttentionMetadata] = get_backend(self.attention_backend)
         logger.info("linear_backend %s -> %s, attention_backend %s -> %s (%s on %s; weights about %.0f MB)%s",
                     config.linear_backend, self.linear_backend, config.attention_backend, self.attention_backend,
                     str(self.dtype).removeprefix("torch."), self.device, weight_bytes / 1e6,
                     "; hybrid keeps them twice" if self.linear_backend == "hybrid" else "")
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend)
-        if self.attention_backend == "flex" and self.device.type != "cuda":
-            logger.warning("attention_backend flex on %s runs PyTorch's unfused flex_attention, which evaluates "
-                           "its mask over the whole K/V pool at every layer: correct, slow (reference is the fast "
-                           "choice here)", self.device)
+        warning = self.attention.device_warning(self.device)
+        if warning is not None:
+            logger.warning("%s", warning)
         mc: ModelConfig = self.model_config
         self.par = par or ParallelContext.single(mc.num_layers)
         kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
@@ -163,13 +163,14 @@ class Worker:
             self.kv_pool = self._allocate_pool(num_blocks + 1)  # the last block: padding rows' slots
         else:
             self.kv_pool = self._allocate_pool(num_blocks)
-        if self.attention_backend == "flex" and self.device.type == "cuda":
+        if self.attention.compiles_at_load(self.device):
             self._warm_up_flex()
         if self.no_graphs_reason is None:
             # Captured on CUDA; elsewhere (only when a test lifts why_no_graphs' reasons) the same padded
             # iterations run eagerly on the static buffers.
             self.decode_graphs = DecodeGraphs(
-                self.model, self.kv_pool, self.kv_layout.block_size, pad_slot=num_blocks * self.kv_layout.block_size,
+                self.model, self.attention, self.kv_pool, self.kv_layout.block_size,
+                pad_slot=num_blocks * self.kv_layout.block_size,
                 sizes=graph_sizes(self.config.max_bs), capture=self.device.type == "cuda",
             )
         elif self.device.type == "cuda":
@@ -190,21 +191,22 @@ class Worker:
                 logger.warning("the forward pass runs eagerly: %s", self.no_compile_reason)
         else:
             logger.info("the forward pass runs eagerly: %s", self.no_compile_reason)
-        if self.compiled is None and self.par.layout.world_size == 1 and self.attention_backend != "flex" \
+        if self.compiled is None and self.par.layout.world_size == 1 and not self.attention.zeroed_pool \
                 and self.kv_pool.shape[3] >= PROMPT_AND_INCREMENT_SLOTS:
             # A prompt and an increment now, not in the first request: oneDNN's primitives, the allocator's
             # blocks and this thread's OpenMP team are made here (the compiled path's warm-up does the same;
-            # flex has its own on CUDA, and its pool stays as allocated: zeroed).
+            # flex has its own on CUDA, and its pool, zeroed_pool, stays as allocated: zeroed).
             self._warm_up(prompt_and_increment_plans(self.kv_layout.block_size), "warming up the model")
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
-        """A pool of num_blocks blocks; zeroed for flex, whose kernels weigh masked slots by 0 (kv_cache.py)."""
-        return self.kv_layout.allocate(num_blocks, self.device, zeroed=self.attention_backend == "flex")
+        """A pool of num_blocks blocks; zeroed for a backend that weighs masked slots by 0 (flex; kv_cache.py)."""
+        return self.kv_layout.allocate(num_blocks, self.device, zeroed=self.attention.zeroed_pool)
 
     def _warm_up_flex(self) -> None:
-        """Compiles the flex attention kernels now rather than in a user's request (flex_warm_up_plans).
-        Writes only to blocks no request owns yet; skipped when the pool is too small to hold them."""
-        plans = flex_warm_up_plans(self.kv_layout.block_size, self._max_len())
+        """Compiles the attention backend's kernels now rather than in a user's request (warm_up_plans with
+        its warm_up_rows; flex's on CUDA, the one backend that compiles at load, hence the name). Writes only
+        to blocks no request owns yet; skipped when the pool is too small to hold them."""
+        plans = warm_up_plans(self.kv_layout.block_size, self._max_len(), self.attention.warm_up_rows)
         needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
         if self.kv_pool is None or self.kv_pool.shape[3] < needed * self.kv_layout.block_size:
             return
@@ -370,14 +372,14 @@ class Worker:
                 specs.append(state.sampling)
                 steps.append(pr.sample_step)
                 sampled_ids.append(pr.request_id)
-        if new_blocks and self.attention_backend != "reference":  # batched and flex read whole blocks
+        if new_blocks and self.attention.reads_whole_blocks:  # batched and flex
             self.kv_layout.zero_blocks(self.kv_pool, upload(new_blocks, torch.int64, self.device))
         padding = 0 if padded_to is None else padded_to - len(input_ids)
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
         pad_slot = self.decode_graphs.pad_slot if padding else 0
-        meta = AttentionMetadata.build(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool, timer,
-                                       backend=self.attention_backend, padding=padding, pad_slot=pad_slot)
+        meta = self.attention.for_iteration(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool,
+                                            timer, padding=padding, pad_slot=pad_slot)
         ids = upload(input_ids, torch.int64, self.device)  # (T,)
         pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None
@@ -392,13 +394,16 @@ class Worker:
 
 
 def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
-    """The iterations that compile every graph compiled flex attention needs. Token counts are dynamic,
-    but dynamo specialises a few (tests/test_attention_backend.py counts the graphs): two rows, one row,
-    one query tile of more rows, several tiles; and inductor's lowering guards on FLEX_DECODING_ROWS (its
-    decoding kernel below that many query rows, its main kernel from there). So: a two-token prompt, its
-    one-token increment, then iterations of 5 rows, of more than two tiles and of more than
-    FLEX_DECODING_ROWS, each as prompts of at most `max_len` tokens (the model's positions), in blocks
-    taken in order from the first. Every layer runs (sliding-window layers compile their own mask)."""
+    """The iterations that compile every graph compiled flex attention needs (its warm_up_rows, and why:
+    orca/models/attention/flex.py)."""
+    return warm_up_plans(block_size, max_len, get_backend("flex").warm_up_rows)
+
+
+def warm_up_plans(block_size: int, max_len: int, rows: Sequence[int]) -> tuple[StepPlan, ...]:
+    """The iterations that compile an attention backend's kernels at load: a two-token prompt, its
+    one-token increment, then an iteration of each of `rows` token rows (the backend's warm_up_rows), each
+    as prompts of at most `max_len` tokens (the model's positions), in blocks taken in order from the
+    first. Every layer runs (sliding-window layers compile their own mask)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
     plans = list(prompt_and_increment_plans(block_size))
     next_block = -(-PROMPT_AND_INCREMENT_SLOTS // block_size)
@@ -409,8 +414,9 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
         next_block += n
         return tuple(range(next_block - n, next_block))
 
-    for name, rows in (("warm-up-b", 5), ("warm-up-c", 2 * FLEX_Q_BLOCK + 1), ("warm-up-d", FLEX_DECODING_ROWS + 1)):
-        lengths = [max_len] * (rows // max_len) + ([rows % max_len] if rows % max_len else [])
+    for k, num_rows in enumerate(rows):
+        name = f"warm-up-{chr(ord('b') + k)}"  # (warm-up-a: the prompt and its increment)
+        lengths = [max_len] * (num_rows // max_len) + ([num_rows % max_len] if num_rows % max_len else [])
         plans.append(StepPlan(-1, tuple(
             PlannedRequest(f"{name}-{i}", (0,) * n, 0, blocks(0, n), spec, sample_step=0) for i, n in enumerate(lengths)
         )))
@@ -420,7 +426,7 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
 def prompt_and_increment_plans(block_size: int) -> tuple[StepPlan, StepPlan]:
     """A two-token prompt and its one-token increment, in the pool's first blocks (PROMPT_AND_INCREMENT_SLOTS
     slots): the compiled forward pass's warm-up (orca/worker/compiled.py), and the first two iterations of
-    flex's (flex_warm_up_plans)."""
+    an attention backend's (warm_up_plans)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
     prompt_blocks, all_blocks = -(-2 // block_size), -(-PROMPT_AND_INCREMENT_SLOTS // block_size)
     return (
@@ -432,7 +438,7 @@ def prompt_and_increment_plans(block_size: int) -> tuple[StepPlan, StepPlan]:
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
     """Increments (one token after a cached prefix) first, shortest cached prefix first, then the rest in
     plan order: the layout AttentionMetadata expects, which lets one-token requests share their merge and
-    the batched backend group increments of similar lengths (IncrementBatch.groups)."""
+    the batched backend group increments of similar lengths (orca/models/attention/batched.py)."""
     inc = sorted((r for r in requests if len(r.token_ids) == 1 and r.start > 0), key=lambda r: r.start)
     rest = [r for r in requests if not (len(r.token_ids) == 1 and r.start > 0)]
     return inc + rest

@@ -7,7 +7,7 @@ embedding, SiLU and residual adds into a few C++ loops, and its wrapper calls th
 between.
 
 What a graph holds: the whole forward pass but two opaque ops, which it calls as they are:
-- attention, ``orca::selective_attention`` (orca/models/attention.py): the per-request split reads the
+- attention, ``orca::selective_attention`` (orca/models/attention/base.py): the per-request split reads the
   iteration's layout, which the worker puts in scope (``iteration_scope``) around each call;
 - the oneDNN-packed linears, ``orca::packed_linear`` (orca/models/layers.py): oneDNN's matmul on the weights
   packed at load, the fastest matmul measured here at decode sizes (inductor would otherwise pick MKL's,
@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from orca.models.attention import AttentionMetadata, iteration_scope
+from orca.models.attention import AttentionMetadata, get_backend, iteration_scope
 from orca.models.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def why_not_compiled(choice: str, device: torch.device, attention_backend: str, 
         return "torch_compile is off"
     if device.type != "cpu":
         return f"the device is {device.type}, not a CPU (compiling is measured on a CPU only; CUDA has cuda_graphs)"
-    if attention_backend not in ("reference", "batched"):
+    if not get_backend(attention_backend).in_compiled_forward:
         return f"attention_backend is {attention_backend} (compiling runs reference or batched attention as one op)"
     if world_size > 1:
         return "several ranks (their activations cross processes between layers)"

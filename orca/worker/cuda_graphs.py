@@ -3,9 +3,9 @@ hundreds of kernel launches from Python.
 
 A decode iteration (every request feeds one token after its cached prefix) under the flex backend has
 tensors whose shapes depend on its token count only: the token rows, and the whole pool for keys and values
-(orca/models/attention.py). So one graph per batch size serves every decode iteration of that size,
-whatever the requests' lengths and blocks: the iteration's values are copied into static buffers the
-graph reads, and the graph is replayed.
+(orca/models/attention/flex.py; the backend's cuda_graphs trait). So one graph per batch size serves every
+decode iteration of that size, whatever the requests' lengths and blocks: the iteration's values are
+copied into static buffers the graph reads (the backend's graph_buffers), and the graph is replayed.
 
 Sizes: 1, 2, 4, then every multiple of 8 below max_bs, and max_bs (vLLM's default steps). A batch of n
 requests runs in the smallest size >= n; its rows after the n-th are padding: token 0 at position 0,
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from orca.models.attention import AttentionMetadata, FlexLayout
+from orca.models.attention import AttentionMetadata, get_backend
 from orca.models.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def why_no_graphs(choice: str, device: torch.device, attention_backend: str, wor
         return "cuda_graphs is off"
     if device.type != "cuda":
         return f"the device is {device.type}, not CUDA"
-    if attention_backend != "flex":
+    if not get_backend(attention_backend).cuda_graphs:
         return f"attention_backend is {attention_backend} (graphs need flex's fixed shapes)"
     if world_size > 1:
         return "the worker is one of several ranks"
@@ -73,23 +73,16 @@ class DecodeGraphs:
     the model's forward pass per size over them. `run` copies an iteration's inputs in and replays (or, when
     not captured, runs the model eagerly on the same buffers)."""
 
-    def __init__(self, model: nn.Module, kv_pool: torch.Tensor, block_size: int, pad_slot: int,
-                 sizes: Sequence[int], capture: bool) -> None:
+    def __init__(self, model: nn.Module, attention: type[AttentionMetadata], kv_pool: torch.Tensor, block_size: int,
+                 pad_slot: int, sizes: Sequence[int], capture: bool) -> None:
         self.model, self.kv_pool, self.sizes = model, kv_pool, tuple(sizes)
         self.pad_slot = pad_slot
         device, rows = kv_pool.device, self.sizes[-1]
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((rows,), pad_slot, dtype=torch.int64, device=device)
-        # An all-padding layout of the largest size; every size reads its head.
-        layout = FlexLayout.build([], [], [], block_size, kv_pool.shape[3], device, padding=rows)
-        self._metas = {
-            n: AttentionMetadata(
-                lengths=[], context_lens=[], num_increment=n, slot_mapping=self.slot_mapping[:n], views=[],
-                gather_index=None, gather_sizes=[], kv_pool=kv_pool, flex=layout.head(n),
-            )
-            for n in self.sizes
-        }
+        # The attention backend's metadata of the largest size, all padding; every size reads its head.
+        static = attention.graph_buffers(kv_pool, block_size, pad_slot, rows)
+        self._metas = {n: static.head(n) for n in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # iterations run through this object (the GPU tests check graphs were used)
@@ -128,11 +121,9 @@ class DecodeGraphs:
         n = input_ids.shape[0]
         if n not in self._metas:
             raise ValueError(f"{n} rows is not one of the captured sizes {self.sizes}")
-        static = self._metas[n]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        static.slot_mapping.copy_(meta.slot_mapping, non_blocking=True)
-        static.flex.copy_(meta.flex)
+        self._metas[n].copy_(meta)
         self.replays += 1
         if n in self._graphs:
             self._graphs[n].replay()

@@ -7,7 +7,7 @@ One tensor holds every layer's keys and values for ``num_blocks`` blocks of ``bl
 Slot ``s`` = ``block * block_size + offset`` is one token. Heads come before slots so that a request whose
 blocks are consecutive reads its keys as the view ``pool[layer, 0, :, s0:s1]`` ([KVH, n, D], the layout
 attention consumes) without a copy; other requests are gathered. An iteration writes its new keys and
-values with one scatter per layer (orca/models/attention.py). Which blocks belong to whom is the driver's
+values with one scatter per layer (orca/models/attention/). Which blocks belong to whom is the driver's
 business (orca/core/block_manager.py); the worker only follows the block tables the plans send.
 """
 

@@ -1,5 +1,5 @@
 """Attention for a decode batch on the CPU: the reference's per-request calls against the batched
-increments, per layer call (orca/models/attention.py, `attention_backend`). Not a test, not a benchmark of
+increments, per layer call (orca/models/attention/, `attention_backend`). Not a test, not a benchmark of
 record: docs/BENCHMARKS.md quotes its output with the command and the time.
 
     .venv/bin/python scripts/experiments/attention_cpu.py

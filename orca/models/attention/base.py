@@ -1,0 +1,257 @@
+"""What every attention backend shares: the interface the model layers and the worker see.
+
+- ``AttentionMetadata``: the iteration's layout, passed explicitly to every layer. Each backend is a
+  subclass (its module: reference.py, batched.py, flex.py) holding what only it needs, built once per
+  iteration by its own ``for_iteration`` and read at every layer by its own ``attend``; its class
+  attributes tell the worker what the backend needs of the pool and of the load (zeroed memory, a
+  compile warm-up, CUDA graphs, the compiled forward pass). A subclass registers under its ``name``, the
+  ``attention_backend`` value that selects it (``get_backend``).
+- ``selective_attention``: what a layer calls. It writes the iteration's new keys and values into their
+  slots of the pool (one scatter for every token of every request, the same for every backend), then runs
+  the backend's ``attend`` over this layer's pool.
+- ``resolve_attention_backend``: EngineConfig.attention_backend (``auto`` included) to the backend that
+  runs.
+- ``orca::selective_attention`` and ``iteration_scope``: attention as one opaque op inside a compiled
+  forward pass (orca/worker/compiled.py).
+- ``PhaseTimer`` (profiling); the builders' shared helpers ``token_slots`` (pool slots of a request's
+  positions) and ``leading_increments``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from orca.config import ATTENTION_BACKENDS
+
+_BACKENDS: dict[str, type[AttentionMetadata]] = {}
+
+
+def resolve_attention_backend(choice: str, device: torch.device) -> str:
+    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = the fastest
+    measured on the device: batched on a CPU (the reference's per-request calls for prompts, one batch for
+    the increments: 1.05-1.06x the reference's tokens/s offline here; flex's paged mask does not compile for
+    a CPU in torch 2.13); on CUDA, where nothing has been measured yet, reference until a GPU run shows
+    another ahead (docs/design.md, the data plane)."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
+    if choice == "auto":
+        return "batched" if device.type == "cpu" else "reference"
+    return choice
+
+
+def get_backend(name: str) -> type[AttentionMetadata]:
+    """The backend a resolved attention_backend value names: its metadata class (builder and traits)."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"no attention backend {name!r} (there are {', '.join(_BACKENDS)})") from None
+
+
+@dataclass
+class PhaseTimer:
+    """Accumulates seconds per phase; syncs the device around each measured span (profiling only)."""
+
+    device: torch.device
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+@dataclass(kw_only=True)
+class AttentionMetadata:
+    """The iteration's batch layout, passed explicitly to every layer (never a global).
+
+    Requests are laid out increments first (the worker orders the rows so): rows [0, number of increments)
+    are one token each after a cached prefix, then each other request's rows follow. Every backend has the
+    pool slot of each token row (`slot_mapping`, where selective_attention writes the row's keys and
+    values), the pool and the profiling timer; its subclass adds what only it reads. The slot arithmetic is
+    done once per iteration (the backend's `for_iteration`), not once per layer.
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64
+    kv_pool: torch.Tensor  # (layers, 2, KVH, slots, D)
+    timer: PhaseTimer | None = None
+
+    # -- the backend's traits (class attributes; the worker reads them at load and per iteration) ------------
+    name: ClassVar[str]  # the attention_backend value that selects this backend
+    # The pool must be allocated zeroed (a backend that weighs slots nothing wrote by 0); the worker's eager
+    # warm-up then leaves it as allocated.
+    zeroed_pool: ClassVar[bool] = False
+    # Reads whole blocks, the slots past a request's length masked: the worker zeroes each block it hands to
+    # a request (KVLayout.zero_blocks), so that no 0 x NaN an earlier request left reaches a result.
+    reads_whole_blocks: ClassVar[bool] = False
+    # The compiled forward pass (orca/worker/compiled.py) may run with it, attention as one opaque op.
+    in_compiled_forward: ClassVar[bool] = False
+    # Its tensors' shapes depend on the token count only: decode iterations padded to a size can replay a
+    # CUDA graph (orca/worker/cuda_graphs.py: graph_buffers, head, copy_).
+    cuda_graphs: ClassVar[bool] = False
+    # Where compiles_at_load: the token rows of the iterations that compile its kernels at load (after a
+    # two-token prompt and its increment).
+    warm_up_rows: ClassVar[tuple[int, ...]] = ()
+
+    # Which path an iteration takes, for the tests to read: the flex layout (flex.py) and the batched
+    # increments (batched.py), None and () on the backends that have none. Never read per layer.
+    flex = None
+    increments = ()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            _BACKENDS[cls.name] = cls
+
+    @classmethod
+    def build(
+        cls,
+        lengths: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        kv_pool: torch.Tensor,
+        timer: PhaseTimer | None = None,
+        backend: str = "reference",
+        padding: int = 0,
+        pad_slot: int = 0,
+    ) -> AttentionMetadata:
+        """The iteration's metadata for `backend` (resolved: "reference", "batched" or "flex"): that
+        backend's for_iteration."""
+        return get_backend(backend).for_iteration(lengths, context_lens, block_tables, block_size, kv_pool, timer,
+                                                  padding, pad_slot)
+
+    @classmethod
+    def for_iteration(
+        cls,
+        lengths: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        kv_pool: torch.Tensor,
+        timer: PhaseTimer | None = None,
+        padding: int = 0,
+        pad_slot: int = 0,
+    ) -> AttentionMetadata:
+        """This backend's builder. Request i feeds `lengths[i]` new tokens after `context_lens[i]` cached
+        ones; block_tables[i] covers its first context_lens[i] + lengths[i] tokens; increments come first.
+        `padding` rows follow the requests' (backends with cuda_graphs only: a decode iteration padded to a
+        CUDA graph's size): each writes its keys and values to `pad_slot`, a slot no request owns, and
+        attends to nothing."""
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        """One layer's attention: q (T, H, D) over `pool` (this layer's, (2, KVH, slots, D), the iteration's
+        new keys and values written) -> (T, H * D)."""
+        raise NotImplementedError
+
+    @classmethod
+    def compiles_at_load(cls, device: torch.device) -> bool:
+        """Whether the worker runs warm_up_rows' iterations at load on this device, to compile its kernels
+        there rather than in a user's request."""
+        return False
+
+    @classmethod
+    def device_warning(cls, device: torch.device) -> str | None:
+        """What the worker logs as a warning when this backend runs on `device`; None: nothing to say."""
+        return None
+
+    # -- CUDA graphs (cuda_graphs backends) --------------------------------------------------------------
+    @classmethod
+    def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int) -> AttentionMetadata:
+        """Metadata of `rows` padding rows over static buffers, which a captured graph reads: each
+        iteration's values are copied in (copy_) into the head (head) of its size."""
+        raise NotImplementedError(f"attention backend {cls.name} has no fixed shapes for CUDA graphs")
+
+    def head(self, num_tokens: int) -> AttentionMetadata:
+        """The metadata of this one's first `num_tokens` rows, sharing its tensors (views)."""
+        raise NotImplementedError(f"attention backend {self.name} has no fixed shapes for CUDA graphs")
+
+    def copy_(self, other: AttentionMetadata) -> None:
+        """Takes `other`'s values (an iteration of the same token count over the same pool) into this
+        metadata's tensors, in place."""
+        raise NotImplementedError(f"attention backend {self.name} has no fixed shapes for CUDA graphs")
+
+
+def token_slots(table: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """Pool slots of token positions [start, end) for a request with this block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def leading_increments(lengths: Sequence[int], context_lens: Sequence[int]) -> int:
+    """How many requests, from the first, are increments (one token after a cached prefix)."""
+    num_increment = 0
+    while num_increment < len(lengths) and lengths[num_increment] == 1 and context_lens[num_increment] > 0:
+        num_increment += 1
+    return num_increment
+
+
+def selective_attention(
+    q: torch.Tensor,  # (T, H, D): queries of all tokens of all requests
+    kv: torch.Tensor,  # (T, 2, KVH, D): this iteration's new keys and values
+    meta: AttentionMetadata,
+    layer: int,
+    scale: float,
+    window: int | None = None,  # sliding window: a query sees its last `window` keys (itself included)
+) -> torch.Tensor:  # (T, H * D)
+    if torch.compiler.is_compiling():  # inside a compiled forward pass: one opaque op (see iteration_scope)
+        return torch.ops.orca.selective_attention(q, kv, layer, scale, window)
+    timer = meta.timer
+    if timer is not None:
+        timer.sync()
+        t0 = time.perf_counter()
+    # Write this iteration's keys and values into their slots: one scatter for every token of every request.
+    pool = meta.kv_pool[layer]  # (2, KVH, slots, D)
+    pool.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
+    out = meta.attend(q, pool, scale, window)
+    if timer is not None:
+        timer.sync()
+        timer.add("attention", time.perf_counter() - t0)
+    return out
+
+
+# -- attention inside a compiled forward pass (orca/worker/compiled.py) ----------------------------------
+# torch.compile turns the model's forward pass into one graph whatever the iteration's composition: every
+# op but attention runs on the flat [T, hidden] batch and depends on T only. Attention depends on the
+# iteration's layout (requests, lengths, blocks: Python lists the per-request split reads), so inside the
+# graph it is one opaque op, orca::selective_attention, that takes only tensors and the layer's constants;
+# the layout is the iteration's AttentionMetadata, which the worker puts in scope around the call (as
+# vLLM's forward context does for its compiled graphs). The op runs the same selective_attention as the
+# eager model, keys and values written into the pool included.
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def iteration_scope(meta: AttentionMetadata) -> Iterator[None]:
+    """The iteration whose layout orca::selective_attention reads, for the duration of a compiled call
+    (on this thread)."""
+    _scope.meta = meta
+    try:
+        yield
+    finally:
+        _scope.meta = None
+
+
+def _attention_op(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+    meta = getattr(_scope, "meta", None)
+    if meta is None:
+        raise RuntimeError("orca::selective_attention ran outside iteration_scope: it has no iteration layout")
+    return selective_attention(q, kv, meta, layer, scale, window).contiguous()
+
+
+def _attention_shape(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # (T, H * D), as selective_attention returns
+
+
+_OPS = torch.library.Library("orca", "FRAGMENT")
+_OPS.define("selective_attention(Tensor q, Tensor kv, int layer, float scale, int? window) -> Tensor")
+_OPS.impl("selective_attention", _attention_op, "CompositeExplicitAutograd")
+torch.library.register_fake("orca::selective_attention", _attention_shape, lib=_OPS)

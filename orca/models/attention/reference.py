@@ -1,0 +1,169 @@
+"""attention_backend ``reference``: the split Orca describes, one ``scaled_dot_product_attention`` call per
+request and layer over that request's keys and values. The transformers-exact oracle of the tests.
+
+Per layer, after the iteration's keys and values are written (selective_attention), it reads each
+request's keys and values: a view of the pool when the request's blocks are consecutive, else one gather
+for all such requests together. An increment (one token after a cached prefix) is one query row per head
+with no mask, its grouped query heads as query rows of their K/V head (no repeat of keys and values); a
+prompt attends causally to itself, a later chunk to every cached key and its own new keys up to itself; a
+sliding window keeps each query's last `window` keys.
+
+`auto` picks it on CUDA, where nothing has been measured yet, until a GPU run shows another backend ahead
+(docs/design.md, the data plane); on a CPU `auto` picks batched.
+
+Limits: every request is its own SDPA call at every layer, and each call pays a fixed cost whatever its
+size: an increment's attention is a few thousand multiply-adds, and as its own SDPA call it paid ~35 us
+on this CPU (the batched backend batches the increments for that). It reads only the slots its requests'
+iterations wrote, so the pool needs no zeroing (orca/worker/kv_cache.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from orca.models.attention.base import AttentionMetadata, PhaseTimer, leading_increments, token_slots
+from orca.models.device import upload
+
+
+@dataclass(kw_only=True)
+class ReferenceMetadata(AttentionMetadata):
+    """Request i feeds `lengths[i]` new tokens after `context_lens[i]` cached ones; rows [0, num_increment)
+    are increments. Request i's keys and values (its `context_lens[i] + lengths[i]` tokens) are pool slots
+    `views[i] = (s0, s1)` when its blocks are consecutive (views[i] is None otherwise); the others' slots
+    are concatenated in `gather_index`, split by `gather_sizes`."""
+
+    name = "reference"
+    in_compiled_forward = True
+
+    lengths: list[int]
+    context_lens: list[int]
+    num_increment: int
+    views: list[tuple[int, int] | None]
+    gather_index: torch.Tensor | None  # (sum of gathered lengths,) int64
+    gather_sizes: list[int]
+
+    @classmethod
+    def for_iteration(
+        cls,
+        lengths: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        kv_pool: torch.Tensor,
+        timer: PhaseTimer | None = None,
+        padding: int = 0,
+        pad_slot: int = 0,
+    ) -> AttentionMetadata:
+        if padding:
+            raise ValueError("padding rows need the flex backend")
+        return cls.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer,
+                               leading_increments(lengths, context_lens))
+
+    @classmethod
+    def per_request(
+        cls,
+        lengths: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        kv_pool: torch.Tensor,
+        timer: PhaseTimer | None,
+        num_increment: int,
+        elsewhere: int = 0,
+        **fields: object,
+    ) -> AttentionMetadata:
+        """The slots, views and gathers of the iteration. Requests [0, elsewhere) read their keys and values
+        through a subclass's own path (the batched backend's increments): their views are None (never
+        read) and they are in no gather. `fields`: the subclass's own."""
+        slots: list[int] = []
+        views: list[tuple[int, int] | None] = []
+        gather: list[int] = []
+        gather_sizes: list[int] = []
+        for i, (n, past, table) in enumerate(zip(lengths, context_lens, block_tables)):
+            total = past + n
+            slots.extend(token_slots(table, block_size, past, total))
+            if i < elsewhere:
+                views.append(None)
+                continue
+            used = -(-total // block_size)
+            first = table[0]
+            if table[used - 1] - first == used - 1 and all(table[j] == first + j for j in range(used)):
+                views.append((first * block_size, first * block_size + total))
+            else:
+                views.append(None)
+                gather.extend(token_slots(table, block_size, 0, total))
+                gather_sizes.append(total)
+        device = kv_pool.device
+        return cls(
+            lengths=list(lengths),
+            context_lens=list(context_lens),
+            num_increment=num_increment,
+            slot_mapping=upload(slots, torch.int64, device),
+            views=views,
+            gather_index=upload(gather, torch.int64, device) if gather else None,
+            gather_sizes=gather_sizes,
+            kv_pool=kv_pool,
+            timer=timer,
+            **fields,
+        )
+
+    def attend(
+        self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
+        increments_out: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Per request, over its keys and values in `pool` (this layer's, new ones written).
+        `increments_out`: the increments' outputs when a subclass attended them itself (batched.py), in
+        row order; None runs them here, one call each."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = pool.shape[1]
+        group = num_heads // num_kv_heads  # query heads per K/V head (grouped-query attention)
+        gathered = iter(())
+        if self.gather_index is not None:
+            gathered = iter(pool.index_select(2, self.gather_index).split(self.gather_sizes, dim=2))
+
+        def keys_values(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            view = self.views[i]
+            kvi = pool[:, :, view[0] : view[1]] if view is not None else next(gathered)  # (2, KVH, past + n, D)
+            return kvi[0:1], kvi[1:2]  # (1, KVH, past + n, D) each
+
+        n_inc = self.num_increment
+        outputs: list[torch.Tensor]
+        if increments_out is not None:
+            outputs = increments_out
+        else:
+            outputs = []
+            if n_inc:
+                # Increment: one query row per head and no mask. The `group` query heads sharing a K/V head
+                # become `group` query rows of that head, so GQA needs no repeat of keys and values. The 4-D
+                # (batch 1) form takes PyTorch's fused CPU kernel.
+                q_inc = q[:n_inc].view(n_inc, num_kv_heads, group, head_dim).split(1)  # n_inc x (1, KVH, G, D)
+                for i in range(n_inc):
+                    keys, values = keys_values(i)
+                    if window is not None:  # the last `window` keys only
+                        keys, values = keys[:, :, -window:], values[:, :, -window:]
+                    outputs.append(F.scaled_dot_product_attention(q_inc[i], keys, values, scale=scale))
+                outputs = [torch.cat(outputs).view(n_inc, num_heads * head_dim)]  # (n_inc, H*D)
+        start = n_inc
+        for i in range(n_inc, len(self.lengths)):
+            n, past = self.lengths[i], self.context_lens[i]
+            qi = q[start : start + n].transpose(0, 1)[None]  # (1, H, n, D)
+            keys, values = keys_values(i)
+            if window is not None and past + n > window:
+                # Query j (position past + j) sees keys (past + j - window, past + j].
+                mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(past).triu(past - window + 1)
+                oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            elif past == 0:
+                # A whole prompt (or its first chunk) attends causally to itself.
+                oi = F.scaled_dot_product_attention(qi, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
+            else:
+                # Several new tokens after a cached prefix (a later prompt chunk, or a recomputation): query j
+                # sees every cached key and the new keys up to its own.
+                mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
+                oi = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            outputs.append(oi[0].transpose(0, 1).reshape(n, num_heads * head_dim))  # (n, H*D)
+            start += n
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
