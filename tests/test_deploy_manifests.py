@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 SHIPPED_CONFIG = ROOT / "model_repository" / "orca_gpt" / "config.pbtxt"
-MODEL_PY = ROOT / "model_repository" / "orca_gpt" / "1" / "model.py"
+METRICS_PY = ROOT / "orca_triton" / "metrics.py"  # orca_gpt's metrics
 ADAPTER_CONFIG = DEPLOY / "kubernetes" / "prometheus-adapter" / "adapter-config.yaml"
 KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
 MODEL = "orca_gpt"
@@ -659,9 +659,9 @@ def openai_args(container: dict[str, Any]) -> Any:
 
 
 def gauges() -> set[str]:
-    """The metric families orca_gpt's model.py registers as gauges."""
-    found = set(re.findall(r'fam\(\s*"(orca_\w+)",\s*"[^"]*",\s*G\s*\)', MODEL_PY.read_text()))
-    assert "orca_waiting_requests" in found, "the regex no longer finds model.py's gauges"
+    """The metric families orca_gpt registers as gauges (orca_triton/metrics.py)."""
+    found = set(re.findall(r'fam\(\s*"(orca_\w+)",\s*"[^"]*",\s*G\s*\)', METRICS_PY.read_text()))
+    assert "orca_waiting_requests" in found, "the regex no longer finds orca_gpt's gauges"
     return found
 
 
@@ -729,7 +729,7 @@ def test_the_hpa_scales_the_deployment_on_the_engines_gauges_through_the_adapter
         assert series and series.group(1) in engine_gauges, f"{name}: {rule['seriesQuery']} is no engine gauge"
         assert re.fullmatch(rf"\^{series.group(1)}\$", rule["name"]["matches"]), rule["name"]
         used = set(re.findall(r"\b(orca_\w+)\{", rule["metricsQuery"]))
-        assert used and used <= engine_gauges, f"{name}: {sorted(used - engine_gauges)} are no gauges of model.py"
+        assert used and used <= engine_gauges, f"{name}: {sorted(used - engine_gauges)} are no gauges of orca_gpt"
         assert "<<.LabelMatchers>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
         overrides = rule["resources"]["overrides"]
         assert overrides == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}, overrides
