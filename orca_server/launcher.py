@@ -8,9 +8,6 @@ backend (:mod:`orca_server.wheel`), build tritonserver's command
 OpenAI-compatible API on (the default), run it beside orca-openai, whose command
 line :func:`openai_command` derives from the same flags
 (:func:`orca_server.server.run_beside` supervises the two).
-
-``free_ports`` is re-exported from :mod:`orca_server.server` because
-``client/orca_client/serve_bench.py`` imports it from here.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from orca_server.server import build_command, run_beside
-from orca_server.server import free_ports as free_ports  # re-exported: client/orca_client/serve_bench.py
 from orca_server.wheel import (
     TritonServerError,
     default_backend_dir,

@@ -219,7 +219,7 @@ class Running:
 @contextmanager
 def orca_server(workdir: Path, startup_timeout: float) -> Iterator[Running]:
     """The launcher (make serve's command) on a repository holding only orca_gpt, as shipped."""
-    from orca_server.launcher import free_ports
+    from orca_server.server import free_ports
 
     repo = workdir / "repository"
     shutil.copytree(REPO / "model_repository" / "orca_gpt", repo / "orca_gpt")
@@ -242,7 +242,7 @@ def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, 
                 startup_timeout: float) -> Iterator[Running]:
     """vLLM's OpenAI server from the vLLM peer's venv, on orca's checkpoint."""
     from orca_client.peers import peer_python
-    from orca_server.launcher import free_ports
+    from orca_server.server import free_ports
 
     (port,) = free_ports(1)
     log = workdir / "vllm-serve.log"
