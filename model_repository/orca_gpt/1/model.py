@@ -1,18 +1,18 @@
-"""Triton adapter for the Orca engine: a decoupled Python model.
+"""Triton adapter for the Orca engine: a decoupled Python model, a thin shell over orca_triton/.
 
-Thin by design: Triton tensors in, engine calls, Triton responses out. The scheduling is the engine core's
-(orca.EngineLoop runs Algorithm 1 on its own thread); request meaning is orca_triton.generate's; text is the front
-end's (orca.Tokenizer in, orca.OutputProcessor out).
+Triton tensors in, engine calls, Triton responses out. The scheduling is the engine core's
+(orca.core.engine_loop.EngineLoop runs Algorithm 1 on its own thread); request meaning is
+orca_triton.generate's; text is the front end's (orca.frontend: Tokenizer in, OutputProcessor out);
+metrics and tritonserver's shutdown and death are orca_triton.metrics' and orca_triton.lifecycle's.
 
 Threads: Triton calls execute(), which parses and tokenizes, submits token ids and returns at once. The
 scheduler thread loads the engine core (in initialize, which waits for it) and then runs its iterations,
-queues their deltas and publishes the engine's gauges: every torch op of the engine runs on that one thread,
-and no text. The response thread turns deltas into RequestOutputs (detokenizing, stop strings, logprobs:
-the OutputProcessor) and those into Triton responses, and sends them, so neither delays the next iteration.
-It owns every sender, so it also notices client cancellation and aborts those requests: a request's sender
-is asked with each of its outputs, and any active request not asked for _CANCEL_POLL_S (one still waiting
-for admission, say) by a
-periodic sweep. Every request gets exactly one FINAL.
+queues their deltas and publishes the engine's gauges: every torch op of the engine runs on that one
+thread, and no text. The response thread turns deltas into RequestOutputs (detokenizing, stop strings,
+logprobs: the OutputProcessor) and those into Triton responses, and sends them, so neither delays the next
+iteration. It owns every sender, so it also notices client cancellation and aborts those requests: a
+request's sender is asked with each of its outputs, and any active request not asked for _CANCEL_POLL_S
+(one still waiting for admission, say) by a periodic sweep. Every request gets exactly one FINAL.
 
 A watcher thread follows tritonserver itself. On SIGTERM/SIGINT Triton stops taking HTTP connections and
 waits up to --exit-timeout-secs, then exits whatever is in flight (decoupled requests are not among the
