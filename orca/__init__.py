@@ -1,6 +1,8 @@
 """Orca: iteration-level scheduling and selective batching for generative transformers.
 
-The engine package knows nothing of Triton: model_repository/orca_gpt/1/model.py adapts it.
+core/ (the token-only engine core), executor/ and worker/ (where plans run), models/, frontend/ (text and
+outputs around the core; LLMEngine and LLM). The engine package knows nothing of Triton: orca_triton/ and
+model_repository/*/1/model.py adapt it.
 """
 
 from orca.checkpoint import ModelConfig
