@@ -4,8 +4,12 @@ whole-process timer against another checkout (PYTHONPATH=that checkout:that chec
 engines on the same host: `python scripts/experiments/offline_ab.py off` (torch_compile off: no 45 s
 compile per run) or `auto`."""
 
-import random, sys, time
+import random
+import sys
+import time
+
 from orca import LLM, SamplingParams
+
 rng = random.Random(0)
 prompts = [[rng.randrange(100, 10000) for _ in range(rng.randint(32, 128))] for _ in range(32)]
 params = [SamplingParams(max_tokens=rng.randint(1, 64), temperature=0, ignore_eos=True) for _ in range(32)]
