@@ -150,7 +150,7 @@ class EngineConfig:
       process's working directory (in Triton, tritonserver's). A new engine starts the file afresh.
       `orca-bench timeline FILE` draws it; `orca-bench trace --timeline DIR` turns it on for the models it
       drives (reloading them).
-    - trace_max_bytes: at most this many bytes per trace file (at least MIN_MAX_BYTES, 1,024); when the next
+    - trace_max_bytes: at most this many bytes per trace file (at least TRACE_MIN_MAX_BYTES, 1,024); when the next
       record would not fit, the file is rotated to FILE.1, FILE.1 to FILE.2, and so on. Every file starts
       with the header, so each can be read alone.
     - trace_backups: rotated trace files kept, FILE.1 ... FILE.<trace_backups> (older ones deleted), so at

@@ -63,9 +63,6 @@ if TYPE_CHECKING:
     from orca.core.scheduler import OrcaScheduler, ScheduledBatch
 
 VERSION = 1
-DEFAULT_MAX_BYTES = TRACE_DEFAULT_MAX_BYTES
-DEFAULT_BACKUPS = TRACE_DEFAULT_BACKUPS
-MIN_MAX_BYTES = TRACE_MIN_MAX_BYTES
 PHASES = ("prompt", "increment", "recompute")
 
 
@@ -80,8 +77,8 @@ class RotatingWriter:
     starts with ``header`` (whatever it holds when the file is opened)."""
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int, backups: int, header: dict[str, Any]) -> None:
-        if max_bytes < MIN_MAX_BYTES:
-            raise ValueError(f"max_bytes must be >= {MIN_MAX_BYTES}, got {max_bytes}")
+        if max_bytes < TRACE_MIN_MAX_BYTES:
+            raise ValueError(f"max_bytes must be >= {TRACE_MIN_MAX_BYTES}, got {max_bytes}")
         if backups < 0:
             raise ValueError(f"backups must be >= 0, got {backups}")
         self.path = Path(path)
@@ -167,8 +164,8 @@ class TimelineRecorder:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        backups: int = DEFAULT_BACKUPS,
+        max_bytes: int = TRACE_DEFAULT_MAX_BYTES,
+        backups: int = TRACE_DEFAULT_BACKUPS,
         **header: Any,
     ) -> None:
         self._origin = time.monotonic()
@@ -322,6 +319,6 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "DEFAULT_BACKUPS", "DEFAULT_MAX_BYTES", "PHASES", "RotatingWriter", "Timeline", "TimelineRecorder",
+    "PHASES", "RotatingWriter", "Timeline", "TimelineRecorder",
     "read_timeline", "rotated_paths",
 ]

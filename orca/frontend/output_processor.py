@@ -101,34 +101,24 @@ class RequestOutput:
         self.new_logprobs = new_logprobs
         self.cumulative_logprob = cumulative_logprob
         self.num_output_tokens = len(token_ids)
-        self._token_ids = token_ids
-        self._logprobs = logprobs
+        self._token_ids = token_ids  # kept, not copied: the history only grows, so [:num_output_tokens] is
+        self._logprobs = logprobs  # this output's view of it
         self._text: Any = text  # a str, or the detokenizer whose .text starts with this output's text
         self._text_len = None if text is None else len(text)
 
     @classmethod
     def _view(cls, state: _RequestState, new_token_ids: list[int], new_logprobs: Any, text_delta: str | None,
               finish_reason: str | None, error: str | None, logits: Any) -> RequestOutput:
-        out = cls.__new__(cls)
-        out.request_id = state.request_id
-        out.new_token_ids = new_token_ids
-        out.num_prompt_tokens = state.num_prompt_tokens
-        out.finished = finish_reason is not None
-        out.finish_reason = finish_reason
-        out.error = error
-        out.text_delta = text_delta
-        out.arrival_time = state.arrival_time
-        out.first_token_time = state.first_token_time
-        out.finish_time = state.finish_time
-        out.logits = logits
-        out.new_logprobs = new_logprobs
-        out.cumulative_logprob = state.cumulative_logprob
-        out.num_output_tokens = len(state.token_ids)
-        out._token_ids = state.token_ids
-        out._logprobs = state.logprobs
+        """The output as `state` stands: its history lists shared (the constructor keeps references and
+        their lengths), its text read from the detokenizer up to what it has emitted, when asked for."""
+        out = cls(
+            state.request_id, new_token_ids, state.token_ids, state.num_prompt_tokens, finish_reason is not None,
+            finish_reason, error, text_delta, None, state.arrival_time, state.first_token_time, state.finish_time,
+            logits, new_logprobs, state.logprobs, state.cumulative_logprob,
+        )
         detok = state.detokenizer
-        out._text = detok
-        out._text_len = None if detok is None else detok.emitted
+        if detok is not None:
+            out._text, out._text_len = detok, detok.emitted
         return out
 
     @property
@@ -236,13 +226,12 @@ class OutputProcessor:
         reason = delta.finish_reason
         new = delta.new_token_ids
         new_logprobs = None
-        text_delta = None
         detok = state.detokenizer
+        text_delta = None if detok is None else ""
         if new:
             if state.first_token_time is None:
                 state.first_token_time = delta.time
             if detok is not None:
-                text_delta = ""
                 last = len(new) - 1
                 for i, token in enumerate(new):  # the core's own stop (not a cancellation) flushes the text
                     text_delta += detok.add(token, final=i == last and reason in _ENDS_TEXT)
@@ -252,12 +241,11 @@ class OutputProcessor:
                         break
             state.token_ids.extend(new)
             if state.logprobs is not None and delta.new_logprobs is not None:
-                new_logprobs = [logprob_entry(t) for t in delta.new_logprobs[: len(new)]]
+                kept = delta.new_logprobs[: len(new)]
+                new_logprobs = [logprob_entry(t) for t in kept]
                 state.logprobs.extend(new_logprobs)
-                for t in delta.new_logprobs[: len(new)]:
+                for t in kept:
                     state.cumulative_logprob += t.logprob
-        elif detok is not None:
-            text_delta = ""
         if state.logprobs is not None and new_logprobs is None:
             new_logprobs = []
         if reason is not None:
