@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _fixtures import smollm2, tiny_core, tiny_engine
+from _fixtures import smollm2, tiny_checkpoint, tiny_core, tiny_engine
 
-from orca import EngineCoreOutput, OutputProcessor, SamplingParams
+from orca import LLM, EngineCoreOutput, OutputProcessor, SamplingParams
 from orca.core.plan import TokenLogprobs
 from orca.core.request import FinishReason, Request
 from orca.frontend.tokenizer import Tokenizer
@@ -105,3 +105,77 @@ def test_llm_engine_aborts_a_request_finished_by_a_stop_string_in_its_core() -> 
         finals.extend(o for o in engine.step() if o.finished)
     assert len(finals) == 1 and finals[0].finish_reason == "stop" and "Paris" not in finals[0].text
     assert engine.core.request_ids() == [] and engine.stats().kv_allocated_blocks == 0
+
+
+# -- prefix caching: num_cached_tokens and cache_salt through the front end ---------------------------
+PREFIX = list(range(1, 41))  # 40 tokens: two full blocks of 16 (the default block_size) and 8 more
+
+
+def test_num_cached_tokens_comes_from_the_deltas() -> None:
+    processor = OutputProcessor(None)
+    processor.add_request("r", len(PREFIX), GREEDY, arrival_time=0.0)
+    first = processor.process([EngineCoreOutput("r", [5], time=1.0, num_cached_tokens=32)]).outputs[0]
+    final = processor.process(
+        [EngineCoreOutput("r", [6], finish_reason=FinishReason.LENGTH, time=2.0, num_cached_tokens=32)]
+    ).outputs[0]
+    assert first.num_cached_tokens == final.num_cached_tokens == 32
+    assert final.replace(finish_reason="stop").num_cached_tokens == 32  # what the request-level baseline does
+    processor.add_request("cold", len(PREFIX), GREEDY, arrival_time=0.0)
+    cold = processor.process([EngineCoreOutput("cold", [5], finish_reason=FinishReason.LENGTH, time=1.0)])
+    assert cold.outputs[0].num_cached_tokens == 0
+
+
+def _run(engine: Any, request_id: str, prompt: list[int], cache_salt: str | None = None) -> list[Any]:
+    """One request alone on the engine, to its end: its outputs."""
+    engine.add_request(request_id, prompt, GREEDY, cache_salt=cache_salt)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(o for o in engine.step() if o.request_id == request_id)
+    return outs
+
+
+def test_a_repeated_prefix_is_read_from_the_prefix_cache_once_per_salt() -> None:
+    engine = tiny_engine("gpt2")
+    assert engine.config.enable_prefix_caching  # the default
+    first = _run(engine, "a", PREFIX)
+    assert [o.num_cached_tokens for o in first] == [0] * len(first)
+    again = _run(engine, "b", PREFIX)
+    # Every output from admission on says so: the two full blocks came from the cache, the rest was computed.
+    assert [o.num_cached_tokens for o in again] == [32] * len(again)
+    assert again[-1].token_ids == first[-1].token_ids  # the same greedy tokens as computing every key
+    salted = _run(engine, "c", PREFIX, cache_salt="tenant-b")
+    assert salted[-1].num_cached_tokens == 0  # another salt shares nothing
+    assert salted[-1].token_ids == first[-1].token_ids
+    assert _run(engine, "d", PREFIX, cache_salt="tenant-b")[-1].num_cached_tokens == 32  # the same salt does
+    assert _run(engine, "e", PREFIX)[-1].num_cached_tokens == 32
+    stats = engine.stats()
+    assert stats.prefix_cache_hits >= 3 * 32 and stats.prefix_cache_queries >= 5 * 32
+    assert stats.prefix_cache_blocks >= 4  # two blocks for no salt, two for tenant-b
+
+
+def test_without_prefix_caching_nothing_is_cached() -> None:
+    engine = tiny_engine("gpt2", enable_prefix_caching=False)
+    first = _run(engine, "a", PREFIX)
+    again = _run(engine, "b", PREFIX)
+    assert first[-1].num_cached_tokens == again[-1].num_cached_tokens == 0
+    assert again[-1].token_ids == first[-1].token_ids
+    assert engine.stats().prefix_cache_hits == 0 and engine.stats().prefix_cache_blocks == 0
+
+
+def test_offline_generate_takes_a_cache_salt_for_all_prompts_or_one_each() -> None:
+    llm = LLM(str(tiny_checkpoint("gpt2")))
+    (first,) = llm.generate([PREFIX], GREEDY)
+    assert first.num_cached_tokens == 0
+    outs = llm.generate([PREFIX, PREFIX + [50]], GREEDY, cache_salt=[None, "tenant-b"])
+    assert [o.num_cached_tokens for o in outs] == [32, 0]
+    assert outs[0].token_ids == first.token_ids
+    assert llm.generate([PREFIX], GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 32
+    for salt, match in [
+        (["a"], "got 1 cache salts for 2 prompts"),
+        (["a", ""], "cache_salt must be a string of 1 to 1024 characters"),
+        ("x" * 1025, "cache_salt must be a string of 1 to 1024 characters, got 1025"),
+        (7, "cache_salt must be a string"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([PREFIX, PREFIX], GREEDY, cache_salt=salt)
+    assert not llm.engine.has_unfinished()  # refused before any work

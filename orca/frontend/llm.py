@@ -25,6 +25,7 @@ class CompletionOutput:
     # SamplingParams.logprobs set: per token {token id: Logprob} (the drawn token, then the top n); their sum
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
 
 class LLM:
@@ -43,9 +44,12 @@ class LLM:
         self,
         prompts: Sequence[str | Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[CompletionOutput]:
         """Generates for every prompt (token-id lists, or strings when the model has a tokenizer);
-        outputs come back in input order. Raises ValueError for invalid arguments before any work."""
+        outputs come back in input order. `cache_salt` (one for every prompt, or one per prompt; None =
+        no salt): prompts with different salts never share cached keys and values (prefix caching).
+        Raises ValueError for invalid arguments before any work."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("prompts must be a list of prompts (strings or lists of token ids)")
         if sampling_params is None:
@@ -58,9 +62,17 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
             if not all(isinstance(p, SamplingParams) for p in params):
                 raise ValueError("sampling_params must be SamplingParams objects")
+        if cache_salt is None or isinstance(cache_salt, str):
+            salts = [cache_salt] * len(prompts)
+        elif isinstance(cache_salt, Sequence) and not isinstance(cache_salt, bytes):
+            salts = list(cache_salt)
+            if len(salts) != len(prompts):
+                raise ValueError(f"got {len(salts)} cache salts for {len(prompts)} prompts")
+        else:
+            raise ValueError(f"cache_salt must be a string, a list of one per prompt, or None, got {cache_salt!r}")
         token_prompts = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        for ids, p in zip(token_prompts, params):
-            self.engine.validate(ids, p)  # fail before doing any work
+        for ids, p, salt in zip(token_prompts, params, salts):
+            self.engine.validate(ids, p, salt)  # fail before doing any work
         if self.engine.has_unfinished():
             raise RuntimeError("generate() is not re-entrant: the engine still has requests")
         ids_of = {f"offline-{i}": i for i in range(len(prompts))}
@@ -71,7 +83,7 @@ class LLM:
             while pending and self.engine.stats().waiting < self.engine.config.max_queue:
                 rid = pending.pop(0)
                 i = ids_of[rid]
-                self.engine.add_request(rid, token_prompts[i], params[i])
+                self.engine.add_request(rid, token_prompts[i], params[i], cache_salt=salts[i])
             for out in self.engine.step():
                 if out.finished:
                     if out.error:
@@ -79,6 +91,6 @@ class LLM:
                     i = ids_of[out.request_id]
                     results[i] = CompletionOutput(
                         token_prompts[i], out.token_ids, out.finish_reason or "", out.text, out.logprobs,
-                        out.cumulative_logprob,
+                        out.cumulative_logprob, out.num_cached_tokens,
                     )
         return [r for r in results if r is not None]

@@ -99,9 +99,9 @@ class LLMEngine:
         return self.core.request_ids()
 
     # -- requests --------------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: Any, params: SamplingParams) -> None:
-        """The core's checks, and the front end's: stop strings need a tokenizer."""
-        self.core.validate(prompt_token_ids, params)
+    def validate(self, prompt_token_ids: Any, params: SamplingParams, cache_salt: str | None = None) -> None:
+        """The core's checks (the cache salt's included), and the front end's: stop strings need a tokenizer."""
+        self.core.validate(prompt_token_ids, params, cache_salt=cache_salt)
         check_stop_strings(params, self.text.available)
 
     def add_request(
@@ -110,11 +110,16 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
+        """`cache_salt`: requests with different salts never share cached keys and values (prefix
+        caching, EngineConfig.enable_prefix_caching); None = no salt."""
         params = params or SamplingParams()
-        self.validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params, cache_salt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.core.add_request(request_id, prompt_token_ids, params, arrival_time, frozenset(self.eos_token_ids))
+        self.core.add_request(
+            request_id, prompt_token_ids, params, arrival_time, frozenset(self.eos_token_ids), cache_salt=cache_salt
+        )
         self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival_time)
 
     def abort_request(self, request_id: str) -> bool:

@@ -53,6 +53,8 @@ class RequestOutput:
 
     new_token_ids: generated in this iteration (empty on cancellation, error or a prompt chunk).
     token_ids: all generated so far. finish_reason: "length", "stop", "cancelled" or "error" once finished.
+    num_cached_tokens: prompt tokens whose keys and values came from the prefix cache when the request was
+    first admitted (EngineCoreOutput.num_cached_tokens); 0 before its admission and with caching off.
     text_delta / text: the new completion text and all of it so far (None when the model has no
     tokenizer). logits: the (V,) float32 row this iteration sampled from, when logits capture is on.
     With SamplingParams.logprobs set (else None): new_logprobs / logprobs give, for each of new_token_ids /
@@ -65,7 +67,7 @@ class RequestOutput:
     __slots__ = (
         "request_id", "new_token_ids", "num_prompt_tokens", "finished", "finish_reason", "error", "text_delta",
         "arrival_time", "first_token_time", "finish_time", "logits", "new_logprobs", "cumulative_logprob",
-        "num_output_tokens", "_token_ids", "_logprobs", "_text", "_text_len",
+        "num_output_tokens", "num_cached_tokens", "_token_ids", "_logprobs", "_text", "_text_len",
     )
 
     def __init__(
@@ -86,6 +88,7 @@ class RequestOutput:
         new_logprobs: list[dict[int, Logprob]] | None = None,
         logprobs: list[dict[int, Logprob]] | None = None,
         cumulative_logprob: float | None = None,
+        num_cached_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.new_token_ids = new_token_ids
@@ -101,6 +104,7 @@ class RequestOutput:
         self.new_logprobs = new_logprobs
         self.cumulative_logprob = cumulative_logprob
         self.num_output_tokens = len(token_ids)
+        self.num_cached_tokens = num_cached_tokens
         self._token_ids = token_ids  # kept, not copied: the history only grows, so [:num_output_tokens] is
         self._logprobs = logprobs  # this output's view of it
         self._text: Any = text  # a str, or the detokenizer whose .text starts with this output's text
@@ -114,7 +118,7 @@ class RequestOutput:
         out = cls(
             state.request_id, new_token_ids, state.token_ids, state.num_prompt_tokens, finish_reason is not None,
             finish_reason, error, text_delta, None, state.arrival_time, state.first_token_time, state.finish_time,
-            logits, new_logprobs, state.logprobs, state.cumulative_logprob,
+            logits, new_logprobs, state.logprobs, state.cumulative_logprob, state.num_cached_tokens,
         )
         detok = state.detokenizer
         if detok is not None:
@@ -142,7 +146,7 @@ class RequestOutput:
             name: getattr(self, name) for name in (
                 "request_id", "new_token_ids", "token_ids", "num_prompt_tokens", "finished", "finish_reason",
                 "error", "text_delta", "text", "arrival_time", "first_token_time", "finish_time", "logits",
-                "new_logprobs", "logprobs", "cumulative_logprob",
+                "new_logprobs", "logprobs", "cumulative_logprob", "num_cached_tokens",
             )
         }
         values.update(changes)
@@ -165,6 +169,7 @@ class _RequestState:
     cumulative_logprob: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_cached_tokens: int = 0  # the core's, from the request's first admission on
 
 
 @dataclass
@@ -228,6 +233,8 @@ class OutputProcessor:
         new_logprobs = None
         detok = state.detokenizer
         text_delta = None if detok is None else ""
+        if delta.num_cached_tokens:  # set on every output from the request's admission on
+            state.num_cached_tokens = delta.num_cached_tokens
         if new:
             if state.first_token_time is None:
                 state.first_token_time = delta.time

@@ -39,9 +39,10 @@ from orca.frontend.llm_engine import LLMEngine
 from orca.frontend.output_processor import RequestOutput
 from orca.sampling_params import SamplingParams
 
-# What the baseline's engine must be: FasterTransformer reserves each member's memory up front and runs
-# every prompt whole in the batch's first iteration.
-REQUEST_LEVEL_OPTIONS = {"kv_admission": "reserve", "max_num_batched_tokens": None}
+# What the baseline's engine must be: FasterTransformer reserves each member's memory up front, runs
+# every prompt whole in the batch's first iteration and computes every prompt's keys and values (no
+# prefix cache).
+REQUEST_LEVEL_OPTIONS = {"kv_admission": "reserve", "max_num_batched_tokens": None, "enable_prefix_caching": False}
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ class RequestLevelBatcher:
         if engine.timeline is not None:
             engine.timeline.set_info(scheduling="request-level")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError naming what is wrong with one member (the engine's own checks)."""
-        self.engine.validate(prompt_token_ids, params)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
+        """Raises ValueError naming what is wrong with one member (the engine's own checks). A cache salt
+        is checked as orca_gpt checks it, and then changes nothing: the baseline has no prefix cache."""
+        self.engine.validate(prompt_token_ids, params, cache_salt)
 
     def plan(self, batch: Sequence[tuple[list[int], SamplingParams]]) -> list[SubBatch]:
         """Splits a batch into sub-batches that fit max_bs and n_slots, in arrival order; one sub-batch
