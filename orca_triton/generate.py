@@ -5,12 +5,17 @@ request means is decided here, where it can be unit-tested without a server.
 
 Inputs (all optional; exactly one prompt input): input_ids INT32 [-1], text_input STRING [1],
 messages STRING [1] (OpenAI-style JSON list of {role, content}), stream BOOL [1],
-sampling_parameters STRING [1] (JSON object), exclude_input_in_output BOOL [1], and
-triton-inference-server/vllm_backend's BOOL [1] flags return_finish_reason, return_num_input_tokens,
-return_num_output_tokens, return_logprobs, return_cumulative_logprob. The sampling keys may also come as
-request parameters (what the HTTP /generate endpoint makes of extra JSON keys).
+sampling_parameters STRING [1] (JSON object), exclude_input_in_output BOOL [1], cache_salt STRING [1]
+(prefix caching: requests with different salts never share cached keys and values; a UTF-8 string of 1
+to MAX_CACHE_SALT_CHARS characters, 1024; left out = no salt), and triton-inference-server/vllm_backend's
+BOOL [1] flags return_finish_reason, return_num_input_tokens, return_num_output_tokens, return_logprobs,
+return_cumulative_logprob. The sampling keys and cache_salt may also come as request parameters (what the
+HTTP /generate endpoint makes of extra JSON keys).
 Outputs: output_ids INT32 [-1], text_output STRING [1], finish_reason STRING [1], num_input_tokens
-UINT32 [1], num_output_tokens UINT32 [1], logprobs STRING [1] (JSON), cumulative_logprob FP32 [1].
+UINT32 [1], num_output_tokens UINT32 [1], logprobs STRING [1] (JSON), cumulative_logprob FP32 [1],
+num_cached_tokens UINT32 [1] (on the final response only: the prompt tokens whose keys and values came
+from the prefix cache when the request was first admitted, so were not computed for it; 0 with
+EngineConfig.enable_prefix_caching off).
 
 The flags: vllm_backend returns an additional output only when its flag is true, and then on every
 response. orca_gpt always returned finish_reason (final response), num_input_tokens and
@@ -39,7 +44,10 @@ RETURN_FLAGS = (
     "return_cumulative_logprob",
 )
 """vllm_backend's additional-output flags (BOOL [1] inputs)."""
-INPUT_NAMES = (*PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_in_output", *RETURN_FLAGS)
+INPUT_NAMES = (
+    *PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_in_output", "cache_salt", *RETURN_FLAGS,
+)
+MAX_CACHE_SALT_CHARS = 1024  # FIXME: the core's, after the merge
 
 
 class TextCodec(Protocol):
@@ -68,6 +76,7 @@ class GenerateRequest:
     return_cumulative_logprob: bool = False
     logprobs_asked: bool = False  # sampling parameter logprobs given (params.logprobs may be 0 just so that
     # cumulative_logprob can be computed)
+    cache_salt: str | None = None  # the prefix cache's salt (None: no salt)
     codec: TextCodec | None = dataclasses.field(default=None, compare=False, repr=False)  # decoded_token
 
 
@@ -96,6 +105,8 @@ def parse_generate_request(
         # A chat prompt is a structure, not text: its response carries the completion only.
         messages = _parse_messages(_string_input(inputs, "messages"))
         prompt_ids = _with_codec("messages", codec.apply_chat_template, messages)
+    parameters = dict(parameters)
+    cache_salt = _cache_salt(inputs, parameters.pop("cache_salt", None))
     params = _sampling_params(inputs, parameters)
     check_stop_strings(params, has_tokenizer)
     flags = {name: _bool_input(inputs, name) if name in inputs else None for name in RETURN_FLAGS}
@@ -115,8 +126,34 @@ def parse_generate_request(
         return_logprobs=bool(flags["return_logprobs"]),
         return_cumulative_logprob=bool(flags["return_cumulative_logprob"]),
         logprobs_asked=logprobs_asked,
+        cache_salt=cache_salt,
         codec=codec if has_tokenizer else None,
     )
+
+
+def _cache_salt(inputs: dict[str, np.ndarray], parameter: Any) -> str | None:
+    """The cache_salt input or request parameter (not both); None when neither is given. Its length is
+    the engine core's to check (EngineCore.validate, when the request is submitted)."""
+    allowed = f"a UTF-8 string of 1 to {MAX_CACHE_SALT_CHARS} characters"
+    if "cache_salt" in inputs:
+        if parameter is not None:
+            raise ValueError("cache_salt is given twice, as an input and as a request parameter: give it once")
+        try:
+            salt = _string_input(inputs, "cache_salt")
+        except ValueError as exc:
+            raise ValueError(f"{exc}; cache_salt must be {allowed}") from None
+    elif parameter is None:
+        return None
+    elif isinstance(parameter, str):
+        salt = parameter
+        try:
+            salt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"cache_salt is not valid Unicode (character {exc.start}: {exc.reason}); "
+                             f"cache_salt must be {allowed}") from None
+    else:
+        raise ValueError(f"cache_salt must be {allowed}, got {json_type(parameter)}")
+    return salt
 
 
 def _with_codec(name: str, call: Any, arg: Any) -> list[int]:
@@ -248,6 +285,8 @@ def response_tensors(
     if request.return_cumulative_logprob:
         value = float("nan") if out.cumulative_logprob is None else out.cumulative_logprob
         tensors["cumulative_logprob"] = np.asarray([value], dtype=np.float32)
+    if out.finished:
+        tensors["num_cached_tokens"] = np.asarray([out.num_cached_tokens], dtype=np.uint32)
     return tensors
 
 

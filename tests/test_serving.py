@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -87,3 +88,46 @@ def test_response_tensors_streaming_and_not() -> None:
     assert streamed["output_ids"].tolist() == [9] and streamed["text_output"][0] == b"b"
     no_text = response_tensors(out, parse({"input_ids": np.array([1])}, has_tokenizer=False), False)
     assert "text_output" not in no_text
+
+
+# -- prefix caching: the cache_salt input and the num_cached_tokens output ----------------------------
+IDS = {"input_ids": np.array([1, 2], dtype=np.int32)}
+
+
+def test_cache_salt_comes_as_an_input_or_a_request_parameter() -> None:
+    assert parse(IDS).cache_salt is None
+    assert parse({**IDS, "cache_salt": s("tenant-a")}).cache_salt == "tenant-a"
+    assert parse({**IDS, "cache_salt": np.array(["tenant-ü"], dtype=object)}).cache_salt == "tenant-ü"
+    # /generate's extra JSON keys are request parameters: the salt beside the sampling keys
+    req = parse(IDS, {"cache_salt": "tenant-b", "max_tokens": 3})
+    assert req.cache_salt == "tenant-b" and req.params.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("inputs", "parameters", "message"),
+    [
+        ({**IDS, "cache_salt": np.array([b"\xff"], dtype=object)}, {},
+         "cache_salt is not valid UTF-8 (byte 0: invalid start byte); cache_salt must be a UTF-8 string of 1 to 1024"),
+        ({**IDS, "cache_salt": np.array([3])}, {}, "cache_salt must be a string (BYTES, UTF-8), got int64"),
+        ({**IDS, "cache_salt": np.array([b"a", b"b"], dtype=object)}, {}, "cache_salt must hold exactly one element"),
+        (IDS, {"cache_salt": 7}, "cache_salt must be a UTF-8 string of 1 to 1024 characters, got integer"),
+        (IDS, {"cache_salt": "\ud800"}, "cache_salt is not valid Unicode"),
+        ({**IDS, "cache_salt": s("a")}, {"cache_salt": "b"}, "cache_salt is given twice"),
+    ],
+)
+def test_a_bad_cache_salt_says_what_is_allowed(inputs: dict, parameters: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse(inputs, parameters)
+
+
+def test_num_cached_tokens_is_on_the_final_response() -> None:
+    running = RequestOutput("r", new_token_ids=[9], token_ids=[9], num_prompt_tokens=40, finished=False,
+                           num_cached_tokens=32)
+    final = running.replace(new_token_ids=[10], token_ids=[9, 10], finished=True, finish_reason="length")
+    for stream in (False, True):
+        req = parse({**IDS, "stream": np.array([stream])})
+        assert "num_cached_tokens" not in response_tensors(running, req, has_tokenizer=False)
+        tensor = response_tensors(final, req, has_tokenizer=False)["num_cached_tokens"]
+        assert tensor.dtype == np.uint32 and tensor.tolist() == [32]
+    cold = final.replace(num_cached_tokens=0)
+    assert response_tensors(cold, parse(IDS), has_tokenizer=False)["num_cached_tokens"].tolist() == [0]

@@ -177,7 +177,8 @@ class TritonPythonModel:
                 self._active[request_id] = _Active(sender, parsed)
                 self.outputs.add_request(request_id, len(parsed.prompt_token_ids), parsed.params, arrival)
             try:
-                self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params, arrival, self.eos_token_ids)
+                self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params, arrival, self.eos_token_ids,
+                                 cache_salt=parsed.cache_salt)
             except BaseException:
                 with self._active_lock:
                     self._active.pop(request_id, None)

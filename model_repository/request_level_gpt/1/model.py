@@ -27,7 +27,8 @@ logger = logging.getLogger("request_level_gpt")
 # The engine's own limits that Triton's configuration decides here: max_bs is max_batch_size (a whole
 # Triton batch must run in one group of iterations) and the waiting queue is Triton's.
 _DERIVED = ("max_bs", "max_queue")
-_AS_FASTERTRANSFORMER = "the baseline reserves K/V up front and runs whole prompts, as FasterTransformer does"
+_AS_FASTERTRANSFORMER = ("the baseline reserves K/V up front, runs whole prompts and caches no prefixes, as "
+                         "FasterTransformer does")
 
 
 class TritonPythonModel:
@@ -55,7 +56,7 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 parsed = self._parse(request)
-                self.batcher.validate(parsed.prompt_token_ids, parsed.params)
+                self.batcher.validate(parsed.prompt_token_ids, parsed.params, parsed.cache_salt)
                 members.append((i, parsed))
             except ValueError as exc:
                 responses[i] = _error(str(exc), pb_utils.TritonError.INVALID_ARG)
