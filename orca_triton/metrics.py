@@ -15,7 +15,10 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # The gauges, each named (in Metrics' families) by the EngineStats field or property it shows.
 _GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
-           "n_slots")
+           "n_slots", "prefix_cache_blocks")
+# The counters published from EngineStats' cumulative fields, each named by its field: incremented by
+# what the field grew since the last publish.
+_COUNTERS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits")
 
 
 class Metrics:
@@ -42,6 +45,12 @@ class Metrics:
             "kv_used_tokens": fam("orca_kv_used_tokens", "Tokens whose keys and values the pool holds", G),
             "kv_allocated_slots": fam("orca_kv_reserved_slots", "K/V slots in allocated blocks", G),
             "n_slots": fam("orca_kv_slots", "K/V slots in the pool (n_slots)", G),
+            "prefix_cache_queries": fam("orca_prefix_cache_queries_total", "Prompt tokens looked up in the prefix "
+                                        "cache at admission", C),
+            "prefix_cache_hits": fam("orca_prefix_cache_hits_total", "Prompt tokens found in the prefix cache at "
+                                     "admission (their keys and values not computed again)", C),
+            "prefix_cache_blocks": fam("orca_prefix_cache_blocks", "K/V blocks holding cached, reusable keys and "
+                                       "values", G),
         }
         f = self._families
         self.prompt = f["prompt"].Metric(labels=labels)
@@ -53,21 +62,24 @@ class Metrics:
         self.e2e = f["e2e"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
         self.batch = f["batch"].Metric(labels=labels, buckets=BATCH_BUCKETS)
         self.iteration = f["iteration"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
-        self.preemptions = f["preemptions"].Metric(labels=labels)
         self._gauges = {key: f[key].Metric(labels=labels) for key in _GAUGES}
+        self._counters = {key: f[key].Metric(labels=labels) for key in _COUNTERS}
         self._shown: dict[str, int] = {}
-        self._preemptions = 0
+        self._counted = dict.fromkeys(_COUNTERS, 0)
 
     def publish(self, stats: EngineStats) -> None:
-        """Sets the gauges that changed and counts new preemptions (scheduler thread only)."""
+        """Sets the gauges that changed and counts what the cumulative fields (preemptions, prefix cache
+        look-ups and hits) grew by (scheduler thread only)."""
         for key, gauge in self._gauges.items():
             value = getattr(stats, key)
             if self._shown.get(key) != value:
                 gauge.set(value)
                 self._shown[key] = value
-        if stats.preemptions > self._preemptions:
-            self.preemptions.increment(stats.preemptions - self._preemptions)
-        self._preemptions = stats.preemptions
+        for key, counter in self._counters.items():
+            value = getattr(stats, key)
+            if value > self._counted[key]:
+                counter.increment(value - self._counted[key])
+            self._counted[key] = value
 
     def finished(self, reason: str) -> Any:
         if reason not in self._finished:
