@@ -157,7 +157,11 @@ def create_app(settings: Settings) -> FastAPI:
                 raise APIError(400, f"logprobs are not supported by this model ({info.name} has no logprobs output)",
                                "invalid_request_error", "logprobs", "logprobs_not_supported")
             req.sampling["logprobs"] = req.logprobs
-        inputs = build_inputs(req.prompt, req.sampling, return_logprobs=req.logprobs is not None)
+        if req.cache_salt is not None and not info.has_cache_salt:
+            raise APIError(400, f"cache_salt is not supported by this model ({info.name} has no cache_salt input)",
+                           "invalid_request_error", "cache_salt", "cache_salt_not_supported")
+        inputs = build_inputs(req.prompt, req.sampling, return_logprobs=req.logprobs is not None,
+                              cache_salt=req.cache_salt)
         kind = "chatcmpl" if chat else "cmpl"
         ident = f"{kind}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -236,7 +240,7 @@ def _full_response(req: protocol.Request, chat: bool, ident: str, created: int, 
     return {
         "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
         "model": req.model, "choices": [choice], "system_fingerprint": None,
-        "usage": protocol.usage(last.num_input_tokens or 0, last.num_output_tokens or 0),
+        "usage": protocol.chunk_usage(last),
     }
 
 
@@ -280,7 +284,7 @@ async def _events(
             except StopAsyncIteration:
                 chunk = None
         if req.include_usage and last is not None:
-            yield event([], usage=protocol.usage(last.num_input_tokens or 0, last.num_output_tokens or 0))
+            yield event([], usage=protocol.chunk_usage(last))
     except APIError as err:  # after the 200: OpenAI's clients raise on an event with an "error" key
         yield f"data: {json.dumps(err.body())}\n\n".encode()
     finally:

@@ -11,6 +11,8 @@ from orca_openai.triton import APIError, Chunk
 MAX_COMPLETIONS_LOGPROBS = 5
 """OpenAI's bound for the completions API's logprobs (top_logprobs of chat: 20)."""
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
+"""cache_salt's bound, the engine's (orca.core.engine.MAX_CACHE_SALT_CHARS; orca_gpt checks it again)."""
 
 # Parameters accepted and passed to orca_gpt's sampling parameters unchanged (the last three are vLLM-style
 # extensions, sent with the openai client's extra_body).
@@ -23,7 +25,7 @@ _DEFAULTS: dict[str, Any] = {"frequency_penalty": 0, "presence_penalty": 0, "log
                              "best_of": 1, "suffix": "", "tools": [], "functions": [], "tool_choice": "none",
                              "function_call": "none", "prediction": None, "audio": None, "web_search_options": None,
                              "response_format": {"type": "text"}}
-_COMMON = {"model", "stream", "max_tokens", "stop", "logprobs", *_PASSED, *_IGNORED, *_DEFAULTS}
+_COMMON = {"model", "stream", "max_tokens", "stop", "logprobs", "cache_salt", *_PASSED, *_IGNORED, *_DEFAULTS}
 COMPLETION_KEYS = _COMMON | {"prompt", "echo"}
 CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -41,6 +43,7 @@ class Request:
     include_usage: bool
     logprobs: int | None  # None: not asked; n: the n most likely per token (0 = the sampled token's only)
     echo: str = ""
+    cache_salt: str | None = None  # orca_gpt's cache_salt input (vLLM's extension): None = no salt
 
 
 def _check_body(body: Any, allowed: set[str]) -> dict[str, Any]:
@@ -69,6 +72,35 @@ def _check_body(body: Any, allowed: set[str]) -> dict[str, Any]:
     if options and not stream:
         raise bad("stream_options is only allowed when stream is true", "stream_options")
     return body
+
+
+_JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", list: "an array", dict: "an object"}
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's cache_salt: requests with different salts never share the prefix cache's keys and values."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        got = _JSON_TYPES.get(type(salt), type(salt).__name__)
+    elif not salt:
+        got = "an empty string"
+    elif len(salt) > MAX_CACHE_SALT_CHARS:
+        got = f"{len(salt)} characters"
+    elif not salt.isascii() and not _encodable(salt):
+        got = "a string that is not valid Unicode (a lone surrogate)"
+    else:
+        return salt
+    raise bad(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got {got}", "cache_salt")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _sampling(body: dict[str, Any], max_tokens: Any) -> dict[str, Any]:
@@ -119,7 +151,7 @@ def completion_request(body: Any) -> Request:
     return Request(
         model=body["model"], prompt=prompt, sampling=_sampling(body, body.get("max_tokens")),
         stream=body.get("stream") or False, include_usage=_include_usage(body), logprobs=logprobs,
-        echo=prompt if echo else "",
+        echo=prompt if echo else "", cache_salt=_cache_salt(body),
     )
 
 
@@ -168,14 +200,24 @@ def chat_request(body: Any) -> Request:
     return Request(
         model=body["model"], prompt=converted, sampling=_sampling(body, max_tokens),
         stream=body.get("stream") or False, include_usage=_include_usage(body),
-        logprobs=(top or 0) if logprobs else None,
+        logprobs=(top or 0) if logprobs else None, cache_salt=_cache_salt(body),
     )
 
 
 # -- responses -------------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with `cached_tokens` (orca_gpt's num_cached_tokens: prompt tokens found in
+    the prefix cache) also prompt_tokens_details.cached_tokens, as OpenAI reports its prompt caching."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def chunk_usage(last: Chunk) -> dict[str, Any]:
+    """The usage of a request from its final response."""
+    return usage(last.num_input_tokens or 0, last.num_output_tokens or 0, last.num_cached_tokens)
 
 
 def _token_entries(chunk: Chunk, n: int) -> list[tuple[str, float, list[tuple[str, float]]]]:

@@ -58,18 +58,24 @@ class ModelInfo:
     name: str
     ready: bool
     outputs: frozenset[str]
+    inputs: frozenset[str] = ORCA_INPUTS
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def has_logprobs(self) -> bool:
         return "logprobs" in self.outputs
 
+    @property
+    def has_cache_salt(self) -> bool:
+        return "cache_salt" in self.inputs
+
 
 def build_inputs(
-    prompt: str | list[int] | list[dict[str, str]], sampling: dict[str, Any], return_logprobs: bool = False
+    prompt: str | list[int] | list[dict[str, str]], sampling: dict[str, Any], return_logprobs: bool = False,
+    cache_salt: str | None = None,
 ) -> list[grpcclient.InferInput]:
     """orca_gpt's request tensors (orca_client's): text, token ids or chat messages; always streaming,
-    completion only."""
+    completion only; the cache_salt input when a salt is given."""
     if isinstance(prompt, str):
         source: dict[str, Any] = {"text": prompt}
     elif prompt and isinstance(prompt[0], dict):
@@ -78,7 +84,7 @@ def build_inputs(
         source = {"input_ids": prompt}
     return orca_client.build_inputs(
         **source, stream=True, exclude_input_in_output=True, return_logprobs=True if return_logprobs else None,
-        **sampling,
+        cache_salt=cache_salt, **sampling,
     )
 
 
@@ -119,7 +125,7 @@ class Triton:
             inputs = {i["name"] for i in config.get("input", [])}
             if policy.get("decoupled") and ORCA_INPUTS <= inputs:
                 outputs = frozenset(o["name"] for o in config.get("output", []))
-                found[name] = ModelInfo(name, ready, outputs)
+                found[name] = ModelInfo(name, ready, outputs, frozenset(inputs))
         return found
 
     async def model(self, name: str) -> ModelInfo:

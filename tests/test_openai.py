@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import requests
 from test_server_e2e import metrics, wait_for
 
 from orca_openai import protocol
-from orca_openai.triton import Chunk, classify
+from orca_openai.triton import Chunk, build_inputs, classify
 from orca_server.server import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -122,6 +123,35 @@ def test_orca_gpts_logprobs_output_maps_to_openais_layouts() -> None:
     assert comp == {"tokens": [" a", " b"], "token_logprobs": [-0.1, -3.0], "top_logprobs": [{" a": -0.1},
                     {" d": -0.5}], "text_offset": [10, 12]}
     assert protocol.chat_logprobs(chunk, 0)["content"][1]["top_logprobs"] == []
+
+
+def test_cache_salt_is_validated_and_sent_as_orca_gpts_input() -> None:
+    comp = protocol.completion_request({"model": "m", "prompt": "a", "cache_salt": "tenant-a"})
+    assert comp.cache_salt == "tenant-a" and "cache_salt" not in comp.sampling
+    chat = protocol.chat_request({"model": "m", "messages": CHAT, "cache_salt": "tenant-b", "max_tokens": 3})
+    assert chat.cache_salt == "tenant-b" and chat.sampling == {"max_tokens": 3}
+    assert protocol.completion_request({"model": "m", "prompt": "a", "cache_salt": None}).cache_salt is None
+    for salt, got in [("", "an empty string"), ("x" * 1025, "1025 characters"), (7, "an integer"),
+                      (["a"], "an array"), ("\ud800", "not valid Unicode")]:
+        for build, body in [(protocol.completion_request, {"prompt": "a"}), (protocol.chat_request, {"messages": CHAT})]:
+            with pytest.raises(protocol.APIError, match=r"cache_salt must be a string of 1 to 1024 characters, got .*"
+                               + re.escape(got)) as err:
+                build({"model": "m", **body, "cache_salt": salt})
+            assert err.value.status == 400 and err.value.param == "cache_salt"
+    sent = {i.name(): i for i in build_inputs("a", {"max_tokens": 2}, cache_salt="tenant-a")}
+    assert sent["cache_salt"].datatype() == "BYTES" and sent["cache_salt"].shape() == [1]
+    assert sent["cache_salt"]._get_content() == b"\x08\x00\x00\x00tenant-a"  # tritonclient's BYTES: length, bytes
+    assert b"cache_salt" not in sent["sampling_parameters"]._get_content()  # not a sampling key
+    assert "cache_salt" not in {i.name() for i in build_inputs("a", {"max_tokens": 2})}
+
+
+def test_usage_reports_cached_prompt_tokens_as_openai_does() -> None:
+    final = Chunk([], None, True, num_input_tokens=40, num_output_tokens=2, num_cached_tokens=32)
+    assert protocol.chunk_usage(final) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+                                           "prompt_tokens_details": {"cached_tokens": 32}}
+    # a model without the num_cached_tokens output: no details rather than a made-up 0
+    older = Chunk([], None, True, num_input_tokens=40, num_output_tokens=2)
+    assert protocol.chunk_usage(older) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
 
 
 def test_error_messages_map_to_http_statuses() -> None:

@@ -37,6 +37,7 @@ class Chunk:
     # not asked, or when the request named no sampling parameter logprobs)
     logprobs: list[dict[int, dict[str, Any]]] | None = None
     cumulative_logprob: float | None = None  # return_cumulative_logprob: the sum so far
+    num_cached_tokens: int | None = None  # on the final response: prompt tokens found in the prefix cache
     time: float = field(default_factory=time.perf_counter)
 
 
@@ -51,11 +52,13 @@ def build_inputs(
     return_num_output_tokens: bool | None = None,
     return_logprobs: bool | None = None,
     return_cumulative_logprob: bool | None = None,
+    cache_salt: str | None = None,
     **sampling: Any,
 ) -> list[grpcclient.InferInput]:
     """The request tensors for orca_gpt; `sampling` holds SamplingParams keys (max_tokens, logprobs, ...).
     The return_* flags (vllm_backend's) are sent when not None; `logprobs=n` with `return_logprobs=True`
-    gets each token's log-probability and the top n."""
+    gets each token's log-probability and the top n. `cache_salt` (sent when not None): requests with
+    different salts never share the prefix cache's keys and values."""
     inputs = []
 
     def add(name: str, dtype: str, value: np.ndarray) -> None:
@@ -71,6 +74,8 @@ def build_inputs(
         add("messages", "BYTES", np.asarray([json.dumps(messages).encode()], dtype=np.object_))
     add("stream", "BOOL", np.asarray([stream]))
     add("exclude_input_in_output", "BOOL", np.asarray([exclude_input_in_output]))
+    if cache_salt is not None:
+        add("cache_salt", "BYTES", np.asarray([cache_salt.encode()], dtype=np.object_))
     flags = {
         "return_finish_reason": return_finish_reason, "return_num_input_tokens": return_num_input_tokens,
         "return_num_output_tokens": return_num_output_tokens, "return_logprobs": return_logprobs,
@@ -100,6 +105,7 @@ def parse_result(result: Any) -> Chunk:
     reason = get("finish_reason")
     n_in, n_out = get("num_input_tokens"), get("num_output_tokens")
     logprobs, cumulative = get("logprobs"), get("cumulative_logprob")
+    cached = get("num_cached_tokens")
     reason = None if reason is None else reason.reshape(-1)[0].decode()
     return Chunk(
         output_ids=[] if ids is None else [int(x) for x in ids.reshape(-1)],
@@ -110,6 +116,7 @@ def parse_result(result: Any) -> Chunk:
         num_output_tokens=None if n_out is None else int(n_out.reshape(-1)[0]),
         logprobs=None if logprobs is None else _parse_logprobs(logprobs.reshape(-1)[0]),
         cumulative_logprob=None if cumulative is None else float(cumulative.reshape(-1)[0]),
+        num_cached_tokens=None if cached is None else int(cached.reshape(-1)[0]),
     )
 
 
