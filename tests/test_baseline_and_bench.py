@@ -116,6 +116,23 @@ def test_request_level_rejects_an_invalid_member_before_any_work() -> None:
     assert not engine.has_unfinished()
 
 
+def test_request_level_runs_without_prefix_caching() -> None:
+    """FasterTransformer computed every prompt whole: the baseline refuses an engine with a prefix cache,
+    and a prompt it has run before is computed again (num_cached_tokens 0)."""
+    with pytest.raises(ValueError, match="needs an engine with enable_prefix_caching=False"):
+        RequestLevelBatcher(tiny_engine("gpt2", kv_admission="reserve", max_num_batched_tokens=None))
+    batcher = RequestLevelBatcher(baseline_engine("gpt2"))
+    prompt = list(range(1, 41))  # two full blocks of 16 and 8 tokens more
+    batch = [(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))] * 2
+    first, again = batcher.run(batch), batcher.run(batch)
+    assert [o.num_cached_tokens for o in first + again] == [0] * 4
+    assert again[0].token_ids == first[0].token_ids
+    assert batcher.engine.stats().prefix_cache_hits == 0
+    batcher.validate(prompt, batch[0][1], cache_salt="tenant-a")  # checked as orca_gpt checks it, then unused
+    with pytest.raises(ValueError, match="cache_salt must be a string of 1 to 1024 characters"):
+        batcher.validate(prompt, batch[0][1], cache_salt="")
+
+
 def test_request_level_stop_strings_and_eos_match_the_engine_on_smollm2() -> None:
     # The session's shared SmolLM2 engine admits on demand; the baseline needs its own, reserving engine.
     engine = LLMEngine(EngineConfig(model=smollm2().engine.config.model, **REQUEST_LEVEL_OPTIONS))
@@ -244,6 +261,7 @@ def test_baseline_tokens_equal_orca_for_the_same_requests(baseline_batch: dict[s
         assert b.output_ids == o.output_ids, i
         assert b.finish_reason == o.finish_reason, i
         assert b.num_input_tokens == len(request["input_ids"]) and b.num_output_tokens == len(b.output_ids)
+        assert b.num_cached_tokens == 0  # the baseline has no prefix cache
     assert len(baseline["member-0"].output_ids) == LONG
     assert len(baseline["member-1"].output_ids) == 1  # its own max_tokens, though it ran 1000 iterations
 

@@ -133,7 +133,8 @@ def test_cache_salt_is_validated_and_sent_as_orca_gpts_input() -> None:
     assert protocol.completion_request({"model": "m", "prompt": "a", "cache_salt": None}).cache_salt is None
     for salt, got in [("", "an empty string"), ("x" * 1025, "1025 characters"), (7, "an integer"),
                       (["a"], "an array"), ("\ud800", "not valid Unicode")]:
-        for build, body in [(protocol.completion_request, {"prompt": "a"}), (protocol.chat_request, {"messages": CHAT})]:
+        for build, body in [(protocol.completion_request, {"prompt": "a"}),
+                            (protocol.chat_request, {"messages": CHAT})]:
             with pytest.raises(protocol.APIError, match=r"cache_salt must be a string of 1 to 1024 characters, got .*"
                                + re.escape(got)) as err:
                 build({"model": "m", **body, "cache_salt": salt})
@@ -232,7 +233,10 @@ def test_chat_streamed_deltas_concatenate_to_the_non_streamed_message(client: op
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
-    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    # The same counts; the second request may have found the first one's prompt in the prefix cache.
+    exclude = {"prompt_tokens_details"}
+    assert chunks[-1].usage.model_dump(exclude=exclude) == full.usage.model_dump(exclude=exclude)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens_details.cached_tokens
 
 
 def test_stop_strings_end_with_finish_reason_stop(client: openai.OpenAI) -> None:
@@ -259,6 +263,56 @@ def test_token_id_prompt_and_echo(client: openai.OpenAI) -> None:
     echoed = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, temperature=0, echo=True)
     plain = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=4, temperature=0)
     assert echoed.choices[0].text == PARIS + plain.choices[0].text
+
+
+# -- prefix caching ---------------------------------------------------------------------------------
+TUTOR = [{"role": "system", "content": "You are a patient geography tutor. Answer in one short sentence and name "
+                                       "the city only once, without any further explanation."},
+         {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_reports_the_cached_prompt_tokens_in_usage(client: openai.OpenAI) -> None:
+    salt = {"cache_salt": "openai-chat"}  # no other test sends it: the first request finds nothing cached
+    ask = {"model": MODEL, "messages": TUTOR, "max_completion_tokens": 8, "temperature": 0}
+    first = client.chat.completions.create(**ask, extra_body=salt)
+    prompt = first.usage.prompt_tokens
+    assert prompt > 32 and first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = 16 * ((prompt - 1) // 16)  # every full block but the one holding the last prompt token
+    again = client.chat.completions.create(**ask, extra_body=salt)
+    assert again.usage.prompt_tokens_details.cached_tokens == cached
+    assert again.choices[0].message.content == first.choices[0].message.content  # the same greedy answer
+    assert again.usage.prompt_tokens == prompt
+    chunks = list(client.chat.completions.create(**ask, extra_body=salt, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == first.choices[0].message.content
+    other = client.chat.completions.create(**ask, extra_body={"cache_salt": "openai-chat-other"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # another salt shares nothing
+    assert other.choices[0].message.content == first.choices[0].message.content
+
+
+def test_completions_report_the_cached_prompt_tokens_in_usage(client: openai.OpenAI) -> None:
+    model, prompt = "orca_tiny", [(53 * i + 7) % 200 + 1 for i in range(40)]  # 2 full blocks and 8 tokens more
+    ask = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    first = client.completions.create(**ask, extra_body={"cache_salt": "openai-completions"})
+    assert first.usage.prompt_tokens == 40 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**ask, extra_body={"cache_salt": "openai-completions"})
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    streamed = list(client.completions.create(**ask, extra_body={"cache_salt": "openai-completions"}, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].choices == [] and streamed[-1].usage.prompt_tokens_details.cached_tokens == 32
+    assert all(c.usage is None for c in streamed[:-1])
+    unsalted = client.completions.create(**ask)
+    assert unsalted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bad_cache_salt_is_a_400_naming_it(client: openai.OpenAI, stream: bool) -> None:
+    for salt in ("", "x" * 1025, 7):
+        with pytest.raises(openai.BadRequestError, match="cache_salt must be a string of 1 to 1024 characters") as err:
+            client.completions.create(model=MODEL, prompt=PARIS, max_tokens=2, stream=stream,
+                                      extra_body={"cache_salt": salt})
+        assert err.value.status_code == 400 and err.value.param == "cache_salt"
 
 
 # -- errors -------------------------------------------------------------------------------------------

@@ -279,6 +279,8 @@ BAD_REQUESTS = [
     ({"input_ids": [1, 2], "top_p": 0}, "top_p must be in (0, 1]"),
     ({"input_ids": [1, 2], "top_p": 1.5}, "top_p must be in (0, 1]"),
     ({"input_ids": [1, 2], "top_k": -1}, "top_k must be >= 0"),
+    ({"input_ids": [1, 2], "cache_salt": "x" * 1025}, "cache_salt must be a string of 1 to 1024 characters, got 1025"),
+    ({"input_ids": [1, 2], "cache_salt": ""}, "cache_salt must be a string of 1 to 1024 characters"),
 ]
 
 
@@ -382,6 +384,56 @@ def test_a_tiny_pool_preempts_under_a_burst_and_every_request_completes(orca_ser
     # Preempted requests recompute their K/V: the tokens are those of the unhurried offline engine.
     expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert [[t for c in chunks for t in c.output_ids] for chunks in results] == [e.token_ids for e in expected]
+
+
+# -- prefix caching ------------------------------------------------------------------------------------
+CACHED_PROMPT = [(37 * i + 11) % 200 + 1 for i in range(40)]  # two full blocks of 16 tokens and 8 more; no
+# other test sends it
+
+
+def test_a_repeated_prefix_comes_from_the_prefix_cache_per_salt(orca_server: Any, tiny_llm: LLM) -> None:
+    model = "orca_tiny"  # the shipped config: prefix caching on, blocks of 16
+    wait_for(lambda: idle(orca_server, model), "idle")
+    before = metrics(orca_server, model)
+    client = OrcaClient(orca_server.grpc_url, model)
+    request = {"input_ids": CACHED_PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    first = list(client.generate(**request))  # streaming: num_cached_tokens on the final response only
+    assert [c.num_cached_tokens for c in first] == [None] * (len(first) - 1) + [0]
+    tokens = [t for c in first for t in c.output_ids]
+    expected = tiny_llm.generate([CACHED_PROMPT], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert tokens == expected[0].token_ids
+    again = list(client.generate(**request, stream=False))
+    assert again[-1].num_cached_tokens == 32  # the two full blocks; the rest of the prompt is computed
+    assert again[-1].output_ids == tokens  # the same greedy tokens as computing every key and value
+    # Another salt shares nothing with unsalted requests; requests of the same salt share its blocks.
+    salted = list(client.generate(**request, stream=False, cache_salt="tenant-b"))
+    assert salted[-1].num_cached_tokens == 0 and salted[-1].output_ids == tokens
+    status, body = generate(orca_server, model, {**request, "cache_salt": "tenant-b"})  # the input, over HTTP
+    assert status == 200, body
+    assert body["num_cached_tokens"] == 32 and body["output_ids"] == tokens
+    after = metrics(orca_server, model)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert grew("orca_prefix_cache_hits_total") == 2 * 32
+    assert grew("orca_prefix_cache_queries_total") >= 4 * 32  # every prompt's full blocks were looked up
+    assert after["orca_prefix_cache_blocks"] >= 4  # two blocks without a salt, two of tenant-b
+    assert grew("orca_prompt_tokens_total") == 4 * len(CACHED_PROMPT)  # cached or not, the prompt's tokens
+    assert_idle(after)
+
+
+def test_the_request_level_baseline_caches_no_prefix(orca_server: Any) -> None:
+    """request_level_gpt runs as FasterTransformer did: every prompt computed whole (num_cached_tokens 0); a
+    salt (a request parameter there: it has no cache_salt input) is checked, then changes nothing."""
+    prompt = "The capital of France is the city where the Eiffel Tower stands, and the Louvre, and more: its name is"
+    for _ in range(2):
+        status, body = generate(orca_server, "request_level_gpt",
+                                {"text_input": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": "tenant-a"})
+        assert status == 200, body
+        assert body["num_input_tokens"] > 32 and body["num_cached_tokens"] == 0
+    status, body = generate(orca_server, "request_level_gpt", {"text_input": prompt, "max_tokens": 2, "cache_salt": ""})
+    assert status == 400 and "cache_salt must be a string of 1 to 1024 characters" in body["error"], body
 
 
 def test_every_engine_steps_on_the_thread_that_loaded_it(orca_server: Any) -> None:
