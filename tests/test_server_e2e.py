@@ -426,7 +426,8 @@ def test_a_repeated_prefix_comes_from_the_prefix_cache_per_salt(orca_server: Any
 def test_the_request_level_baseline_caches_no_prefix(orca_server: Any) -> None:
     """request_level_gpt runs as FasterTransformer did: every prompt computed whole (num_cached_tokens 0); a
     salt (a request parameter there: it has no cache_salt input) is checked, then changes nothing."""
-    prompt = "The capital of France is the city where the Eiffel Tower stands, and the Louvre, and more: its name is"
+    prompt = ("Paris has the Eiffel Tower, the Louvre, Notre-Dame and the Seine; Rome has the Colosseum, the "
+              "Pantheon and the Tiber; Berlin has the Brandenburg Gate and the Spree. The capital of France is")
     for _ in range(2):
         status, body = generate(orca_server, "request_level_gpt",
                                 {"text_input": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": "tenant-a"})

@@ -78,7 +78,7 @@ def outcome(engine: LLMEngine, inputs: dict[str, Any], parameters: dict[str, Any
     Any other exception propagates and fails the test."""
     try:
         request = parse_generate_request(inputs, parameters, engine.text, engine.tokenizer is not None)
-        engine.validate(request.prompt_token_ids, request.params)
+        engine.validate(request.prompt_token_ids, request.params, request.cache_salt)
     except ValueError as exc:
         message = str(exc)
         assert message and len(message) < 2000, message  # clear, and clipped however large the input
@@ -118,6 +118,9 @@ def check_servable(engine: LLMEngine, request: GenerateRequest) -> None:
     for flag in (request.stream, request.exclude_input_in_output, request.return_logprobs,
                  request.return_cumulative_logprob):
         assert type(flag) is bool
+    if request.cache_salt is not None:
+        assert type(request.cache_salt) is str and 1 <= len(request.cache_salt) <= 1024
+        request.cache_salt.encode("utf-8")
     # The final response of a finished request (non-streaming: the prompt's text is echoed).
     lp = [{3: Logprob(-0.5, 1)}]
     out = RequestOutput("r", new_token_ids=[3], token_ids=[3], num_prompt_tokens=len(ids), finished=True,
@@ -262,7 +265,7 @@ def test_sampling_parameters_text_fuzzed(engine: LLMEngine, text: str, raw: byte
 @fuzz(300)
 @hyp_given(
     parameters=st.dictionaries(
-        st.sampled_from(SAMPLING_FIELDS) | WILD_TEXT | st.text(min_size=41, max_size=60),
+        st.sampled_from((*SAMPLING_FIELDS, "cache_salt")) | WILD_TEXT | st.text(min_size=41, max_size=60),
         st.none() | st.booleans() | st.integers() | st.floats() | WILD_TEXT | JSON_VALUES,
         min_size=1, max_size=4,
     )
