@@ -7,10 +7,10 @@ Inputs (all optional; exactly one prompt input): input_ids INT32 [-1], text_inpu
 messages STRING [1] (OpenAI-style JSON list of {role, content}), stream BOOL [1],
 sampling_parameters STRING [1] (JSON object), exclude_input_in_output BOOL [1], cache_salt STRING [1]
 (prefix caching: requests with different salts never share cached keys and values; a UTF-8 string of 1
-to MAX_CACHE_SALT_CHARS characters, 1024; left out = no salt), and triton-inference-server/vllm_backend's
-BOOL [1] flags return_finish_reason, return_num_input_tokens, return_num_output_tokens, return_logprobs,
-return_cumulative_logprob. The sampling keys and cache_salt may also come as request parameters (what the
-HTTP /generate endpoint makes of extra JSON keys).
+to 1024 characters, the engine core's MAX_CACHE_SALT_CHARS; left out = no salt), and
+triton-inference-server/vllm_backend's BOOL [1] flags return_finish_reason, return_num_input_tokens,
+return_num_output_tokens, return_logprobs, return_cumulative_logprob. The sampling keys and cache_salt may
+also come as request parameters (what the HTTP /generate endpoint makes of extra JSON keys).
 Outputs: output_ids INT32 [-1], text_output STRING [1], finish_reason STRING [1], num_input_tokens
 UINT32 [1], num_output_tokens UINT32 [1], logprobs STRING [1] (JSON), cumulative_logprob FP32 [1],
 num_cached_tokens UINT32 [1] (on the final response only: the prompt tokens whose keys and values came
@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from orca.core.engine import MAX_CACHE_SALT_CHARS
 from orca.frontend.output_processor import Logprob, RequestOutput
 from orca.frontend.tokenizer import check_stop_strings
 from orca.sampling_params import SamplingParams, json_object, json_type, json_value
@@ -47,7 +48,6 @@ RETURN_FLAGS = (
 INPUT_NAMES = (
     *PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_in_output", "cache_salt", *RETURN_FLAGS,
 )
-MAX_CACHE_SALT_CHARS = 1024  # FIXME: the core's, after the merge
 
 
 class TextCodec(Protocol):
