@@ -181,6 +181,10 @@ BAD = [
     Bad({"input_ids": IDS, "sampling_parameters": "[" * 100_000}, r"sampling_parameters is nested too deeply"),
     Bad({"input_ids": IDS, "sampling_parameters": '{"ignore_eos": "' + "x" * 1_000_000 + '"}'},
         r"ignore_eos must be a boolean \(true or false\), got string 'x{80}'\.\.\. \(1000000 characters\)$"),
+    # -- the prefix cache's salt -------------------------------------------------------------------------
+    Bad({"input_ids": IDS, "cache_salt": ""}, r"cache_salt must be a string of 1 to 1024 characters, got 0 characters"),
+    Bad({"input_ids": IDS, "cache_salt": "x" * 100_000},
+        r"cache_salt must be a string of 1 to 1024 characters, got 100000 characters$"),
 ]
 # fmt: on
 
@@ -221,6 +225,10 @@ GRPC_ONLY = [
      r"unexpected shape for input 'sampling_parameters' .* Expected \[1\], got \[2\]"),
     ([OK_IDS, ("return_logprobs", np.zeros(0, bool), "BOOL")], r"unexpected shape for input 'return_logprobs'"),
     ([OK_IDS, ("prompt", _b(b"x"), "BYTES")], r"unexpected inference input 'prompt' for model 'orca_tiny'"),
+    ([OK_IDS, ("cache_salt", _b(b"\xff"), "BYTES")],
+     r"cache_salt is not valid UTF-8 \(byte 0: invalid start byte\); cache_salt must be a UTF-8 string of 1 to 1024"),
+    ([OK_IDS, ("cache_salt", np.array([b"a", b"b"], dtype=object), "BYTES")],
+     r"unexpected shape for input 'cache_salt' .* Expected \[1\], got \[2\]"),
 ]
 # fmt: on
 
