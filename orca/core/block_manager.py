@@ -108,6 +108,10 @@ class BlockManager:
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
 
+    def evictable(self) -> list[int]:
+        """The cached blocks nobody references, least recently used first (for checks)."""
+        return list(self._evictable)
+
     def refs(self, block: int) -> int:
         """The tables holding the block."""
         return self._refs[block]
