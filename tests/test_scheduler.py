@@ -889,7 +889,9 @@ class Harness:
         assert all(len(r.output_token_ids) < r.params.max_tokens for r in pool)
         assert self.sched.num_running == sum(r.admitted for r in pool)
         assert self.sched.num_waiting == sum(not r.admitted for r in pool)
-        assert self.sched.kv_used_tokens == sum(r.num_computed_tokens for r in pool if r.admitted)
+        shared = sum(k - 1 for k in counts.values() if k > 1)  # (shared blocks are full and computed)
+        used = sum(r.num_computed_tokens for r in pool if r.admitted) - shared * self.blocks.block_size
+        assert self.sched.kv_used_tokens == used <= len(counts) * self.blocks.block_size
         assert self.sched.num_in_flight == len(self.in_flight) <= self.n_workers
         assert self.sched.can_schedule() == (len(self.in_flight) < self.n_workers)
         flying = [r.request_id for b in self.in_flight for r in b.requests]
