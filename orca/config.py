@@ -122,7 +122,9 @@ class EngineConfig:
       are evicted least recently used first, only when the pool has no free block left. true (the
       default) or false; requests share cached K/V only when their cache_salt is the same. The cost at a
       0% hit rate and the gain on chat workloads: docs/BENCHMARKS.md, "Results: prefix caching".
-      request_level_gpt never caches (the paper's baseline; not a parameter there).
+      attention_backend flex serves without it (its layout gives a pool block one owner per iteration, so
+      two requests could not read one shared block; logged at load). request_level_gpt never caches (the
+      paper's baseline; not a parameter there).
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -336,6 +338,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype] if self.dtype != "auto" else auto_dtype(self.torch_device)
+
+    @property
+    def effective_prefix_caching(self) -> bool:
+        """enable_prefix_caching, but never with attention_backend flex (its layout gives each pool block one
+        owner per iteration, so two requests sharing a cached block in one iteration cannot both read it)."""
+        return self.enable_prefix_caching and self.attention_backend != "flex"
 
     @property
     def effective_torch_compile(self) -> str:

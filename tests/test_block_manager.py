@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca.core.block_manager import BlockManager
+from orca.core.block_manager import BlockManager, hash_block, root_hash
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 2.0, None, "4"])
@@ -170,3 +170,97 @@ def test_block_manager_against_a_model(num_blocks: int, block_size: int, ops: li
     for r in list(model):
         bm.free(r)
     assert bm.num_free_blocks == num_blocks and not any(bm.owners().values())
+
+
+# -- the prefix cache ---------------------------------------------------------------------------------
+def test_block_hashes_chain_over_parent_tokens_and_salt() -> None:
+    none, a = root_hash(None), root_hash("a")
+    assert len(none) == 32 and none != a != root_hash("b") and root_hash("") not in (none, a)
+    assert root_hash("a") == a  # deterministic
+    h = hash_block(none, [1, 2, 3])
+    assert h == hash_block(none, (1, 2, 3)) and len(h) == 32
+    assert h != hash_block(a, [1, 2, 3]) and h != hash_block(none, [1, 2, 4]) and h != hash_block(none, [1, 2])
+    assert hash_block(h, [4]) != hash_block(hash_block(none, [1, 2, 4]), [4])  # the parent counts
+    assert hash_block(none, [1 << 40]) != hash_block(none, [0])  # ids are not truncated
+
+
+def cached_pool(num_blocks: int = 8, block_size: int = 2) -> tuple[BlockManager, list[bytes]]:
+    """A caching pool where request "a" holds 3 full blocks, all offered to the cache, under chain `hashes`."""
+    bm = BlockManager(num_blocks, block_size, placement="lowest", enable_caching=True)
+    hashes = [hash_block(root_hash(None), [1, 1])]
+    for _ in range(2):
+        hashes.append(hash_block(hashes[-1], [1, 1]))
+    bm.grow("a", 6)
+    bm.cache_blocks("a", hashes, 3)
+    return bm, hashes
+
+
+def test_lookup_finds_the_longest_cached_prefix_and_grow_takes_it_by_reference() -> None:
+    bm, hashes = cached_pool()
+    assert bm.num_cached_blocks == 3 and bm.lookup(hashes) == [0, 1, 2]
+    assert bm.lookup(hashes[:2]) == [0, 1] and bm.lookup([b"x" * 32, *hashes]) == []
+    assert bm.lookup([hashes[0], b"x" * 32, hashes[2]]) == [0]  # a prefix: stops at the first miss
+    assert bm.blocks_needed("b", 8, [0, 1]) == 2
+    assert bm.grow("b", 8, [0, 1]) == [0, 1, 3, 4]  # the cached ones first, then new ones
+    assert [bm.refs(b) for b in range(5)] == [2, 2, 1, 1, 1]
+    assert bm.num_allocated_blocks == 5 and bm.num_free_blocks == 3
+    with pytest.raises(RuntimeError, match="holds blocks already"):
+        bm.grow("b", 10, [2])
+
+
+def test_freed_cached_blocks_stay_cached_evictable_last_block_first() -> None:
+    bm, hashes = cached_pool()
+    bm.grow("b", 5, [0, 1])  # shares 0, 1; its own 3 (a partial block: never cached)
+    assert bm.free("a") == 1  # only block 2 is unreferenced now
+    assert bm.evictable() == [2] and bm.num_free_blocks == 5 and bm.num_allocated_blocks == 3
+    assert bm.free("b") == 3
+    # b's blocks released last first: 3 (uncached) to the free runs; then 1, 0 join the evictable ones.
+    assert bm.evictable() == [2, 1, 0] and bm.num_cached_blocks == 3
+    assert bm.num_free_blocks == 8 and bm.num_allocated_blocks == 0
+    assert bm.lookup(hashes) == [0, 1, 2]  # still there for the next request
+
+
+def test_a_cached_block_nobody_references_counts_free_but_taking_it_uses_it_up() -> None:
+    bm, hashes = cached_pool(num_blocks=4, block_size=2)
+    bm.free("a")  # blocks 0-2 evictable, 3 free
+    assert bm.num_free_blocks == 4
+    assert bm.can_grow("b", 8, [0, 1, 2])  # 3 cached + 1 new
+    assert not bm.can_grow("b", 10, [0, 1, 2])  # 3 cached + 2 new: only 1 other block
+    assert bm.can_grow("b", 8)  # without the cache: 4 new blocks, by evicting
+    assert bm.grow("b", 8, [0, 1, 2]) == [0, 1, 2, 3] and bm.evictable() == []
+
+
+def test_eviction_takes_the_least_recently_used_only_when_no_block_is_free() -> None:
+    bm, hashes = cached_pool(num_blocks=6, block_size=2)
+    bm.free("a")  # evictable [2, 1, 0]; free 3, 4, 5
+    assert bm.grow("b", 6) == [3, 4, 5]  # free blocks first: the cache keeps all three
+    assert bm.num_cached_blocks == 3
+    assert bm.grow("c", 2) == [2]  # then the least recently used: the chain's tail
+    assert bm.lookup(hashes) == [0, 1] and bm.evictable() == [1, 0]
+    assert bm.grow("d", 4) == [0, 1]  # two evicted at once, in id order
+    assert bm.num_cached_blocks == 0 and bm.lookup(hashes) == [] and bm.num_free_blocks == 0
+
+
+def test_a_twin_block_stays_out_of_the_cache() -> None:
+    bm, hashes = cached_pool()
+    bm.grow("b", 4)  # computed the same two blocks again (admitted before a's were cached)
+    bm.cache_blocks("b", hashes, 2)
+    assert bm.lookup(hashes) == [0, 1, 2] and bm.block_hash(3) is None and bm.block_hash(4) is None
+    bm.free("b")
+    assert bm.evictable() == [] and bm.num_free_blocks == 5  # the twins went back to the free runs
+
+
+def test_num_released_by_counts_shared_blocks_once_and_only_when_every_holder_goes() -> None:
+    bm, hashes = cached_pool()
+    bm.grow("b", 6, [0, 1])  # 0, 1 shared; 3 own
+    assert bm.num_released_by(["b"]) == 1 and bm.num_released_by(["a"]) == 1
+    assert bm.num_released_by(["a", "b"]) == 4
+
+
+def test_without_caching_nothing_is_cached() -> None:
+    bm = BlockManager(4, 2)
+    bm.grow("a", 4)
+    bm.cache_blocks("a", [b"x" * 32, b"y" * 32], 2)
+    assert bm.num_cached_blocks == 0 and bm.lookup([b"x" * 32]) == []
+    bm.free("a")
+    assert bm.evictable() == [] and bm.num_free_blocks == 4

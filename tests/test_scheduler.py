@@ -7,14 +7,14 @@ does what the engine's ``_complete`` does: a token for every member with ``sampl
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orca.core.block_manager import BlockManager
+from orca.core.block_manager import BlockManager, hash_block, root_hash
 from orca.core.request import FinishReason, Request
 from orca.core.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
 from orca.sampling_params import SamplingParams
@@ -22,13 +22,21 @@ from orca.sampling_params import SamplingParams
 TOKEN = 7
 
 
-def make_request(arrival: int, prompt_len: int, max_new: int) -> Request:
+def make_request(
+    arrival: int, prompt_len: int, max_new: int, split: int | None = None, family: int = 0,
+    cache_salt: str | None = None,
+) -> Request:
+    """A prompt of ones; or, with `split`, ones up to there and then a pattern that depends on `family`
+    (requests of one family share their whole prompt's prefix, of different ones the ones only)."""
+    split = prompt_len if split is None else min(split, prompt_len)
+    tail = [(family + i) % 3 + 1 for i in range(prompt_len - split)]
     return Request(
         request_id=f"r{arrival}",
-        prompt_token_ids=[1] * prompt_len,
+        prompt_token_ids=[1] * split + tail,
         params=SamplingParams(max_tokens=max_new),
         arrival=arrival,
         seed=0,
+        cache_salt=cache_salt,
     )
 
 
@@ -571,14 +579,20 @@ class Harness:
     random stops and failures) and aborts, and checks the scheduler's promises after every event."""
 
     def __init__(
-        self, kv_admission: str, block_size: int, num_blocks: int, max_bs: int, n_workers: int, budget: int | None
+        self, kv_admission: str, block_size: int, num_blocks: int, max_bs: int, n_workers: int, budget: int | None,
+        caching: bool = False,
     ) -> None:
         self.policy = kv_admission
         self.max_bs, self.n_workers, self.budget = max_bs, n_workers, budget
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.caching = caching
+        self.blocks = BlockManager(num_blocks, block_size, enable_caching=caching)
         self.sched = OrcaScheduler(max_bs, self.blocks, n_workers, kv_admission, budget)
         self.requests: list[Request] = []  # every request ever added, in arrival order
         self.in_flight: deque[ScheduledBatch] = deque()
+        # What the pool's slots hold, as far as the iterations wrote them: block -> slot -> the salt and
+        # the tokens up to that position of the request that wrote it ("garbage" after a failed iteration).
+        self.kv: dict[int, dict[int, object]] = {}
+        self.prefixes: dict[bytes, tuple] = {}  # every hash chain entry seen -> (salt, its tokens)
 
     def pool(self) -> list[Request]:
         return [r for r in self.requests if r.request_id in self.sched]
@@ -591,28 +605,64 @@ class Harness:
         return None
 
     # -- events --------------------------------------------------------------------------------------
-    def add(self, prompt_len: int, max_new: int) -> None:
+    def add(self, prompt_len: int, max_new: int, split: int | None = None, family: int = 0,
+            salt: str | None = None) -> None:
         # The engine refuses a request whose prompt + max_tokens exceeds the pool; size it to fit.
         n_slots = self.blocks.n_slots
         prompt_len = min(prompt_len, n_slots - 1)
         max_new = min(max_new, n_slots - prompt_len)
-        req = make_request(len(self.requests), prompt_len, max_new)
+        req = make_request(len(self.requests), prompt_len, max_new, split, family, salt)
         self.requests.append(req)
         self.sched.add(req)
+
+    # -- the prefix cache, seen from outside -----------------------------------------------------------
+    def chain(self, req: Request, num_blocks: int | None = None) -> list[bytes]:
+        """The request's hash chain over its full blocks (the first num_blocks of them)."""
+        size = self.blocks.block_size
+        count = req.num_tokens // size if num_blocks is None else num_blocks
+        out: list[bytes] = []
+        for i in range(count):
+            out.append(hash_block(out[-1] if out else root_hash(req.cache_salt), req.token_ids(i * size, size)))
+        return out
+
+    def cached(self) -> dict[bytes, int]:
+        """hash -> block, for every block the cache holds."""
+        found = {}
+        for b in range(self.blocks.num_blocks):
+            h = self.blocks.block_hash(b)
+            if h is not None:
+                assert h not in found, "two blocks under one hash"
+                found[h] = b
+        return found
+
+    def cached_prefix(self, req: Request, cached: dict[bytes, int]) -> list[int]:
+        """The blocks of req's longest cached prefix of full blocks, short of its last token."""
+        blocks = []
+        for h in self.chain(req, (req.num_tokens - 1) // self.blocks.block_size):
+            if h not in cached:
+                break
+            blocks.append(cached[h])
+        return blocks
+
+    def holder_counts(self) -> Counter:
+        return Counter(b for t in self.blocks.owners().values() for b in t)
 
     def fits(self, req: Request, budget: float) -> bool:
         """Whether the scheduler could select req as the first of its kind in an empty batch."""
         n = 1 if req.in_increment else int(min(req.num_uncomputed_tokens, budget))
         if not req.admitted:
-            target = req.max_num_tokens if self.policy == "reserve" else n
-            return self.blocks.blocks_for(target) <= self.blocks.num_free_blocks
+            hits = self.cached_prefix(req, self.cached()) if self.caching else []
+            start = len(hits) * self.blocks.block_size
+            n = int(min(req.num_tokens - start, budget))
+            target = req.max_num_tokens if self.policy == "reserve" else start + n
+            takeable = self.blocks.num_free_blocks - sum(1 for b in hits if self.blocks.refs(b) == 0)
+            return self.blocks.blocks_for(target) - len(hits) <= takeable
         need = self.blocks.blocks_needed(req.request_id, req.num_computed_tokens + n)
         reclaimable = 0
         if self.policy == "on_demand":
-            reclaimable = sum(
-                self.blocks.num_held(r.request_id) for r in self.pool()
-                if r.admitted and not r.running and r.arrival > req.arrival
-            )
+            victims = [r.request_id for r in self.pool() if r.admitted and not r.running and r.arrival > req.arrival]
+            counts = Counter(b for rid in victims for b in self.blocks.table(rid))
+            reclaimable = sum(1 for b, k in counts.items() if self.blocks.refs(b) == k)
         return need <= self.blocks.num_free_blocks + reclaimable
 
     def schedule(self) -> ScheduledBatch | None:
@@ -628,6 +678,8 @@ class Harness:
         preemptions_before = {r.request_id: r.num_preemptions for r in pool}
         total_preemptions = self.sched.num_preemptions
         can = self.sched.can_schedule()
+        cached_before = self.cached()
+        evictable_before = self.blocks.evictable()
 
         batch = self.sched.schedule()
         if batch is None:
@@ -657,13 +709,30 @@ class Harness:
             assert arrivals == sorted(arrivals)
         # Each member feeds its next tokens; prompt work takes what is left of the budget.
         left = self.budget if self.budget is not None else float("inf")
+        cached_after = self.cached()
         for m in members:
             rid = m.request.request_id
-            assert m.start == computed_before[rid]
+            if rid in was_admitted or not self.caching:
+                assert m.start == computed_before[rid]
+            else:
+                # Admitted from its longest cached prefix: what the cache held when the selection reached
+                # it, between what it held after the selection (evictions) and before.
+                size = self.blocks.block_size
+                assert m.start % size == 0 and m.start == m.request.num_computed_tokens
+                low = len(self.cached_prefix(m.request, cached_after)) * size
+                high = len(self.cached_prefix(m.request, cached_before)) * size
+                assert low <= m.start <= high, (rid, low, m.start, high)
+                if cached_after.keys() == cached_before.keys():
+                    assert m.start == high
+                chain = self.chain(m.request, m.start // size)
+                assert [self.blocks.block_hash(b) for b in m.new_blocks[: len(chain)]] == chain
             if m.increment:
                 assert rid in increment_before and m.num_tokens == 1 and m.sample
-            else:
+            elif rid in was_admitted or not self.caching:
                 assert m.num_tokens == min(uncomputed_before[rid], left)
+            else:
+                assert m.num_tokens == min(m.request.num_tokens - m.start, left)
+            self.check_reads_and_writes(m)
             assert m.sample == (m.start + m.num_tokens == m.request.num_tokens)
             left -= m.num_tokens
             assert self.blocks.table(rid) == tables_before.get(rid, []) + m.new_blocks
@@ -673,6 +742,18 @@ class Harness:
         assert ids(batch.admitted) == ids(waiting_before[: len(batch.admitted)])
         # Preemption.
         assert self.sched.num_preemptions == total_preemptions + len(batch.preempted)
+        # Eviction: only unreferenced cached blocks, least recently used first, and only when no block was
+        # free otherwise.
+        evicted = [b for h, b in cached_before.items() if h not in cached_after]
+        if evicted:
+            assert self.blocks.num_free_blocks == self.blocks.num_evictable_blocks, "evicted with free blocks left"
+            released = {b for v in batch.preempted for b in tables_before.get(v.request_id, [])}
+            held = self.holder_counts()
+            for e in evicted:
+                assert e in evictable_before or e in released, f"block {e} was referenced when evicted"
+                if e in evictable_before:
+                    for older in evictable_before[: evictable_before.index(e)]:
+                        assert older in evicted or held[older], f"block {e} evicted before the older {older}"
         if self.policy == "reserve":
             assert batch.preempted == []
             # Reserve never runs short: an idle increment is left out only for max_bs or the budget.
@@ -709,6 +790,12 @@ class Harness:
         batch = self.in_flight.popleft()
         outputs_before = {r.request_id: len(r.output_token_ids) for r in batch.requests}
         stop = {m.request.request_id for m, f in zip(batch.members, stop_flags) if f and m.sample}
+        size = self.blocks.block_size
+        for m in batch.members:  # what the iteration wrote into the pool
+            req, table = m.request, self.blocks.table(m.request.request_id)
+            for p in range(m.start, m.start + m.num_tokens):
+                written = "garbage" if error else (req.cache_salt, tuple(req.token_ids(0, p + 1)))
+                self.kv.setdefault(table[p // size], {})[p % size] = written
         finished = finish_iteration(self.sched, batch, stop, error)
         assert ids(finished) == [r.request_id for r in batch.requests if r.finished]
         for m in batch.members:
@@ -731,6 +818,7 @@ class Harness:
             return
         req = pool[pick % len(pool)]
         was_running, held, free = req.running, self.blocks.num_held(req.request_id), self.blocks.num_free_blocks
+        own = sum(1 for b in self.blocks.table(req.request_id) if self.blocks.refs(b) == 1)
         result = self.sched.abort(req.request_id)
         if was_running:
             assert result is None and req.aborted and req.request_id in self.sched
@@ -738,16 +826,54 @@ class Harness:
         else:
             assert result is req and req.finish_reason is FinishReason.CANCELLED
             assert req.request_id not in self.sched and not req.admitted
-            assert self.blocks.num_free_blocks == free + held and self.blocks.num_held(req.request_id) == 0
+            assert self.blocks.num_free_blocks == free + own and self.blocks.num_held(req.request_id) == 0
 
     # -- invariants ----------------------------------------------------------------------------------
+    def check_reads_and_writes(self, m: ScheduledRequest) -> None:
+        """A scheduled member attends to keys and values of its own salt and tokens only, and writes only
+        blocks that no other request holds and the cache does not hold."""
+        req, table, size = m.request, self.blocks.table(m.request.request_id), self.blocks.block_size
+        for p in range(m.start):
+            slot = self.kv.get(table[p // size], {}).get(p % size)
+            assert slot == (req.cache_salt, tuple(req.token_ids(0, p + 1))), f"{req.request_id} reads wrong K/V at {p}"
+        for i in range(m.start // size, -(-(m.start + m.num_tokens) // size)):
+            assert self.blocks.refs(table[i]) == 1, f"{req.request_id} writes the shared block {table[i]}"
+            assert self.blocks.block_hash(table[i]) is None, f"{req.request_id} writes the cached block {table[i]}"
+
+    def check_cache(self) -> None:
+        """Every cached block holds the keys and values of the tokens its hash names; the evictable ones are
+        cached and unreferenced."""
+        for req in self.requests:
+            chain = self.chain(req)
+            for i, h in enumerate(chain):
+                self.prefixes[h] = (req.cache_salt, tuple(req.token_ids(0, (i + 1) * self.blocks.block_size)))
+        size = self.blocks.block_size
+        for h, b in self.cached().items():
+            salt, tokens = self.prefixes[h]
+            for j in range(size):
+                assert self.kv.get(b, {}).get(j) == (salt, tokens[: len(tokens) - size + j + 1]), f"block {b}"
+        held = self.holder_counts()
+        for b in self.blocks.evictable():
+            assert self.blocks.block_hash(b) is not None and not held[b]
+
     def check(self) -> None:
         pool = self.pool()
         owners = self.blocks.owners()
         held = [b for t in owners.values() for b in t]
-        assert len(held) == len(set(held)), "a block is owned twice"
+        counts = self.holder_counts()
+        for t in owners.values():
+            assert len(t) == len(set(t)), "a block is twice in one table"
+        for b in range(self.blocks.num_blocks):
+            assert self.blocks.refs(b) == counts.get(b, 0) >= 0
+        if self.caching:  # shared blocks are cached ones
+            assert all(self.blocks.block_hash(b) is not None for b, k in counts.items() if k > 1)
+            self.check_cache()
+        else:
+            assert len(held) == len(set(held)), "a block is owned twice"
+            assert self.blocks.num_cached_blocks == 0 and not self.blocks.evictable()
         assert all(0 <= b < self.blocks.num_blocks for b in held)
-        assert self.blocks.num_allocated_blocks == len(held) <= self.blocks.num_blocks
+        assert self.blocks.num_allocated_blocks == len(counts) <= self.blocks.num_blocks
+        assert self.blocks.num_free_blocks == self.blocks.num_blocks - len(counts)
         assert set(owners) == {r.request_id for r in pool if r.admitted}, "only admitted requests hold blocks"
         for r in pool:
             n = self.blocks.num_held(r.request_id)
@@ -763,7 +889,9 @@ class Harness:
         assert all(len(r.output_token_ids) < r.params.max_tokens for r in pool)
         assert self.sched.num_running == sum(r.admitted for r in pool)
         assert self.sched.num_waiting == sum(not r.admitted for r in pool)
-        assert self.sched.kv_used_tokens == sum(r.num_computed_tokens for r in pool if r.admitted)
+        shared = sum(k - 1 for k in counts.values() if k > 1)  # (shared blocks are full and computed)
+        used = sum(r.num_computed_tokens for r in pool if r.admitted) - shared * self.blocks.block_size
+        assert self.sched.kv_used_tokens == used <= len(counts) * self.blocks.block_size
         assert self.sched.num_in_flight == len(self.in_flight) <= self.n_workers
         assert self.sched.can_schedule() == (len(self.in_flight) < self.n_workers)
         flying = [r.request_id for b in self.in_flight for r in b.requests]
@@ -819,14 +947,29 @@ SIZES = {
 }
 
 
+# With prefix caching: prompts that share prefixes (ones up to a split, then one of three patterns), under
+# no salt or one of two.
+OPS_CACHED = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 16), st.integers(1, 12), st.integers(0, 16), st.integers(0, 2),
+                  st.sampled_from([None, None, "a", "b"])),
+        st.tuples(st.just("schedule")),
+        st.tuples(st.just("complete"), st.lists(st.booleans(), max_size=6), st.integers(0, 9)),
+        st.tuples(st.just("abort"), st.integers(0, 63)),
+    ),
+    max_size=60,
+)
+
+
 def run_events(
-    kv_admission: str, block_size: int, num_blocks: int, max_bs: int, n_workers: int, budget: int | None, ops: list
+    kv_admission: str, block_size: int, num_blocks: int, max_bs: int, n_workers: int, budget: int | None, ops: list,
+    caching: bool = False,
 ) -> Harness:
     num_blocks = max(num_blocks, -(-2 // block_size))  # room for the smallest request (1 + 1 tokens)
-    h = Harness(kv_admission, block_size, num_blocks, max_bs, n_workers, budget)
+    h = Harness(kv_admission, block_size, num_blocks, max_bs, n_workers, budget, caching)
     for op in ops:
         if op[0] == "add":
-            h.add(op[1], op[2])
+            h.add(*op[1:])
         elif op[0] == "schedule":
             h.schedule()
         elif op[0] == "complete":
@@ -852,3 +995,19 @@ def test_on_demand_invariants_under_random_events(
     block_size: int, num_blocks: int, max_bs: int, n_workers: int, budget: int | None, ops: list
 ) -> None:
     run_events("on_demand", block_size, num_blocks, max_bs, n_workers, budget, ops)
+
+
+@settings(max_examples=250, deadline=None)
+@given(ops=OPS_CACHED, **SIZES)
+def test_reserve_invariants_with_prefix_caching(
+    block_size: int, num_blocks: int, max_bs: int, n_workers: int, budget: int | None, ops: list
+) -> None:
+    run_events("reserve", block_size, num_blocks, max_bs, n_workers, budget, ops, caching=True)
+
+
+@settings(max_examples=350, deadline=None)
+@given(ops=OPS_CACHED, **SIZES)
+def test_on_demand_invariants_with_prefix_caching(
+    block_size: int, num_blocks: int, max_bs: int, n_workers: int, budget: int | None, ops: list
+) -> None:
+    run_events("on_demand", block_size, num_blocks, max_bs, n_workers, budget, ops, caching=True)

@@ -84,6 +84,7 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._num_offered: dict[str, int] = {}
+        self._shared_refs = 0  # references beyond a block's first, summed over the blocks
 
     @property
     def n_slots(self) -> int:
@@ -107,6 +108,16 @@ class BlockManager:
     @property
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
+
+    @property
+    def num_shared_references(self) -> int:
+        """References beyond the first, summed over the blocks: how many block-fulls of computed tokens the
+        requests' tables count more than once."""
+        return self._shared_refs
+
+    def evictable(self) -> list[int]:
+        """The cached blocks nobody references, least recently used first (for checks)."""
+        return list(self._evictable)
 
     def refs(self, block: int) -> int:
         """The tables holding the block."""
@@ -164,6 +175,8 @@ class BlockManager:
             for block in cached:
                 if self._refs[block] == 0:
                     del self._evictable[block]
+                else:
+                    self._shared_refs += 1
                 self._refs[block] += 1
             table.extend(cached)
             self._num_offered[request_id] = len(cached)  # (they are in the cache already)
@@ -231,6 +244,7 @@ class BlockManager:
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block]:
+                self._shared_refs -= 1
                 continue
             released += 1
             if block in self._hash_of:

@@ -138,8 +138,10 @@ class OrcaScheduler:
 
     @property
     def kv_used_tokens(self) -> int:
-        """Tokens whose keys and values the pool holds."""
-        return sum(r.num_computed_tokens for r in self._pool.values() if r.admitted)
+        """Tokens whose keys and values the pool holds for the admitted requests (a block shared through
+        the prefix cache counted once)."""
+        held = sum(r.num_computed_tokens for r in self._pool.values() if r.admitted)
+        return held - self.blocks.num_shared_references * self.blocks.block_size
 
     def can_schedule(self) -> bool:
         return len(self._in_flight) < self.n_workers
