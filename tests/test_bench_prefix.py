@@ -171,3 +171,92 @@ def test_orca_bench_prefix_offline_on_and_off(tmp_path: Path) -> None:
         assert off["prefix_cache"]["hits"] == 0 and off["prefix_cache"]["hit_rate"] == 0
         assert runs["same_outputs"] == {"equal": requests, "requests": requests}
         assert runs["ratios"]["ttft_median_off_over_on"] > 0
+
+
+class FakeChatServer:
+    """An OpenAI-like chat server on a free port: each answer streams as chunked server-sent events (a
+    role-only chunk first, as vLLM's and orca-openai's do, then the text in two parts, then the usage),
+    and /metrics counts prefix cache queries and hits as vLLM names them (100 and 40 per request)."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        self.bodies: list[dict[str, Any]] = []
+        self.count = 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                n = owner.count
+                text = (f'vllm:prefix_cache_queries_total{{engine="0"}} {100.0 * n}\n'
+                        f'vllm:prefix_cache_hits_total{{engine="0"}} {40.0 * n}\n').encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    owner.bodies.append(body)
+                    owner.count += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                last = body["messages"][-1]["content"]
+                events = [{"choices": [{"delta": {"role": "assistant", "content": ""}}]},
+                          {"choices": [{"delta": {"content": "re: "}}]},
+                          {"choices": [{"delta": {"content": last[:6]}}]},
+                          {"choices": [], "usage": {"prompt_tokens": len(json.dumps(body["messages"])),
+                                                    "completion_tokens": body["max_tokens"]}}]
+                for data in [f"data: {json.dumps(e)}\n\n" for e in events] + ["data: [DONE]\n\n"]:
+                    raw = data.encode()
+                    self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+                self.wfile.write(b"0\r\n\r\n")
+
+        lock = threading.Lock()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_run_served_drives_chats_in_closed_loops_against_a_server() -> None:
+    server = FakeChatServer()
+    try:
+        text = prefix.Text(list(range(1000)), lambda ids: " ".join(f"w{i}" for i in ids))
+        workload = prefix.multi_turn(text, conversations=2, turns=3, prefix_tokens=4, user_tokens=2)
+        summary, answers = prefix.run_served(
+            server.url, "m", workload, 5, 30.0,
+            lambda: prefix.cache_counters(f"{server.url}/metrics", prefix.VLLM_CACHE_METRICS, None))
+    finally:
+        server.close()
+    assert summary["requests"] == 6 and summary["output_tokens"] == 30 and len(answers) == 6
+    assert summary["prefix_cache"] == {"queries": 600, "hits": 240, "hit_rate": 0.4}  # the warm-up excluded
+    assert all(0 < r["ttft_s"] <= r["latency_s"] for r in summary["per_request"])
+    assert answers["c0.t0"] == "re: " + workload.users[0][0][:6]
+    bodies = server.bodies[1:]  # after the warm-up
+    assert all(b["stream"] and b["ignore_eos"] and b["temperature"] == 0 and b["max_tokens"] == 5 for b in bodies)
+    last_turn = [b["messages"] for b in bodies if len(b["messages"]) == 6]
+    assert len(last_turn) == 2
+    for messages in last_turn:  # system, user, the answer it got, user, the answer, user
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+        assert messages[2]["content"] == "re: " + messages[1]["content"][:6]
+
+
+def test_orca_bench_offline_prefix_caching_flag(tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    argv = ["offline", "--model", str(tiny_checkpoint("llama")), "--num-requests", "3", "--prompt-len", "4:12",
+            "--token-ids", "1:190", "--max-new-tokens", "2:4", "--peak-seconds", "0.2", "--skip-transformers",
+            "--prefix-caching", "off", "--json", str(out)]
+    assert orca_bench.main(argv) == 0
+    assert json.loads(out.read_text())["enable_prefix_caching"] is False

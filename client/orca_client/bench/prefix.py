@@ -438,7 +438,10 @@ def chat_stream(url: str, model: str, messages: Sequence[dict[str, Any]], max_to
     with requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=True, timeout=timeout) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines(chunk_size=None):  # each chunk as it arrives
+        # Each HTTP chunk as it arrives (uvicorn's streams are chunked); a stream without chunks byte by byte,
+        # since a read of n bytes there waits for all n.
+        size = None if "chunked" in r.headers.get("transfer-encoding", "").lower() else 1
+        for line in r.iter_lines(chunk_size=size):
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
