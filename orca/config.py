@@ -25,6 +25,8 @@ _INT_OPTIONS = (
     "trace_max_bytes", "trace_backups",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
+_BOOL_OPTIONS = ("enable_prefix_caching",)
+_BOOL_VALUES = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "hybrid", "onednn", "reference")
 ATTENTION_BACKENDS = ("auto", "reference", "batched", "flex")
@@ -113,6 +115,14 @@ class EngineConfig:
       None = no limit (Orca: a prompt runs whole in its first iteration), the default by measurement on
       CPUs (docs/BENCHMARKS.md, "Serving: latency against throughput, with and without a token budget"); on
       GPUs set one (see gpu_memory_utilization). request_level_gpt never chunks (not a parameter there).
+    - enable_prefix_caching: automatic prefix caching (orca/core/block_manager.py): the K/V of full blocks is
+      kept, identified by a SHA-256 hash chained over the block's tokens and every block before it (and
+      the request's cache_salt), and a request whose prompt starts with cached blocks takes them by
+      reference and computes only the rest (at least its last prompt token). Unreferenced cached blocks
+      are evicted least recently used first, only when the pool has no free block left. true (the
+      default) or false; requests share cached K/V only when their cache_salt is the same. The cost at a
+      0% hit rate and the gain on chat workloads: docs/BENCHMARKS.md, "Results: prefix caching".
+      request_level_gpt never caches (the paper's baseline; not a parameter there).
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -171,6 +181,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_admission: str = "on_demand"
     max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
     max_queue: int = 1024
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -227,6 +238,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_admission must be one of {', '.join(KV_ADMISSION_POLICIES)}, got {self.kv_admission!r}"
             )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
@@ -283,6 +296,10 @@ class EngineConfig:
                     options[key] = int(value)
                 except ValueError:
                     raise ValueError(f"parameter {key} must be an integer, got {value!r}") from None
+            elif key in _BOOL_OPTIONS:
+                if value.lower() not in _BOOL_VALUES:
+                    raise ValueError(f"parameter {key} must be true or false, got {value!r}")
+                options[key] = _BOOL_VALUES[value.lower()]
             elif key in _FLOAT_OPTIONS:
                 try:
                     options[key] = float(value)

@@ -40,6 +40,7 @@ class Membership:
     start: int
     blocks: int
     sampled: bool
+    cached: int = 0  # admitted in this iteration: its first tokens found in the prefix cache
 
 
 @dataclass
@@ -86,7 +87,9 @@ def request_tracks(timeline: Any) -> list[RequestTrack]:
     for k, it in enumerate(its):
         for m in it["requests"]:
             track(m["id"]).memberships.append(
-                Membership(k, it["id"], m["phase"], m["tokens"], m["start"], m["blocks"], m["sampled"])
+                Membership(
+                    k, it["id"], m["phase"], m["tokens"], m["start"], m["blocks"], m["sampled"], m.get("cached", 0)
+                )
             )
         for rid in it["preempted"]:
             track(rid).preempted_at.append(k)

@@ -14,17 +14,48 @@ request before the run keeps the room before it. Each later block is the one rig
 last block when that one is free. Otherwise, and when the pool is too full for either, the lowest free
 id (a heap). ``placement="lowest"`` hands out the lowest free id always (first fit): the scheduler's tests
 use it to state their expectations in block ids that follow from arithmetic alone.
+
+The prefix cache (``enable_caching``; EngineConfig.enable_prefix_caching): a block whose every slot holds
+computed keys and values is identified by a hash chained over its parent block's hash and its tokens
+(``hash_block``; the first block's parent is ``root_hash(cache_salt)``, so requests with different salts
+never share a block). ``cache_blocks`` registers a request's full blocks under their hashes; ``lookup``
+finds the longest run of cached blocks that starts a request's hash chain; ``grow(..., cached=...)`` takes
+those blocks by reference at admission. A block counts its references (the tables that hold it) and is
+never written while shared: a request's own writes go to positions past its cached prefix. When its last
+reference goes, a cached block stays cached, unreferenced and evictable, in least-recently-used order (a
+request's blocks are released last block first, so a chain loses its tail before its head); other freed
+blocks go back to the free runs. New blocks come from the free runs while there are any, and only then
+from the evictable blocks, least recently used first, which leave the cache. The hash is SHA-256, so no
+crafted prompt can be made to collide with another's blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
 
 PLACEMENTS = ("contiguous", "lowest")
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: the same for every request without a salt, and a
+    different one per salt."""
+    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+    return hashlib.sha256(b"orca-prefix-cache-v1" + salt).digest()
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a full block: SHA-256 over its parent's hash (32 bytes) and its token ids (int64 each)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, placement: str = "contiguous") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, placement: str = "contiguous", enable_caching: bool = False
+    ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -44,6 +75,15 @@ class BlockManager:
         self._lowest: list[int] = []  # run starts
         self._tables: dict[str, list[int]] = {}
         self._add_run(0, num_blocks - 1)
+        # The prefix cache: references per block, the hash of each cached block and back, the cached blocks
+        # nobody references (least recently used first), and per request how many leading blocks of its
+        # table have been offered to the cache.
+        self.enable_caching = enable_caching
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._num_offered: dict[str, int] = {}
 
     @property
     def n_slots(self) -> int:
@@ -51,11 +91,29 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._num_free
+        """Blocks a request can take: free ones and cached ones nobody references."""
+        return self._num_free + len(self._evictable)
 
     @property
     def num_allocated_blocks(self) -> int:
-        return self.num_blocks - self._num_free
+        """Blocks some request's table holds."""
+        return self.num_blocks - self._num_free - len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding reusable keys and values (referenced or not)."""
+        return len(self._hash_of)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
+
+    def refs(self, block: int) -> int:
+        """The tables holding the block."""
+        return self._refs[block]
+
+    def block_hash(self, block: int) -> bytes | None:
+        return self._hash_of.get(block)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks that hold num_tokens tokens."""
@@ -71,42 +129,113 @@ class BlockManager:
         """Every block table (copies), for checks."""
         return {rid: list(t) for rid, t in self._tables.items()}
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """More blocks the request needs to hold num_tokens tokens (0 when it holds enough)."""
-        return max(0, self.blocks_for(num_tokens) - self.num_held(request_id))
+    def blocks_needed(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> int:
+        """More blocks the request must newly take to hold num_tokens tokens (0 when it holds enough),
+        besides the `cached` blocks it would take by reference."""
+        return max(0, self.blocks_for(num_tokens) - self.num_held(request_id) - len(cached))
 
-    def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= self._num_free
+    def can_grow(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        # Cached blocks nobody references are counted free: taking them by reference uses them up.
+        unreferenced = sum(1 for b in cached if self._refs[b] == 0)
+        return self.blocks_needed(request_id, num_tokens, cached) <= self.num_free_blocks - unreferenced
 
-    def grow(self, request_id: str, num_tokens: int) -> list[int]:
-        """Extends the request's table to hold num_tokens tokens; returns the blocks added (maybe none).
-        RuntimeError when the pool has too few free blocks: callers check can_grow first."""
-        need = self.blocks_needed(request_id, num_tokens)
-        if need > self._num_free:
-            raise RuntimeError(f"{request_id} needs {need} more blocks, {self._num_free} are free")
+    def lookup(self, hashes: Iterable[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (a request's hash chain) that is cached."""
+        found = []
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def grow(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> list[int]:
+        """Extends the request's table to hold num_tokens tokens, starting it (a request that holds no
+        block) with the `cached` blocks (lookup's), taken by reference; returns the blocks added (maybe
+        none), cached ones first. RuntimeError when the pool has too few free blocks: callers check
+        can_grow first."""
+        need = self.blocks_needed(request_id, num_tokens, cached)
+        if need and not self.can_grow(request_id, num_tokens, cached):
+            raise RuntimeError(f"{request_id} needs {need} more blocks, {self.num_free_blocks} are free")
         table = self._tables.setdefault(request_id, [])
+        if cached:
+            if table:
+                raise RuntimeError(f"{request_id} holds blocks already: cached blocks start a table")
+            for block in cached:
+                if self._refs[block] == 0:
+                    del self._evictable[block]
+                self._refs[block] += 1
+            table.extend(cached)
+            self._num_offered[request_id] = len(cached)  # (they are in the cache already)
+        new = self._take(table, need)
+        for block in new:
+            self._refs[block] = 1
+        table.extend(new)
+        return [*cached, *new] if cached else new
+
+    def _take(self, table: list[int], need: int) -> list[int]:
+        """`need` unreferenced blocks for a table: placed in the free runs while they have blocks, then the
+        least recently used cached blocks, evicted (in id order, so that a table stays consecutive where
+        they are)."""
+        from_runs = min(need, self._num_free)
+        rest = need - from_runs
         new: list[int] = []
         if self.placement == "lowest":
-            while len(new) < need:
+            while len(new) < from_runs:
                 new.append(self._take_first(self._lowest_start()))
-        elif need and not table:
+        elif from_runs and not table:
             run = self._longest_run()
-            if run is not None and run[1] - run[0] + 1 >= 2 * need:  # room for it and as much again
-                first = run[0] + (run[1] - run[0] + 1 - need) // 2
-                self._carve(run, first, need)
-                new = list(range(first, first + need))
-        while len(new) < need:
+            if run is not None and run[1] - run[0] + 1 >= 2 * from_runs:  # room for it and as much again
+                first = run[0] + (run[1] - run[0] + 1 - from_runs) // 2
+                self._carve(run, first, from_runs)
+                new = list(range(first, first + from_runs))
+        while len(new) < from_runs:
             last = new[-1] if new else (table[-1] if table else None)
             # The block after an allocated one, when free, starts a run.
             after = last + 1 if last is not None and last + 1 in self._run_end else None
             new.append(self._take_first(after if after is not None else self._lowest_start()))
-        table.extend(new)
+        if rest:
+            evicted = []
+            for _ in range(rest):
+                block, _ = self._evictable.popitem(last=False)
+                del self._block_of[self._hash_of.pop(block)]
+                evicted.append(block)
+            new.extend(sorted(evicted))
         return new
 
+    def cache_blocks(self, request_id: str, hashes: Sequence[bytes], num_full: int) -> None:
+        """Offers the request's first `num_full` blocks, whose every slot holds computed keys and values,
+        to the cache under `hashes` (its chain, at least num_full long). A block whose hash another block
+        already holds stays out (its twin serves that prefix)."""
+        table = self._tables.get(request_id)
+        if not self.enable_caching or table is None:
+            return
+        for i in range(self._num_offered.get(request_id, 0), num_full):
+            block, h = table[i], hashes[i]
+            if block not in self._hash_of and h not in self._block_of:
+                self._hash_of[block], self._block_of[h] = h, block
+        self._num_offered[request_id] = max(num_full, self._num_offered.get(request_id, 0))
+
+    def num_released_by(self, request_ids: Iterable[str]) -> int:
+        """Blocks that would become takeable if these requests freed their tables."""
+        counts = Counter(b for rid in request_ids for b in self._tables.get(rid, ()))
+        return sum(1 for b, n in counts.items() if self._refs[b] == n)
+
     def free(self, request_id: str) -> int:
-        """Returns every block of the request to the pool; the number freed."""
+        """Drops the request's references to its blocks, last block first: a block nobody references any
+        more stays cached (evictable) when the cache holds it, else goes back to the free runs. Returns the
+        number of blocks that became takeable."""
         table = self._tables.pop(request_id, [])
-        for block in table:
+        self._num_offered.pop(request_id, None)
+        released = 0
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block]:
+                continue
+            released += 1
+            if block in self._hash_of:
+                self._evictable[block] = None
+                continue
             start, end = block, block
             if block - 1 in self._run_start:  # joins the run ending just before it
                 start = self._run_start[block - 1]
@@ -116,7 +245,7 @@ class BlockManager:
                 self._remove_run(block + 1)
             self._add_run(start, end)
             self._num_free += 1
-        return len(table)
+        return released
 
     # -- the free runs ----------------------------------------------------------------------------
     def _add_run(self, start: int, end: int) -> None:

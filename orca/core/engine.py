@@ -43,6 +43,10 @@ from orca.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+MAX_CACHE_SALT_CHARS = 1024
+"""The longest cache_salt a request may give."""
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (EngineConfig.max_queue): retry later."""
 
@@ -68,6 +72,7 @@ class EngineCoreOutput:
     error: str | None = None
     time: float = 0.0
     logits: Any = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the request's first admission
 
     @property
     def finished(self) -> bool:
@@ -100,6 +105,9 @@ class EngineStats:
     kv_used_tokens: int = 0  # tokens whose keys and values the pool holds
     block_size: int = 0
     preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative: tokens of the requests looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # cumulative: ... and of them, tokens whose K/V the cache held
+    prefix_cache_blocks: int = 0  # blocks holding reusable K/V now (referenced or not)
 
     @property
     def n_slots(self) -> int:
@@ -140,7 +148,9 @@ class EngineCore:
                 f"n_workers {n_workers} exceeds the {self.executor.max_in_flight} batches this executor "
                 f"can keep in flight (one per pipeline stage)"
             )
-        self.blocks = BlockManager(self.executor.num_blocks, config.block_size)
+        self.blocks = BlockManager(
+            self.executor.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
         self.scheduler = OrcaScheduler(
             config.max_bs, self.blocks, n_workers, config.kv_admission, config.max_num_batched_tokens
         )
@@ -164,6 +174,7 @@ class EngineCore:
                 model=str(self.checkpoint), max_bs=config.max_bs, block_size=self.blocks.block_size,
                 kv_total_blocks=self.blocks.num_blocks, kv_admission=config.kv_admission,
                 max_num_batched_tokens=config.max_num_batched_tokens, n_workers=n_workers,
+                prefix_caching=config.enable_prefix_caching,
             )
 
     # -- requests --------------------------------------------------------------------------------
@@ -175,12 +186,19 @@ class EngineCore:
     def block_size(self) -> int:
         return self.blocks.block_size
 
-    def validate(self, prompt_token_ids: Any, params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: Any, params: SamplingParams, cache_salt: Any = None) -> None:
         """Raises ValueError naming what is wrong with a request and the allowed range (EngineFailedError
         once the engine has failed). Reads only immutable configuration, so any thread may call it: the
         front end calls it before add_request, which does not check again."""
         if self.failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self.failed}")
+        if cache_salt is not None and (
+            not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            got = f"{len(cache_salt)} characters" if isinstance(cache_salt, str) else type(cache_salt).__name__
+            raise ValueError(
+                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got {got}"
+            )
         vocab = self.model_config.vocab_size
         if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
@@ -216,9 +234,11 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
         eos_token_ids: frozenset[int] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Adds a request that validate() accepted. `eos_token_ids` are the ids that end it with "stop"
-        (unless params.ignore_eos); None = the model's. Raises ValueError for an id in use, QueueFullError
+        (unless params.ignore_eos); None = the model's. With prefix caching on, requests share cached K/V
+        only with requests of the same `cache_salt` (None: no salt). Raises ValueError for an id in use, QueueFullError
         when the waiting queue is full, EngineFailedError once the engine has failed."""
         if self.failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self.failed}")
@@ -235,6 +255,7 @@ class EngineCore:
             seed=seed,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids if eos_token_ids is None else eos_token_ids,
+            cache_salt=cache_salt,
         )
         self.scheduler.add(req)
         if self.timeline is not None:
@@ -248,7 +269,9 @@ class EngineCore:
         if req is not None:
             now = time.monotonic()
             self._finish(req, now)
-            self._pending.append(EngineCoreOutput(request_id, [], None, req.finish_reason, req.error, now))
+            self._pending.append(EngineCoreOutput(
+                request_id, [], None, req.finish_reason, req.error, now, num_cached_tokens=req.num_cached_tokens
+            ))
             if self.timeline is not None:
                 self.timeline.finish(req, now)
         return True
@@ -270,6 +293,9 @@ class EngineCore:
             kv_used_tokens=s.kv_used_tokens,
             block_size=self.blocks.block_size,
             preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            prefix_cache_blocks=self.blocks.num_cached_blocks,
         )
 
     # -- the iteration ---------------------------------------------------------------------------
@@ -315,7 +341,9 @@ class EngineCore:
         for req in self.scheduler.drop_all():
             req.finish_reason, req.error = FinishReason.ERROR, f"the engine failed: {message}"
             self._finish(req, now)
-            outputs.append(EngineCoreOutput(req.request_id, [], None, req.finish_reason, req.error, now))
+            outputs.append(EngineCoreOutput(
+                req.request_id, [], None, req.finish_reason, req.error, now, num_cached_tokens=req.num_cached_tokens
+            ))
             if self.timeline is not None:
                 self.timeline.finish(req, now)
         return outputs
@@ -345,7 +373,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         for m in batch.members:
             req = m.request
-            out = EngineCoreOutput(req.request_id, [], time=now)
+            out = EngineCoreOutput(req.request_id, [], time=now, num_cached_tokens=req.num_cached_tokens)
             if result.error is not None:
                 req.finish_reason, req.error = FinishReason.ERROR, result.error
             elif m.sample:

@@ -52,6 +52,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     eos_token_ids: frozenset[int] | None
+    cache_salt: str | None
 
 
 @dataclass(frozen=True)
@@ -145,13 +146,14 @@ class EngineLoop:
         params: SamplingParams,
         arrival_time: float | None = None,
         eos_token_ids: frozenset[int] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Validates (ValueError: the core's checks, here on the caller's thread and only here) and
         enqueues a request; QueueFullError when the waiting queue is full. Never waits for an iteration.
-        `eos_token_ids`: EngineCore.add_request's."""
+        `eos_token_ids`, `cache_salt`: EngineCore.add_request's."""
         if self._failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self._failed}")
-        self.core.validate(prompt_token_ids, params)
+        self.core.validate(prompt_token_ids, params, cache_salt)
         with self._lock:
             if self._stopping:
                 raise QueueFullError("the engine is shutting down")
@@ -161,7 +163,7 @@ class EngineLoop:
                 )
             self._queued_adds += 1
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, arrival_time, eos_token_ids))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, arrival_time, eos_token_ids, cache_salt))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -273,7 +275,8 @@ class EngineLoop:
                     self._queued_adds -= 1
                 try:  # (validated by submit)
                     self.core.add_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time, cmd.eos_token_ids
+                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time, cmd.eos_token_ids,
+                        cmd.cache_salt,
                     )
                 except (ValueError, QueueFullError, EngineFailedError) as exc:
                     self._emit([_failed(cmd.request_id, str(exc))])

@@ -39,8 +39,9 @@ class TokenLogprobs:
 class PlannedRequest:
     """One request's share of an iteration: feed ``token_ids`` at positions ``start``, ``start + 1``, ...
     ``sampling`` is set when the worker has no state for the request yet (its table starts empty);
-    ``new_block_ids`` extend its block table; ``sample_step`` is the index of the output token to draw
-    (None for a prompt chunk that does not reach the prompt's end)."""
+    ``new_block_ids`` extend its block table (at admission, the table's first ``start // block_size`` blocks
+    may be the prefix cache's, holding those positions' keys and values already); ``sample_step`` is the
+    index of the output token to draw (None for a prompt chunk that does not reach the prompt's end)."""
 
     request_id: str
     token_ids: tuple[int, ...]

@@ -48,6 +48,9 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     eos_token_ids: frozenset[int] = frozenset()  # end the request with "stop" unless params.ignore_eos
+    cache_salt: str | None = None  # requests share cached K/V only with requests of the same salt
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # the hash chain of its full blocks, so far
 
     @property
     def num_prompt_tokens(self) -> int:

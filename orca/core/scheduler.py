@@ -17,6 +17,14 @@ Selection, every iteration, FCFS by arrival:
 Admission stops at the first waiting request that does not fit (``break``, not ``continue``): a later,
 smaller request never jumps ahead of an earlier one waiting for memory.
 
+Prefix caching (the block manager's ``enable_caching``): a request being admitted first takes, by
+reference, the cached blocks of the longest prefix of its tokens found in the cache (full blocks only, and
+never its last token, so that there is one to compute and sample from), and is scheduled from there: the
+cached prefix costs no budget and no new block. Each completed iteration offers the cache the blocks its
+members filled (prompt and generated tokens alike), so a request finished, preempted or aborted leaves its
+K/V for the next request with the same prefix; a preempted request readmitted finds its own blocks again
+unless they were evicted. A failed iteration offers nothing.
+
 Admission policies (``kv_admission``):
 - ``reserve`` (Orca): a request takes the blocks for its max_tokens (prompt + max new tokens) when
   admitted, so it can always run to completion; nothing is ever preempted (TensorRT-LLM's
@@ -35,7 +43,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from orca.config import KV_ADMISSION_POLICIES
-from orca.core.block_manager import BlockManager
+from orca.core.block_manager import BlockManager, hash_block, root_hash
 from orca.core.request import FinishReason, Request
 
 
@@ -101,6 +109,8 @@ class OrcaScheduler:
         self._in_flight: deque[ScheduledBatch] = deque()
         self._next_batch_id = 0
         self.num_preemptions = 0  # cumulative
+        self.prefix_cache_queries = 0  # cumulative: tokens of the requests looked up at admission
+        self.prefix_cache_hits = 0  # ... and of them, found in the prefix cache
 
     # -- queries ---------------------------------------------------------------------------------
     def __contains__(self, request_id: str) -> bool:
@@ -180,11 +190,21 @@ class OrcaScheduler:
                     if new_blocks is None:
                         return self._launch(batch)
                 else:
+                    cached = self._cached_prefix(req) if self.blocks.enable_caching else []
+                    if cached:
+                        start = len(cached) * self.blocks.block_size
+                        n = int(min(req.num_tokens - start, budget))
                     target = req.max_num_tokens if self.kv_admission == "reserve" else start + n
-                    if not self.blocks.can_grow(req.request_id, target):
+                    if not self.blocks.can_grow(req.request_id, target, cached):
                         return self._launch(batch)  # no queue jumping: later requests wait behind this one
-                    new_blocks = self.blocks.grow(req.request_id, target)
+                    new_blocks = self.blocks.grow(req.request_id, target, cached)
                     req.admitted = True
+                    req.num_computed_tokens = start
+                    if req.num_preemptions == 0:
+                        req.num_cached_tokens = start
+                    if self.blocks.enable_caching:
+                        self.prefix_cache_queries += req.num_tokens
+                        self.prefix_cache_hits += start
                     batch.admitted.append(req)
                 sample = n == req.num_uncomputed_tokens
                 batch.members.append(ScheduledRequest(req, n, start, new_blocks, sample, False))
@@ -214,7 +234,7 @@ class OrcaScheduler:
             r for r in reversed(self._pool.values())
             if r.admitted and not r.running and r.request_id not in chosen and r.arrival > req.arrival
         ]
-        reclaimable = sum(self.blocks.num_held(r.request_id) for r in victims)
+        reclaimable = self.blocks.num_released_by(r.request_id for r in victims)
         if need > self.blocks.num_free_blocks + reclaimable:
             return None
         for victim in victims:  # latest arrival first
@@ -223,6 +243,18 @@ class OrcaScheduler:
             self._preempt(victim)
             batch.preempted.append(victim)
         return self.blocks.grow(req.request_id, num_tokens)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks of the request's longest cached prefix of full blocks, short of its last token."""
+        return self.blocks.lookup(self._block_hashes(req, (req.num_tokens - 1) // self.blocks.block_size))
+
+    def _block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The request's hash chain over its first num_blocks full blocks (computed once per block)."""
+        hashes, size = req.block_hashes, self.blocks.block_size
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else root_hash(req.cache_salt)
+            hashes.append(hash_block(parent, req.token_ids(len(hashes) * size, size)))
+        return hashes
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.request_id)
@@ -243,6 +275,9 @@ class OrcaScheduler:
             req = m.request
             req.running = False
             req.num_computed_tokens = m.start + m.num_tokens
+            if self.blocks.enable_caching and req.finish_reason is not FinishReason.ERROR:
+                full = req.num_computed_tokens // self.blocks.block_size
+                self.blocks.cache_blocks(req.request_id, self._block_hashes(req, full), full)
             if req.aborted and not req.finished:
                 req.finish_reason = FinishReason.CANCELLED
             if req.finished:

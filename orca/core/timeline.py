@@ -13,7 +13,7 @@ that origin. Request ids are the engine's.
   recording: files of another run at the same path are never mixed in), ``origin_unix`` (wall-clock
   seconds at t = 0), ``pid``, ``scheduling`` ("iteration-level", or "request-level" for the baseline of
   orca/frontend/request_level.py), ``model`` (the checkpoint), ``max_bs``, ``block_size``, ``kv_total_blocks``,
-  ``kv_admission``, ``max_num_batched_tokens`` (null = no budget), ``n_workers``.
+  ``kv_admission``, ``max_num_batched_tokens`` (null = no budget), ``n_workers``, ``prefix_caching``.
 - ``arrival``: a request joined the engine: ``t``, ``id``, ``prompt_tokens``, ``max_tokens`` (new tokens).
 - ``iteration``: one iteration, written when its result has been processed, in batch id order:
   ``id`` (the batch id: increasing), ``start`` (plan submitted), ``duration`` (submit to collect),
@@ -24,7 +24,9 @@ that origin. Request ids are the engine's.
   "prompt" (a whole prompt or a chunk of it), "increment" (one token after a computed prefix: Orca's
   increment phase) or "recompute" (re-feeding a preempted request's prompt and tokens); ``start`` (the
   position of its first token fed); ``tokens`` (tokens fed); ``blocks`` (K/V blocks it holds);
-  ``sampled`` (this iteration drew its next token)), ``admitted`` (ids admitted by this selection),
+  ``cached`` (admitted by this selection: its first tokens whose K/V it took from the prefix cache, so
+  ``start`` = ``cached``; else 0); ``sampled`` (this iteration drew its next token)), ``admitted`` (ids
+  admitted by this selection),
   ``preempted`` (ids whose blocks this selection took back: they wait again), ``finished`` (objects
   ``id``, ``reason``, ``tokens`` (generated in all)), and ``error`` (why the iteration failed, or null).
 - ``finish``: a request that ended between iterations (cancelled while waiting or between iterations, or
@@ -209,7 +211,8 @@ class TimelineRecorder:
             phase = "increment" if m.increment else ("recompute" if req.num_preemptions else "prompt")
             members.append({
                 "id": req.request_id, "phase": phase, "start": m.start, "tokens": m.num_tokens,
-                "blocks": blocks.num_held(req.request_id), "sampled": m.sample,
+                "blocks": blocks.num_held(req.request_id),
+                "cached": m.start if not m.increment and req in batch.admitted else 0, "sampled": m.sample,
             })
         self._selected[batch.batch_id] = _Selected(now, {
             "type": "iteration", "id": batch.batch_id, "start": self._t(now), "duration": 0.0,

@@ -359,8 +359,11 @@ class Worker:
                 state = self._requests[pr.request_id] = _RequestState(pr.sampling)
             elif state is None:
                 raise RuntimeError(f"plan names request {pr.request_id!r}, which this worker does not hold")
+            # New blocks below the request's start hold keys and values computed before (the prefix
+            # cache's, taken at admission): only those from its start on are fresh.
+            fresh = max(0, pr.start // self.kv_layout.block_size - len(state.block_table))
             state.block_table.extend(pr.new_block_ids)
-            new_blocks.extend(pr.new_block_ids)
+            new_blocks.extend(pr.new_block_ids[fresh:])
             n = len(pr.token_ids)
             input_ids.extend(pr.token_ids)
             positions.extend(range(pr.start, pr.start + n))
