@@ -414,6 +414,7 @@ def test_orca_bench_offline_both_policies_against_transformers(tmp_path: Path) -
     runs = result["orca_policies"]
     assert list(runs) == ["reserve", "on_demand"] and result["orca"] == runs["on_demand"]
     assert result["linear_backend"] == "hybrid"  # what auto resolved to on this CPU (a tiny model: it fits)
+    assert result["enable_prefix_caching"] is True  # the engine's default (--prefix-caching on)
     hf = result["transformers"]
     assert hf["generated_tokens"] == expected_tokens(result) and hf["tokens_per_second"] > 0 and hf["mfu"] > 0
     assert hf["same_tokens_as_orca"] == 5  # greedy in fp32: the same tokens from both

@@ -17,7 +17,10 @@ description (its docstring, which --help shows), its options (add_parser) and it
 - serve: ``orca-bench serve``, the servers under guidellm (orca's OpenAI API against vLLM's OpenAI server)
   and orca's per-hop latency at batch 1;
 - core: ``orca-bench core``, the scheduler thread's own cost per iteration (the engine core over a stub
-  executor) and the output side's, against batch size and history length.
+  executor) and the output side's, against batch size and history length;
+- prefix: ``orca-bench prefix``, automatic prefix caching on and off on multi-turn chats and a shared
+  system prompt (real text, the model's chat template): offline in this process, and through orca's
+  server and vLLM's (TTFT, throughput, the cache's hit rate).
 
 Shared: common (the machine record, the JSON output, transformers' continuous batching; no tritonclient)
 and options (the argparse types and the workload options of trace and offline). This module imports no
@@ -33,11 +36,21 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from orca_client.bench import core, decode, distributed, linears, offline, serve, timeline_cmd, trace_cmd
+    from orca_client.bench import (
+        core,
+        decode,
+        distributed,
+        linears,
+        offline,
+        prefix,
+        serve,
+        timeline_cmd,
+        trace_cmd,
+    )
 
     p = argparse.ArgumentParser(prog="orca-bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for command in (trace_cmd, timeline_cmd, offline, linears, decode, distributed, serve, core):
+    for command in (trace_cmd, timeline_cmd, offline, linears, decode, distributed, serve, core, prefix):
         command.add_parser(sub)
     return p
 

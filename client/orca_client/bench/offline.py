@@ -6,7 +6,8 @@ iterations weighted by their duration; mean and peak allocated blocks; preemptio
 iteration spends its time (a second run with the engine's profiling hook, engine.profile). Engine
 options: --kv-admission (reserve, on_demand, or both: one engine per policy on the same requests, side
 by side), --block-size, --max-num-batched-tokens, --n-slots, --max-bs, --dtype, --linear-backend,
---attention-backend, --cuda-graphs, --torch-compile. Every
+--attention-backend, --cuda-graphs, --torch-compile, --prefix-caching (on or off: random prompts share no
+prefix, so the two time what the cache costs at a 0% hit rate). Every
 system also gets the single-stream figure: one request alone (a 64-token prompt, 128 new tokens, after a
 warm-up), decode tokens/s = 127 / (its time - the time of the same prompt with 1 new token), medians of 3. --peers
 vllm,llama_cpp runs CPU peer systems on the same requests (greedy, EOS ignored), each in the venv its
@@ -129,11 +130,12 @@ def run_orca_offline(
         model=args.model, max_bs=args.max_bs, dtype=args.dtype, kv_admission=policy, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or None, n_slots=args.n_slots,
         linear_backend=args.linear_backend, attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
-        torch_compile=args.torch_compile,
+        torch_compile=args.torch_compile, enable_prefix_caching=args.prefix_caching == "on",
     ))
     try:
         result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
         result["device"] = str(engine.config.torch_device)
+        result["enable_prefix_caching"] = engine.config.enable_prefix_caching
         # What auto resolved to (the in-process worker's; the offline engine always has one).
         worker = getattr(engine.executor, "worker", None)
         result["linear_backend"] = getattr(worker, "linear_backend", None)
@@ -483,7 +485,8 @@ def print_offline(result: dict[str, Any]) -> None:
           f"U{tuple(result['trace']['prompt_len'])}, new tokens U{tuple(result['trace']['max_new_tokens'])}, "
           f"{result['dtype']} on {result['device']} ({result['torch_threads']} threads); orca: max_bs "
           f"{first['max_bs']}, {first['kv']['total_blocks']} K/V blocks of {first['kv']['block_size']} tokens, "
-          f"{'no token budget' if budget is None else f'{budget} tokens per iteration'}")
+          f"{'no token budget' if budget is None else f'{budget} tokens per iteration'}, prefix caching "
+          f"{'on' if result.get('enable_prefix_caching') else 'off'}")
     print(f"matmul peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s")
     rows = [(f"orca {p}", r) for p, r in policies.items()]
     if "transformers" in result:
@@ -572,6 +575,10 @@ def add_parser(sub: Any) -> None:
     o.add_argument("--n-slots", type=positive_int, default=None, metavar="N",
                    help="orca's K/V pool in tokens (whole blocks; also bounds transformers' cache) (default: the "
                         "engine's: 1 GiB of K/V on a CPU, what gpu_memory_utilization leaves on a GPU)")
+    o.add_argument("--prefix-caching", choices=("on", "off"), default="on",
+                   help="EngineConfig.enable_prefix_caching: this workload's random prompts share no prefix, so "
+                        "on against off is what the cache costs at a 0%% hit rate (default: %(default)s, the "
+                        "engine's)")
     o.add_argument("--skip-transformers", action="store_true", help="no transformers run")
     o.add_argument("--peers", default="", metavar="NAME[:VARIANT],...",
                    help="CPU peer systems run on the same requests, each in the venv its setup script makes "

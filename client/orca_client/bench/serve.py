@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # the repository root (client/orca_client/bench/serve.py)
 SYSTEMS = ("orca", "vllm")
 
 
@@ -217,12 +217,17 @@ class Running:
 
 
 @contextmanager
-def orca_server(workdir: Path, startup_timeout: float) -> Iterator[Running]:
-    """The launcher (make serve's command) on a repository holding only orca_gpt, as shipped."""
+def orca_server(workdir: Path, startup_timeout: float, params: dict[str, str] | None = None) -> Iterator[Running]:
+    """The launcher (make serve's command) on a repository holding only orca_gpt, as shipped, or with the
+    config.pbtxt parameters `params` set (scripts/variant_repository.py's make_variant)."""
     from orca_server.server import free_ports
 
     repo = workdir / "repository"
-    shutil.copytree(REPO / "model_repository" / "orca_gpt", repo / "orca_gpt")
+    shutil.rmtree(repo, ignore_errors=True)  # a second server in the same workdir gets a fresh repository
+    if params:
+        variant_repository().make_variant(repo, "orca_gpt", params)
+    else:
+        shutil.copytree(REPO / "model_repository" / "orca_gpt", repo / "orca_gpt")
     http, grpc, metrics, openai = free_ports(4)
     log = workdir / "orca-serve.log"
     cmd = [sys.executable, "-m", "orca_server.launcher", "--model-repository", str(repo), "--http-port", str(http),
@@ -237,10 +242,25 @@ def orca_server(workdir: Path, startup_timeout: float) -> Iterator[Running]:
         _stop(proc)
 
 
+def variant_repository() -> Any:
+    """scripts/variant_repository.py as a module (a script of the repository, not of a package)."""
+    import importlib.util
+
+    path = REPO / "scripts" / "variant_repository.py"
+    spec = importlib.util.spec_from_file_location("orca_variant_repository", path)
+    if spec is None or spec.loader is None:
+        raise OSError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextmanager
 def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, threads: int,
-                startup_timeout: float) -> Iterator[Running]:
-    """vLLM's OpenAI server from the vLLM peer's venv, on orca's checkpoint."""
+                startup_timeout: float, prefix_caching: bool = False,
+                max_model_len: int = 2048) -> Iterator[Running]:
+    """vLLM's OpenAI server from the vLLM peer's venv, on orca's checkpoint (prefix caching off unless
+    `prefix_caching`)."""
     from orca_client.peers import peer_python
     from orca_server.server import free_ports
 
@@ -248,7 +268,8 @@ def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, 
     log = workdir / "vllm-serve.log"
     cmd = [str(peer_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
            "--served-model-name", "orca-checkpoint", "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
-           "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", "2048",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+           "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", str(max_model_len),
            "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     with open(log, "wb") as out:
