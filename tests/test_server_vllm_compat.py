@@ -102,7 +102,8 @@ def test_grpc_streaming_with_every_flag_gives_vllm_backend_outputs(orca_server: 
 
 def test_grpc_flags_false_drop_outputs_and_left_out_keep_them(orca_server: Any) -> None:
     base = {"input_ids": np.array(PROMPT, dtype=np.int32), "stream": np.array([True]),
-            "sampling_parameters": np.array([b'{"max_tokens": 3, "logprobs": 1}'], dtype=object)}
+            "sampling_parameters": np.array([b'{"max_tokens": 3, "logprobs": 1, "ignore_eos": true}'], dtype=object)}
+    # (ignore_eos: a sampled EOS would end the stream before its third response)
     results = grpc_stream(orca_server, "orca_tiny", {**base, **flags(False)})
     assert len(results) == 3
     for i, r in enumerate(results):  # num_cached_tokens has no flag: the final response always has it
