@@ -169,6 +169,9 @@ def test_orca_bench_prefix_offline_on_and_off(tmp_path: Path) -> None:
         assert on["prompt_tokens"] == off["prompt_tokens"]  # the same answers, so the same later turns
         assert 0 < on["prefix_cache"]["hits"] <= on["prefix_cache"]["queries"] and on["prefix_cache"]["hit_rate"] > 0
         assert off["prefix_cache"]["hits"] == 0 and off["prefix_cache"]["hit_rate"] == 0
+        # Each request's num_cached_tokens (its first admission; nothing is preempted here) adds up to the hits.
+        assert on["preemptions"] == 0 and on["cached_tokens_reported"] == on["prefix_cache"]["hits"]
+        assert off["cached_tokens_reported"] == 0 and off["effective_prefix_caching"] is False
         assert runs["same_outputs"] == {"equal": requests, "requests": requests}
         assert runs["ratios"]["ttft_median_off_over_on"] > 0
 
