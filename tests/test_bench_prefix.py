@@ -264,3 +264,24 @@ def test_orca_bench_offline_takes_prefix_caching_on_or_off() -> None:
     assert parser.parse_args(["offline", "--prefix-caching", "off"]).prefix_caching == "off"
     with pytest.raises(SystemExit):
         parser.parse_args(["offline", "--prefix-caching", "maybe"])
+
+
+def test_a_failed_server_is_recorded_with_its_log_and_printed(tmp_path: Path, capsys: Any) -> None:
+    log = tmp_path / "vllm-serve.log"
+    log.write_text("starting\nValueError: block_size 16 is not supported\n")
+    on = prefix.summarize([{"key": "r0", "arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 2, "ttft_s": 0.1,
+                            "latency_s": 0.2}], 1.0, prefix.cache_rates(8, 0))
+    orca = prefix.pair_record({"on": on, "off": on}, {"on": {"r0": "a"}, "off": {"r0": "a"}})
+    out = {"shared-prefix": {"orca": orca}}
+    prefix.failed(out, "vllm", RuntimeError("vLLM's OpenAI server exited with 1 while starting"), log)
+    error = out["shared-prefix"]["vllm"]["error"]
+    assert error.startswith("vLLM's OpenAI server exited") and error.endswith("block_size 16 is not supported")
+    prefix.failed(out, "orca", RuntimeError("late"), tmp_path / "missing.log")
+    assert "error" not in out["shared-prefix"]["orca"]  # runs it has are kept
+    result = {"workloads": {"shared-prefix": {
+        "spec": {"requests": 1, "concurrency": 1, "prefix_tokens": 4, "user_tokens": 2, "output_tokens": 2},
+        "serve": out["shared-prefix"]}}}
+    prefix.print_prefix(result)
+    printed = capsys.readouterr().out
+    assert "serve    vllm   failed: vLLM's OpenAI server exited" in printed
+    assert "same answers on and off: 1/1" in printed
