@@ -273,6 +273,8 @@ def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, 
            "--host", "127.0.0.1", "--port", str(port)]
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
+    if prefix_caching:  # each answer's usage says how many prompt tokens came from the cache
+        cmd.append("--enable-prompt-tokens-details")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
