@@ -169,6 +169,9 @@ def test_orca_bench_prefix_offline_on_and_off(tmp_path: Path) -> None:
         assert on["prompt_tokens"] == off["prompt_tokens"]  # the same answers, so the same later turns
         assert 0 < on["prefix_cache"]["hits"] <= on["prefix_cache"]["queries"] and on["prefix_cache"]["hit_rate"] > 0
         assert off["prefix_cache"]["hits"] == 0 and off["prefix_cache"]["hit_rate"] == 0
+        # Each request's num_cached_tokens (its first admission; nothing is preempted here) adds up to the hits.
+        assert on["preemptions"] == 0 and on["cached_tokens_reported"] == on["prefix_cache"]["hits"]
+        assert off["cached_tokens_reported"] == 0 and off["effective_prefix_caching"] is False
         assert runs["same_outputs"] == {"equal": requests, "requests": requests}
         assert runs["ratios"]["ttft_median_off_over_on"] > 0
 
@@ -261,3 +264,24 @@ def test_orca_bench_offline_takes_prefix_caching_on_or_off() -> None:
     assert parser.parse_args(["offline", "--prefix-caching", "off"]).prefix_caching == "off"
     with pytest.raises(SystemExit):
         parser.parse_args(["offline", "--prefix-caching", "maybe"])
+
+
+def test_a_failed_server_is_recorded_with_its_log_and_printed(tmp_path: Path, capsys: Any) -> None:
+    log = tmp_path / "vllm-serve.log"
+    log.write_text("starting\nValueError: block_size 16 is not supported\n")
+    on = prefix.summarize([{"key": "r0", "arrival_s": 0.0, "prompt_tokens": 8, "output_tokens": 2, "ttft_s": 0.1,
+                            "latency_s": 0.2}], 1.0, prefix.cache_rates(8, 0))
+    orca = prefix.pair_record({"on": on, "off": on}, {"on": {"r0": "a"}, "off": {"r0": "a"}})
+    out = {"shared-prefix": {"orca": orca}}
+    prefix.failed(out, "vllm", RuntimeError("vLLM's OpenAI server exited with 1 while starting"), log)
+    error = out["shared-prefix"]["vllm"]["error"]
+    assert error.startswith("vLLM's OpenAI server exited") and error.endswith("block_size 16 is not supported")
+    prefix.failed(out, "orca", RuntimeError("late"), tmp_path / "missing.log")
+    assert "error" not in out["shared-prefix"]["orca"]  # runs it has are kept
+    result = {"workloads": {"shared-prefix": {
+        "spec": {"requests": 1, "concurrency": 1, "prefix_tokens": 4, "user_tokens": 2, "output_tokens": 2},
+        "serve": out["shared-prefix"]}}}
+    prefix.print_prefix(result)
+    printed = capsys.readouterr().out
+    assert "serve    vllm   failed: vLLM's OpenAI server exited" in printed
+    assert "same answers on and off: 1/1" in printed

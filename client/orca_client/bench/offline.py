@@ -136,6 +136,7 @@ def run_orca_offline(
         result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
         result["device"] = str(engine.config.torch_device)
         result["enable_prefix_caching"] = engine.config.enable_prefix_caching
+        result["effective_prefix_caching"] = engine.config.effective_prefix_caching  # never with flex attention
         # What auto resolved to (the in-process worker's; the offline engine always has one).
         worker = getattr(engine.executor, "worker", None)
         result["linear_backend"] = getattr(worker, "linear_backend", None)
@@ -486,7 +487,7 @@ def print_offline(result: dict[str, Any]) -> None:
           f"{result['dtype']} on {result['device']} ({result['torch_threads']} threads); orca: max_bs "
           f"{first['max_bs']}, {first['kv']['total_blocks']} K/V blocks of {first['kv']['block_size']} tokens, "
           f"{'no token budget' if budget is None else f'{budget} tokens per iteration'}, prefix caching "
-          f"{'on' if result.get('enable_prefix_caching') else 'off'}")
+          f"{'on' if result.get('effective_prefix_caching') else 'off'}")
     print(f"matmul peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s")
     rows = [(f"orca {p}", r) for p, r in policies.items()]
     if "transformers" in result:

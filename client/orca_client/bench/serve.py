@@ -257,10 +257,10 @@ def variant_repository() -> Any:
 
 @contextmanager
 def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, threads: int,
-                startup_timeout: float, prefix_caching: bool = False,
-                max_model_len: int = 2048) -> Iterator[Running]:
+                startup_timeout: float, prefix_caching: bool = False, max_model_len: int = 2048,
+                block_size: int | None = None) -> Iterator[Running]:
     """vLLM's OpenAI server from the vLLM peer's venv, on orca's checkpoint (prefix caching off unless
-    `prefix_caching`)."""
+    `prefix_caching`; its K/V block size vLLM's default, 128 on a CPU, unless `block_size`)."""
     from orca_client.peers import peer_python
     from orca_server.server import free_ports
 
@@ -271,6 +271,10 @@ def vllm_server(workdir: Path, checkpoint: Path, dtype: str, max_num_seqs: int, 
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
            "--kv-cache-memory-bytes", str(1 << 30), "--max-model-len", str(max_model_len),
            "--host", "127.0.0.1", "--port", str(port)]
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
+    if prefix_caching:  # each answer's usage says how many prompt tokens came from the cache
+        cmd.append("--enable-prompt-tokens-details")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
