@@ -205,7 +205,8 @@ def test_flags_false_drop_outputs_and_logprobs_without_the_sampling_key_are_null
     # cumulative_logprob needs the drawn tokens' log-probabilities: the engine computes those (logprobs 0)
     assert req.params.logprobs == 0  # type: ignore[attr-defined]
     t = response_tensors(out_after(2, True), req, True)  # type: ignore[arg-type]
-    assert set(t) == {"output_ids", "text_output", "logprobs", "cumulative_logprob"}
+    # (num_cached_tokens has no flag: a final response always carries it)
+    assert set(t) == {"output_ids", "text_output", "logprobs", "cumulative_logprob", "num_cached_tokens"}
     assert t["logprobs"][0] == b"null"  # vllm_backend: logprobs not asked in the sampling parameters
     assert t["cumulative_logprob"].tolist() == [-1.0]
     assert parse({}).params.logprobs is None  # type: ignore[attr-defined]
