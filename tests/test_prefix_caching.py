@@ -150,6 +150,20 @@ def run(
     return [tuple(tokens[rid]) for rid in ids], [cached[rid] for rid in ids]
 
 
+def run_both_ways(core: EngineCore, prompts: Sequence[Sequence[int]]) -> tuple:
+    """The scenario one request after another, then all at once under another salt (so the first run's
+    blocks cannot serve it), every block back after each; shuts the core down. (seq, together, stats)."""
+    try:
+        seq = run(core, prompts, together=False, tag="seq")
+        assert_every_block_back(core)
+        together = run(core, prompts, together=True, salt="together", tag="all")
+        stats = core.stats()
+        assert_every_block_back(core)
+    finally:
+        core.shutdown()
+    return seq, together, stats
+
+
 def assert_every_block_back(core: EngineCore) -> None:
     """No request holds a block: every block is free or cached and unreferenced (evictable)."""
     blocks = core.blocks
@@ -236,14 +250,7 @@ def test_chunked_prefill_and_preemption_match_no_caching(family: str, bs: int, o
     results = {}
     for caching in (True, False):
         core = make_core(family, bs, caching, **options)
-        try:
-            seq = run(core, prompts, together=False, tag="seq")
-            assert_every_block_back(core)
-            together = run(core, prompts, together=True, salt="together", tag="all")
-            stats = core.stats()
-            assert_every_block_back(core)
-        finally:
-            core.shutdown()
+        seq, together, stats = run_both_ways(core, prompts)
         results[caching] = seq, together, stats
         assert seq[0] == expected_tokens, f"caching {caching}: one after another"
         assert together[0] == expected_tokens, f"caching {caching}: all at once"
@@ -376,13 +383,7 @@ def test_tensor_parallel_prefix_caching_matches_no_caching() -> None:
             model=str(tiny_checkpoint(family)), device="cpu", tensor_parallel_size=2, block_size=bs,
             n_slots=BIG_POOL, max_bs=4, enable_prefix_caching=caching,
         ))
-        try:
-            seq = run(core, prompts, together=False, tag="seq")
-            together = run(core, prompts, together=True, salt="together", tag="all")
-            stats = core.stats()
-            assert_every_block_back(core)
-        finally:
-            core.shutdown()
+        seq, together, stats = run_both_ways(core, prompts)
         results[caching] = seq, together, stats
         assert seq[0] == together[0] == expected_tokens, f"caching {caching}"
     (seq_on, together_on, stats_on), (seq_off, together_off, stats_off) = results[True], results[False]
