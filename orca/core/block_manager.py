@@ -146,9 +146,12 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - self.num_held(request_id) - len(cached))
 
     def can_grow(self, request_id: str, num_tokens: int, cached: Sequence[int] = ()) -> bool:
-        # Cached blocks nobody references are counted free: taking them by reference uses them up.
-        unreferenced = sum(1 for b in cached if self._refs[b] == 0)
-        return self.blocks_needed(request_id, num_tokens, cached) <= self.num_free_blocks - unreferenced
+        return self.blocks_needed(request_id, num_tokens, cached) <= self._takeable(cached)
+
+    def _takeable(self, cached: Sequence[int]) -> int:
+        """Blocks a request could newly take besides `cached`: cached blocks nobody references are counted
+        free, and taking them by reference uses them up."""
+        return self.num_free_blocks - sum(1 for b in cached if self._refs[b] == 0)
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes` (a request's hash chain) that is cached."""
@@ -166,7 +169,7 @@ class BlockManager:
         none), cached ones first. RuntimeError when the pool has too few free blocks: callers check
         can_grow first."""
         need = self.blocks_needed(request_id, num_tokens, cached)
-        if need and not self.can_grow(request_id, num_tokens, cached):
+        if need and need > self._takeable(cached):
             raise RuntimeError(f"{request_id} needs {need} more blocks, {self.num_free_blocks} are free")
         table = self._tables.setdefault(request_id, [])
         if cached:
