@@ -22,7 +22,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 _INT_OPTIONS = (
     "max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed", "block_size",
     "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "local_workers",
-    "trace_max_bytes", "trace_backups",
+    "trace_max_bytes", "trace_backups", "quantization_group_size",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 _BOOL_OPTIONS = ("enable_prefix_caching",)
@@ -31,6 +31,11 @@ DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "hybrid", "onednn", "reference")
 ATTENTION_BACKENDS = ("auto", "reference", "batched", "flex")
 CUDA_GRAPH_CHOICES = ("auto", "off")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
+"""EngineConfig.quantization's values (orca/models/quantization.py)."""
+QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
+"""EngineConfig.kv_cache_dtype's values (orca/worker/kv_cache.py)."""
 TORCH_COMPILE_CHOICES = ("auto", "off")
 
 
@@ -90,6 +95,29 @@ class EngineConfig:
       linears; never recompiled inside a request). Compiling lengthens the load, with a progress message; a
       compile that fails (no C++ compiler) serves eagerly and logs why. "off": eager. $ORCA_TORCH_COMPILE,
       when set, is what "auto" means (the tests set off, so that their many engines load quickly).
+    - quantization: how the linear layers' weights are stored and multiplied (orca/models/quantization.py).
+      "auto": the checkpoint's own format: a GGUF file's Q8_0 weights as int8, Q4_0/Q4_1 as int4 (groups of
+      32, loaded as they are, no float detour), a Hugging Face AWQ or GPTQ checkpoint as int4, a
+      compressed-tensors FP8 one as fp8; a float checkpoint as it is. "none": float weights in `dtype`
+      (a quantized checkpoint dequantized at load). "int8": weight-only int8, one scale per output channel
+      (torch._weight_int8pack_mm). "int4": weight-only int4 in groups of quantization_group_size input
+      columns, a scale and an offset per group (torch's int4 kernels: _weight_int4pack_mm_for_cpu on a CPU,
+      tinygemm on CUDA). "fp8": float8 e4m3 weights with a scale per output channel and activations scaled
+      per token (torch._scaled_mm), on CUDA devices of compute capability 8.9 or later only, refused
+      elsewhere. int8, int4 and fp8 quantize a float checkpoint at load, after tensor-parallel sharding
+      (each rank its own share); a quantized checkpoint in another format is dequantized and quantized
+      again. The embedding, norms and a mixture's expert matrices stay float; an LM head tied to the
+      embedding gets a quantized copy. On a CPU the quantized kernels take bfloat16 activations (a float32
+      model converts at each quantized layer). Speed and quality: docs/BENCHMARKS.md, "Results: quantized
+      weights and K/V".
+    - quantization_group_size: input columns per scale of int4 weights quantized at load (32, 64, 128 or
+      256; it must divide every quantized layer's input size, per tensor-parallel rank); checkpoints
+      quantized in groups keep their own.
+    - kv_cache_dtype: how the K/V pool stores keys and values (orca/worker/kv_cache.py). "auto": the model's
+      dtype. "fp8_e4m3": float8 e4m3, with a float32 scale per token and K/V head, half the bytes of
+      bfloat16 (a quarter of float32), so the pool holds 2-4x the tokens; attention dequantizes what it
+      reads. "int8": the same with int8 values. Supported by the reference and batched attention backends
+      (and flex on CUDA).
     - max_bs: at most this many requests per iteration (Orca's max_bs). In request_level_gpt it is Triton's
       max_batch_size, not a parameter.
     - block_size: tokens per K/V block of the paged pool, the unit in which requests take K/V memory.
@@ -176,6 +204,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     cuda_graphs: str = "auto"
     torch_compile: str = "auto"
+    quantization: str = "auto"
+    quantization_group_size: int = 32
+    kv_cache_dtype: str = "auto"
     max_bs: int = 32
     block_size: int = 16
     n_slots: int | None = None
@@ -214,6 +245,15 @@ class EngineConfig:
         if self.torch_compile not in TORCH_COMPILE_CHOICES:
             raise ValueError(
                 f"torch_compile must be one of {', '.join(TORCH_COMPILE_CHOICES)}, got {self.torch_compile!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of "
+                             f"{', '.join(map(str, QUANTIZATION_GROUP_SIZES))}, got {self.quantization_group_size!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.device != "auto":
             try:

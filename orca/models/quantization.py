@@ -1,0 +1,257 @@
+"""Quantized linear weights (EngineConfig.quantization): int8 and int4 weight-only, and FP8 weights and
+activations, multiplied by PyTorch's own kernels.
+
+A weight travels in one canonical, unpacked form, QuantizedWeight, from wherever it comes from (a float
+checkpoint quantized at load, a GGUF file's blocks, an AWQ/GPTQ/compressed-tensors checkpoint: see
+orca/models/quantized_checkpoints.py) through tensor-parallel sharding and the concatenation of fused
+projections, and is packed into its kernel's layout only once it is this rank's (QuantizedLinear):
+
+- int8: values in [-127, 127] (int8), one float scale per output channel: w = q * scale.
+  Kernel: torch._weight_int8pack_mm (CPU; on CUDA a dequantizing matmul where torch has no kernel).
+- int4: values in [0, 15] (uint8), a scale and an offset per group of `group_size` input columns:
+  w = (q - 8) * scale + zero (the convention of torch's int4 kernels, "tinygemm"; an asymmetric format
+  with integer zero points z maps to it exactly: zero = (8 - z) * scale).
+  Kernels: torch._weight_int4pack_mm_for_cpu (CPU), torch._weight_int4pack_mm (CUDA, bfloat16).
+- fp8: float8 e4m3 values, one float32 scale per output channel: w = q * scale; activations are scaled
+  per token to e4m3 at each call. Kernel: torch._scaled_mm (CUDA compute capability 8.9 and later).
+
+On a CPU the int8/int4 kernels are fast with bfloat16 activations and slow with float32 ones (measured
+here: SmolLM2's layers at one row, int4 with float32 activations 5-8x slower than with bfloat16), so a
+float32 model converts its activations to bfloat16 around each quantized layer (and the result back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orca.parallel import ParallelContext, Shard, shard_tensor
+
+KINDS = ("int8", "int4", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels take
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One linear weight of shape (out, in), quantized, unpacked: what checkpoint readers produce and the
+    loader shards, concatenates and hands to QuantizedLinear.
+
+    qweight: (out, in); int8 (int8), uint8 in [0, 15] (int4) or float8_e4m3fn (fp8).
+    scales: float32 (out, in // group_size); per output channel when group_size == in.
+    zeros: int4 only, float32 like scales: w = (q - 8) * scale + zero.
+    group_size: input columns per scale."""
+
+    kind: str
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown quantized weight kind {self.kind!r} (one of {', '.join(KINDS)})")
+        out, cols = self.qweight.shape
+        if cols % self.group_size or self.scales.shape != (out, cols // self.group_size):
+            raise ValueError(f"{self.kind} weight {tuple(self.qweight.shape)}: scales {tuple(self.scales.shape)} "
+                             f"do not match groups of {self.group_size}")
+        if (self.kind == "int4") != (self.zeros is not None):
+            raise ValueError("int4 weights (and only they) carry zeros")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group_size == self.qweight.shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight (out, in) these values stand for."""
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=1)
+        if self.kind == "int4":
+            zeros = self.zeros.float().repeat_interleave(self.group_size, dim=1)  # type: ignore[union-attr]
+            return ((self.qweight.float() - 8) * scales + zeros).to(dtype)
+        return (self.qweight.float() * scales).to(dtype)
+
+    def to_per_channel(self) -> QuantizedWeight:
+        """int8 or fp8 in groups (GGUF's Q8_0: 32 columns per scale) as one scale per output channel, what
+        their kernels take: each row requantized to its largest magnitude (error at most half a step of the
+        row's scale; the rounding is measured in tests/test_quantization.py)."""
+        if self.per_channel or self.kind == "int4":
+            return self
+        return quantize(self.dequantize(), self.kind)
+
+
+def quantize(weight: torch.Tensor, kind: str, group_size: int = 32) -> QuantizedWeight:
+    """A float weight (out, in) quantized: int8 and fp8 per output channel (symmetric, round to nearest),
+    int4 asymmetric in groups of `group_size` input columns (a group's min..max over the 16 levels)."""
+    w = weight.detach().float()
+    out, cols = w.shape
+    if kind == "int8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
+        q = (w / scale).round().clamp(-127, 127).to(torch.int8)
+        return QuantizedWeight("int8", q, scale, None, cols)
+    if kind == "fp8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return QuantizedWeight("fp8", q, scale, None, cols)
+    if kind == "int4":
+        if cols % group_size:
+            raise ValueError(f"int4 group size {group_size} does not divide a layer's {cols} input columns: use "
+                             f"one of {', '.join(str(g) for g in INT4_GROUP_SIZES if cols % g == 0) or 'none'}")
+        groups = w.view(out, cols // group_size, group_size)
+        lo, hi = groups.amin(dim=2), groups.amax(dim=2)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        level = ((groups - lo.unsqueeze(2)) / scale.unsqueeze(2)).round().clamp(0, 15)
+        zero = lo + 8 * scale  # w = (q - 8) * scale + zero = q * scale + lo
+        return QuantizedWeight("int4", level.to(torch.uint8).view(out, cols), scale, zero, group_size)
+    raise ValueError(f"unknown quantization {kind!r} (one of {', '.join(KINDS)})")
+
+
+def shard_quantized(w: QuantizedWeight, rule: Shard, tp_rank: int, tp_size: int) -> QuantizedWeight:
+    """This rank's piece of a quantized weight under a shard rule (orca/parallel.py): the values as a float
+    weight would split, the scales (and zeros) with them. A row split (input columns) must cut between
+    groups: a per-channel weight keeps whole rows' scales (one scale per output row, each rank multiplying
+    its columns by the same scale)."""
+    if tp_size == 1 or rule.kind == "replicated":
+        return w
+    q = shard_tensor(w.qweight, rule, tp_rank, tp_size)
+    if rule.kind != "row":  # output rows split: scales and zeros split along with them
+        scales = shard_tensor(w.scales, rule, tp_rank, tp_size)
+        zeros = None if w.zeros is None else shard_tensor(w.zeros, rule, tp_rank, tp_size)
+        return replace(w, qweight=q, scales=scales, zeros=zeros)
+    if w.per_channel:
+        return replace(w, qweight=q, group_size=q.shape[1])
+    cols = q.shape[1]
+    if cols % w.group_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} splits a layer's {w.shape[1]} input columns into "
+                         f"{cols}, which groups of {w.group_size} do not divide: use a tensor_parallel_size "
+                         "whose share is a multiple of the group size")
+    groups = cols // w.group_size
+    scales = w.scales.narrow(1, tp_rank * groups, groups)
+    zeros = None if w.zeros is None else w.zeros.narrow(1, tp_rank * groups, groups)
+    return replace(w, qweight=q, scales=scales, zeros=zeros)
+
+
+def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Fused projections (q | k | v, gate | up): the parts stacked along the output rows. They must share
+    kind and group size; per-channel parts of one input size always do."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
+        raise ValueError("fused projections quantized differently: "
+                         + ", ".join(f"{p.kind}/group {p.group_size}" for p in parts))
+    return QuantizedWeight(
+        first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+        None if first.zeros is None else torch.cat([p.zeros for p in parts]),  # type: ignore[misc]
+        first.group_size,
+    )
+
+
+# -- where each kind runs --------------------------------------------------------------------------------
+def check_supported(kind: str, device: torch.device) -> None:
+    """ValueError when `kind` cannot run on `device`, naming what would."""
+    if kind == "fp8":
+        if device.type != "cuda":
+            raise ValueError(f"quantization fp8 runs on CUDA GPUs of compute capability 8.9 or later only, not on "
+                             f"{device}: use int8, int4 or none")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < FP8_MIN_CAPABILITY:
+            raise ValueError(f"quantization fp8 needs a GPU of compute capability 8.9 or later; {device} is "
+                             f"{major}.{minor}: use int8, int4 or none")
+    elif kind not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {kind!r} (one of {', '.join(KINDS)})")
+
+
+def kernel_dtype(kind: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The activation dtype a kind's kernel runs in: bfloat16 for int4 on CUDA (tinygemm's one dtype) and
+    for int8/int4 on a CPU when the model is float32 (their float32 paths are slow); the model's otherwise."""
+    if kind == "fp8":
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if kind == "int4" else dtype
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ b), W quantized (QuantizedWeight), packed once at construction into the layout of the
+    kernel for its kind and device. With `par` (a row-parallel layer) the partial products are
+    all-reduced before the bias is added once, as RowParallelLinear does."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
+                 dtype: torch.dtype, par: ParallelContext | None = None) -> None:
+        super().__init__()
+        check_supported(weight.kind, device)
+        if weight.kind != "int4":
+            weight = weight.to_per_channel()
+        self.kind, self.group_size = weight.kind, weight.group_size
+        self.out_features, self.in_features = weight.shape
+        self.dtype, self.compute_dtype = dtype, kernel_dtype(weight.kind, device, dtype)
+        self.par = par
+        cuda = device.type == "cuda"
+        # Buffers, not parameters: packed layouts are opaque (no state_dict round trip).
+        if weight.kind == "int4":
+            if weight.group_size not in INT4_GROUP_SIZES:
+                raise ValueError(f"int4 group size {weight.group_size} is not one torch's kernels take "
+                                 f"({', '.join(map(str, INT4_GROUP_SIZES))})")
+            q = weight.qweight.to(device)
+            if cuda:  # two values per byte, the even column in the high nibble; 8 inner k-tiles
+                packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+            else:
+                packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            # (in / group, out, 2): each group's scale and offset, in the activations' dtype.
+            scales_zeros = torch.stack((weight.scales.t(), weight.zeros.t()), dim=-1)  # type: ignore[union-attr]
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales", scales_zeros.to(device, self.compute_dtype).contiguous(), persistent=False)
+        elif weight.kind == "int8":
+            self.register_buffer("packed", weight.qweight.to(device).contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.view(-1).to(device, self.compute_dtype), persistent=False)
+        else:  # fp8
+            self.register_buffer("packed", weight.qweight.to(device).contiguous(), persistent=False)
+            self.register_buffer("scales", weight.scales.view(1, -1).to(device, torch.float32), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(device, dtype), persistent=False)
+        self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::_weight_int8pack_mm", "CUDA")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.kind == "fp8":
+            y = _fp8_linear(x2, self.packed, self.scales, self.dtype)
+        else:
+            xq = x2.to(self.compute_dtype)
+            if self.kind == "int4":
+                if self.packed.device.type == "cuda":
+                    y = torch._weight_int4pack_mm(xq, self.packed, self.group_size, self.scales)
+                else:
+                    y = torch._weight_int4pack_mm_for_cpu(xq, self.packed, self.group_size, self.scales)
+            elif self._int8_kernel:
+                y = torch._weight_int8pack_mm(xq, self.packed, self.scales)
+            else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
+                y = F.linear(xq, self.packed.to(xq.dtype)) * self.scales
+            y = y.to(self.dtype)
+        if self.par is not None:
+            y = self.par.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}{group}, "
+                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, bias={self.bias is not None}")
+
+
+def _fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (T, in) in `dtype` times an e4m3 weight (out, in) with per-channel scales (1, out): x scaled per
+    row to e4m3 (its largest magnitude to 448), one _scaled_mm with both scales applied to its output."""
+    x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # (T, 1)
+    xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scales, out_dtype=dtype)
