@@ -230,12 +230,13 @@ def prepack_linears(model: nn.Module, keep_weights: bool = False) -> None:
     """Replaces every linear layer of `model` (plain and row-parallel; a mixture's stacked expert
     matrices stay as they are) by a PackedLinear, and gives a last stage whose head is tied to its input
     embedding (`model.input_embedding`) a packed copy of it as its head (the embedding keeps its rows for
-    lookups). `keep_weights` (the hybrid backend): each keeps its checkpoint weight too."""
+    lookups) unless it has a quantized one (orca/models/quantization.py). `keep_weights` (the hybrid
+    backend): each keeps its checkpoint weight too."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, PackedLinear(child.weight, child.bias, keep_weight=keep_weights))
             elif type(child) is RowParallelLinear:
                 setattr(parent, name, PackedLinear(child.weight, child.bias, child.par, keep_weight=keep_weights))
-    if model.par.is_last_stage and model.config.tie_word_embeddings:
+    if model.par.is_last_stage and model.config.tie_word_embeddings and model.lm_head is None:
         model.lm_head = PackedLinear(model.input_embedding.weight, None, keep_weight=keep_weights)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +15,21 @@ from safetensors import safe_open
 from torch import nn
 
 from orca.checkpoint import ModelConfig, read_model_config
+from orca.config import QUANTIZATIONS
 from orca.models.gpt2 import GPT2Model
-from orca.models.layers import prepack_linears
+from orca.models.layers import RowParallelLinear, prepack_linears
 from orca.models.llama import LlamaModel
-from orca.parallel import ParallelContext, shard_tensor
+from orca.models.moe import SparseMoE
+from orca.models.quantization import (
+    QuantizedLinear,
+    QuantizedWeight,
+    check_supported,
+    concat_quantized,
+    quantize,
+    shard_quantized,
+)
+from orca.models.quantized_checkpoints import QuantizedCheckpoint, open_quantized_checkpoint
+from orca.parallel import ParallelContext, Source, shard_tensor
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"gpt2": GPT2Model, "llama": LlamaModel}
 
@@ -76,40 +89,178 @@ def checkpoint_bytes(checkpoint: Path, dtype: torch.dtype) -> int:
 
 def load_model(
     checkpoint: Path, dtype: torch.dtype, device: torch.device, par: ParallelContext | None = None,
-    linear_backend: str = "reference",
+    linear_backend: str = "reference", quantization: str = "none", group_size: int = 32,
 ) -> tuple[nn.Module, ModelConfig]:
     """Builds our selectively-batched model for a Hugging Face checkpoint directory: the whole model, or
-    with `par` one rank's part of it (its stage's layers, its tensor-parallel shard of each). With
-    linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) its linear weights are then
-    packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the checkpoint's weights too."""
+    with `par` one rank's part of it (its stage's layers, its tensor-parallel shard of each).
+
+    `quantization` (EngineConfig.quantization) decides which linear layers become QuantizedLinear
+    (orca/models/quantization.py; plan_quantization): their weights are read quantized where the checkpoint
+    stores them so (orca/models/quantized_checkpoints.py), sharded in that form and packed for the kernel;
+    a float weight is quantized after sharding. Those layers never hold a float weight, not even during the
+    load. With linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) the remaining
+    float linear weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
+    checkpoint's weights too."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)
+    stored = open_quantized_checkpoint(checkpoint)
+    plan = plan_quantization(quantization, stored, device, group_size)
+    weight_map = cls.hf_weight_map(cfg, par)
+
+    def to_quantize(ours: str) -> bool:  # every HF tensor it is made of is loaded quantized
+        return ours in weight_map and all(plan.kind_of(stored, s.name) is not None for s in weight_map[ours])
+
     with torch.device("meta"):
         model = cls(cfg, par)  # no memory and no random init: every weight is copied from the checkpoint
+        # The linears to quantize give up their float weight before any memory is allocated for it.
+        quantized = _detach_quantized_weights(model, to_quantize)
     model = model.to_empty(device=device).to(dtype)
     if hasattr(model, "rotary"):
         # Buffers computed at construction were lost on the meta device; build them for real.
         model.rotary = type(model.rotary)(cfg).to(device)
     reader = _SafetensorsReader(checkpoint)
     params = dict(model.named_parameters())
-    weight_map = cls.hf_weight_map(cfg, par)
-    if set(weight_map) != set(params):
-        raise RuntimeError(f"weight map and model disagree: {sorted(set(weight_map) ^ set(params))}")
+    if set(weight_map) != set(params) | set(quantized):
+        raise RuntimeError(f"weight map and model disagree: {sorted(set(weight_map) ^ (set(params) | set(quantized)))}")
+
+    def read_float(source: Source) -> torch.Tensor:
+        name = source.name
+        if stored is not None and (q := stored.get(name)) is not None:
+            return q.dequantize(dtype)  # quantization none (or a kind we do not keep): the float weight
+        t = reader.get(_hf_name_aliases(name, reader))
+        return t.t() if source.conv1d else t
+
     with torch.no_grad():
         for ours, sources in weight_map.items():
-            parts = []
-            for source in sources:  # each HF tensor sharded before the fused ones are concatenated
-                t = reader.get(_hf_name_aliases(source.name, reader))
-                parts.append(shard_tensor(t.t() if source.conv1d else t, source.shard, par.tp_rank, par.tp_size))
+            if ours in quantized:
+                continue
+            parts = [shard_tensor(read_float(s), s.shard, par.tp_rank, par.tp_size) for s in sources]
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if tensor.shape != params[ours].shape:
-                raise ValueError(
-                    f"{ours}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(params[ours].shape)}"
-                    + (f" (tensor-parallel rank {par.tp_rank} of {par.tp_size})" if par.tp_size > 1 else "")
-                )
+            _check_shape(ours, tuple(tensor.shape), tuple(params[ours].shape), par)
             params[ours].copy_(tensor)
+        for ours, (parent, attr, shape) in quantized.items():
+            weight = concat_quantized([
+                shard_quantized(_read_quantized(s, plan, stored, read_float), s.shard, par.tp_rank, par.tp_size)
+                for s in weight_map[ours]
+            ])
+            _check_shape(ours, tuple(weight.shape), shape, par)
+            linear = getattr(parent, attr)
+            layer_par = par if isinstance(linear, RowParallelLinear) else None
+            setattr(parent, attr, QuantizedLinear(weight, linear.bias, device, dtype, layer_par))
+        head = _tied_head_source(model, weight_map, params, par)
+        if head is not None and plan.head_kind(stored, head.name) is not None:
+            weight = shard_quantized(_read_quantized(head, plan, stored, read_float, plan.head_kind(stored, head.name)),
+                                     head.shard, par.tp_rank, par.tp_size)
+            model.lm_head = QuantizedLinear(weight, None, device, dtype)
     model.eval()
     if linear_backend in ("onednn", "hybrid"):
         prepack_linears(model, keep_weights=linear_backend == "hybrid")
     return model, cfg
+
+
+def _check_shape(ours: str, got: tuple[int, ...], expected: tuple[int, ...], par: ParallelContext) -> None:
+    if got != expected:
+        raise ValueError(
+            f"{ours}: checkpoint shape {got} != expected {expected}"
+            + (f" (tensor-parallel rank {par.tp_rank} of {par.tp_size})" if par.tp_size > 1 else "")
+        )
+
+
+# -- quantization (EngineConfig.quantization) ----------------------------------------------------------------
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """What EngineConfig.quantization means for one checkpoint on one device.
+
+    kind: the kind every linear weight is brought to (quantized at load when stored float, dequantized and
+    quantized again when stored in another kind), or None. keep_stored: weights the checkpoint stores
+    quantized stay in their own kind (quantization auto); a float one stays float."""
+
+    kind: str | None
+    keep_stored: bool
+    group_size: int
+
+    def kind_of(self, stored: QuantizedCheckpoint | None, name: str) -> str | None:
+        """The kind HF tensor `name` is loaded as, or None (float)."""
+        if self.keep_stored:
+            q = None if stored is None else stored.get(name)
+            return None if q is None else q.kind
+        return self.kind
+
+    def head_kind(self, stored: QuantizedCheckpoint | None, embedding: str) -> str | None:
+        """A tied LM head's kind: the embedding's stored kind under auto (GGUF's Q8_0 embedding: int8),
+        the chosen kind otherwise."""
+        return self.kind_of(stored, embedding)
+
+
+def plan_quantization(choice: str, stored: QuantizedCheckpoint | None, device: torch.device,
+                      group_size: int = 32) -> QuantizationPlan:
+    """EngineConfig.quantization for a checkpoint (`stored`: its quantized tensors, None for a float one)
+    on a device; ValueError where a kind cannot run there."""
+    if choice not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {choice!r}")
+    if choice == "auto":
+        if stored is None:
+            return QuantizationPlan(None, False, group_size)
+        for kind in sorted(stored.kinds()):
+            try:
+                check_supported(kind, device)
+            except ValueError as e:
+                raise ValueError(f"this {stored.format} checkpoint holds {kind} weights (quantization auto): {e}; "
+                                 "int8, int4 and none dequantize them at load") from None
+        return QuantizationPlan(None, True, group_size)
+    if choice == "none":
+        return QuantizationPlan(None, False, group_size)
+    check_supported(choice, device)
+    return QuantizationPlan(choice, False, group_size)
+
+
+def _quantizable(parent: nn.Module, child: nn.Module) -> bool:
+    """The linear layers quantization applies to: every plain and row-parallel linear but a mixture's
+    router (a few columns that decide which experts run: kept float, as vLLM keeps it)."""
+    return type(child) in (nn.Linear, RowParallelLinear) and not isinstance(parent, SparseMoE)
+
+
+def _detach_quantized_weights(
+    model: nn.Module, to_quantize: Callable[[str], bool]
+) -> dict[str, tuple[nn.Module, str, tuple[int, int]]]:
+    """On the meta device: drops the float weight of every quantizable linear whose weight `to_quantize`
+    (the bias stays a parameter, loaded as usual), so none is ever allocated. Returns {our weight name:
+    (parent, attribute, shape)}."""
+    detached = {}
+    for parent_name, parent in list(model.named_modules()):
+        for attr, child in list(parent.named_children()):
+            name = f"{parent_name}.{attr}.weight" if parent_name else f"{attr}.weight"
+            if _quantizable(parent, child) and to_quantize(name):
+                detached[name] = (parent, attr, tuple(child.weight.shape))
+                del child.weight
+                child.register_parameter("weight", None)
+    return detached
+
+
+def _read_quantized(source: Source, plan: QuantizationPlan, stored: QuantizedCheckpoint | None,
+                    read_float: Callable[[Source], torch.Tensor], kind: str | None = None) -> QuantizedWeight:
+    """One HF tensor as a QuantizedWeight of the plan's kind: as stored where it is stored in that kind (or
+    quantization auto keeps it), else quantized from its float (dequantized) form."""
+    kind = kind or plan.kind_of(stored, source.name)
+    q = None if stored is None else stored.get(source.name)
+    if q is not None and (plan.keep_stored or q.kind == kind):
+        return q
+    if kind is None:
+        raise ValueError(f"{source.name} is stored float, but quantization auto asked for it quantized")
+    try:
+        return quantize(read_float(source), kind, plan.group_size)
+    except ValueError as e:
+        raise ValueError(f"quantization {kind}, {source.name}: {e}") from None
+
+
+def _tied_head_source(model: nn.Module, weight_map: dict[str, list[Source]], params: dict[str, nn.Parameter],
+                      par: ParallelContext) -> Source | None:
+    """The embedding's source when this rank computes logits through a head tied to it, else None."""
+    if not par.is_last_stage or not model.config.tie_word_embeddings or model.input_embedding is None:
+        return None
+    embedding = model.input_embedding.weight
+    for ours, sources in weight_map.items():
+        if params.get(ours) is embedding:
+            return sources[0]
+    raise RuntimeError("the tied LM head's embedding is not in the weight map")

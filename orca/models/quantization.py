@@ -32,6 +32,8 @@ from orca.parallel import ParallelContext, Shard, shard_tensor
 
 KINDS = ("int8", "int4", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels take
+INT4_ROW_TILE = 16  # they take output rows in multiples of this
+INT8_COLUMN_TILE = 8  # torch's CPU int8 kernel takes input columns in multiples of this
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 FP8_MIN_CAPABILITY = (8, 9)
@@ -103,8 +105,10 @@ def quantize(weight: torch.Tensor, kind: str, group_size: int = 32) -> Quantized
         return QuantizedWeight("fp8", q, scale, None, cols)
     if kind == "int4":
         if cols % group_size:
-            raise ValueError(f"int4 group size {group_size} does not divide a layer's {cols} input columns: use "
-                             f"one of {', '.join(str(g) for g in INT4_GROUP_SIZES if cols % g == 0) or 'none'}")
+            fits = [str(g) for g in INT4_GROUP_SIZES if cols % g == 0]
+            raise ValueError(f"int4 group size (quantization_group_size) {group_size} does not divide the layer's "
+                             f"{cols} input columns: " + (f"use {' or '.join(fits)}" if fits else
+                                                          "no int4 group size divides it; use int8 or none"))
         groups = w.view(out, cols // group_size, group_size)
         lo, hi = groups.amin(dim=2), groups.amax(dim=2)
         scale = ((hi - lo) / 15).clamp(min=1e-12)
@@ -195,23 +199,34 @@ class QuantizedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype, self.compute_dtype = dtype, kernel_dtype(weight.kind, device, dtype)
         self.par = par
+        self.pad_columns = 0
         cuda = device.type == "cuda"
         # Buffers, not parameters: packed layouts are opaque (no state_dict round trip).
         if weight.kind == "int4":
             if weight.group_size not in INT4_GROUP_SIZES:
                 raise ValueError(f"int4 group size {weight.group_size} is not one torch's kernels take "
                                  f"({', '.join(map(str, INT4_GROUP_SIZES))})")
-            q = weight.qweight.to(device)
-            if cuda:  # two values per byte, the even column in the high nibble; 8 inner k-tiles
-                packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)
+            # The kernels want the output rows in whole tiles of 16: zero rows pad them, sliced off the output.
+            pad = -self.out_features % INT4_ROW_TILE
+            q, scales, zeros = weight.qweight, weight.scales, weight.zeros
+            if pad:
+                q, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
+            q = q.to(device)
+            if cuda:  # two values per byte, the even column in the high nibble
+                tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+                packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), tiles)
             else:
                 packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             # (in / group, out, 2): each group's scale and offset, in the activations' dtype.
-            scales_zeros = torch.stack((weight.scales.t(), weight.zeros.t()), dim=-1)  # type: ignore[union-attr]
+            scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1)  # type: ignore[union-attr]
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales", scales_zeros.to(device, self.compute_dtype).contiguous(), persistent=False)
         elif weight.kind == "int8":
-            self.register_buffer("packed", weight.qweight.to(device).contiguous(), persistent=False)
+            # torch's CPU kernel reads the input columns 8 at a time (and crashes on a remainder): zero
+            # columns pad them, and the activations get as many zeros (INT8_COLUMN_TILE).
+            self.pad_columns = -self.in_features % INT8_COLUMN_TILE if not cuda else 0
+            q = F.pad(weight.qweight, (0, self.pad_columns)) if self.pad_columns else weight.qweight
+            self.register_buffer("packed", q.to(device).contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.view(-1).to(device, self.compute_dtype), persistent=False)
         else:  # fp8
             self.register_buffer("packed", weight.qweight.to(device).contiguous(), persistent=False)
@@ -232,7 +247,11 @@ class QuantizedLinear(nn.Module):
                     y = torch._weight_int4pack_mm(xq, self.packed, self.group_size, self.scales)
                 else:
                     y = torch._weight_int4pack_mm_for_cpu(xq, self.packed, self.group_size, self.scales)
+                if y.shape[1] != self.out_features:  # the padding rows (INT4_ROW_TILE) dropped
+                    y = y[:, : self.out_features].contiguous()
             elif self._int8_kernel:
+                if self.pad_columns:
+                    xq = F.pad(xq, (0, self.pad_columns))
                 y = torch._weight_int8pack_mm(xq, self.packed, self.scales)
             else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
                 y = F.linear(xq, self.packed.to(xq.dtype)) * self.scales

@@ -17,6 +17,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from orca.models.attention import AttentionMetadata, PhaseTimer, get_backend, re
 from orca.models.device import upload
 from orca.models.layers import resolve_linear_backend
 from orca.models.loader import checkpoint_bytes, load_model
+from orca.models.quantization import QuantizedLinear
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.worker.compiled import CompiledForward, why_not_compiled
 from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, why_no_graphs
@@ -72,7 +74,11 @@ class Worker:
                     config.linear_backend, self.linear_backend, config.attention_backend, self.attention_backend,
                     str(self.dtype).removeprefix("torch."), self.device, weight_bytes / 1e6,
                     "; hybrid keeps them twice" if self.linear_backend == "hybrid" else "")
-        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend)
+        self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend,
+                                                   config.quantization, config.quantization_group_size)
+        kinds = Counter(m.kind for m in self.model.modules() if isinstance(m, QuantizedLinear))
+        logger.info("quantization %s -> %s", config.quantization,
+                    ", ".join(f"{k} ({n} linear layers)" for k, n in sorted(kinds.items())) or "none (float weights)")
         warning = self.attention.device_warning(self.device)
         if warning is not None:
             logger.warning("%s", warning)
