@@ -27,6 +27,12 @@ LLAMA_STYLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwe
 # recompute them from the longest sequence of the batch, which would make one request's numbers depend on
 # the others' lengths under selective batching).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# A converted GGUF directory names its source in this file, so that the loader can read the GGUF's quantized
+# blocks as they are (orca/models/quantized_checkpoints.py) rather than the dequantized copy.
+GGUF_SOURCE_FILE = "orca_gguf_source.json"
+# Part of a converted directory's cache key: bumped whenever what a conversion writes changes, so that
+# directories an older orca wrote are converted again. 2: GGUF_SOURCE_FILE.
+CONVERTED_FORMAT = 2
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -226,12 +232,15 @@ def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Path:
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantises a GGUF file into a cached Hugging Face directory (once per file version).
+    """Dequantises a GGUF file into a cached Hugging Face directory (once per file version and
+    CONVERTED_FORMAT), which names its source in GGUF_SOURCE_FILE (gguf_source).
 
     Several processes may ask at once (Triton loads models in parallel, each in its own stub process): an
     exclusive file lock makes one convert while the others wait, then find the result."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = gguf_source(gguf_path)
+    key = hashlib.sha256(
+        f"{source['path']}|{source['size']}|{source['mtime_ns']}|{CONVERTED_FORMAT}".encode()
+    ).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
@@ -241,6 +250,13 @@ def convert_gguf(gguf_path: Path) -> Path:
         if not (target / "config.json").is_file():
             _convert(gguf_path, target)
     return target
+
+
+def gguf_source(gguf_path: Path) -> dict[str, Any]:
+    """What a converted directory records of its GGUF file (GGUF_SOURCE_FILE): the absolute path, and the
+    size and modification time that tell whether the file is still the one converted."""
+    stat = gguf_path.stat()
+    return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def _convert(gguf_path: Path, target: Path) -> None:
@@ -262,6 +278,7 @@ def _convert(gguf_path: Path, target: Path) -> None:
             del hf_model.config.quantization_config
         hf_model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(gguf_source(gguf_path)))
         shutil.rmtree(target, ignore_errors=True)  # a directory without config.json is a dead attempt
         os.replace(tmp, target)
     except BaseException:
