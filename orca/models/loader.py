@@ -107,14 +107,14 @@ def load_model(
     stored = open_quantized_checkpoint(checkpoint)
     plan = plan_quantization(quantization, stored, device, group_size)
     weight_map = cls.hf_weight_map(cfg, par)
-
-    def to_quantize(ours: str) -> bool:  # every HF tensor it is made of is loaded quantized
-        return ours in weight_map and all(plan.kind_of(stored, s.name) is not None for s in weight_map[ours])
+    # Our linear weights to load quantized: those every HF tensor of which is loaded quantized.
+    quantize_names = {ours for ours, sources in weight_map.items()
+                      if all(plan.kind_of(stored, s.name) is not None for s in sources)}
 
     with torch.device("meta"):
         model = cls(cfg, par)  # no memory and no random init: every weight is copied from the checkpoint
         # The linears to quantize give up their float weight before any memory is allocated for it.
-        quantized = _detach_quantized_weights(model, to_quantize)
+        quantized = _detach_quantized_weights(model, quantize_names.__contains__)
     model = model.to_empty(device=device).to(dtype)
     if hasattr(model, "rotary"):
         # Buffers computed at construction were lost on the meta device; build them for real.
@@ -126,8 +126,8 @@ def load_model(
 
     def read_float(source: Source) -> torch.Tensor:
         name = source.name
-        if stored is not None and (q := stored.get(name)) is not None:
-            return q.dequantize(dtype)  # quantization none (or a kind we do not keep): the float weight
+        if stored is not None and name in stored.stored_names():  # no float tensor: the dequantized weight
+            return stored.get(name).dequantize(dtype)  # type: ignore[union-attr]
         t = reader.get(_hf_name_aliases(name, reader))
         return t.t() if source.conv1d else t
 
@@ -183,8 +183,7 @@ class QuantizationPlan:
     def kind_of(self, stored: QuantizedCheckpoint | None, name: str) -> str | None:
         """The kind HF tensor `name` is loaded as, or None (float)."""
         if self.keep_stored:
-            q = None if stored is None else stored.get(name)
-            return None if q is None else q.kind
+            return None if stored is None else stored.kind_of(name)
         return self.kind
 
     def head_kind(self, stored: QuantizedCheckpoint | None, embedding: str) -> str | None:

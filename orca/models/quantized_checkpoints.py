@@ -81,6 +81,10 @@ class QuantizedCheckpoint(ABC):
         safetensors as usual)."""
         return self._read(hf_name) if hf_name in self._layer_kinds else None
 
+    def kind_of(self, hf_name: str) -> str | None:
+        """The kind get(hf_name) would return (nothing is read), or None for a float tensor."""
+        return self._layer_kinds.get(hf_name)
+
     def kinds(self) -> set[str]:
         """The QuantizedWeight kinds of the weights get() returns ({"int4", "int8"} for a Q4_1 GGUF file
         with a Q8_0 embedding)."""
