@@ -20,7 +20,9 @@ description (its docstring, which --help shows), its options (add_parser) and it
   executor) and the output side's, against batch size and history length;
 - prefix: ``orca-bench prefix``, automatic prefix caching on and off on multi-turn chats and a shared
   system prompt (real text, the model's chat template): offline in this process, and through orca's
-  server and vLLM's (TTFT, throughput, the cache's hit rate).
+  server and vLLM's (TTFT, throughput, the cache's hit rate);
+- perplexity: ``orca-bench perplexity``, the engine's weight and K/V formats (quantization,
+  kv_cache_dtype) on real English text against transformers' float32 reference.
 
 Shared: common (the machine record, the JSON output, transformers' continuous batching; no tritonclient)
 and options (the argparse types and the workload options of trace and offline). This module imports no
@@ -42,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         distributed,
         linears,
         offline,
+        perplexity,
         prefix,
         serve,
         timeline_cmd,
@@ -50,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="orca-bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for command in (trace_cmd, timeline_cmd, offline, linears, decode, distributed, serve, core, prefix):
+    for command in (trace_cmd, timeline_cmd, offline, linears, decode, distributed, serve, core, prefix,
+                    perplexity):
         command.add_parser(sub)
     return p
 
