@@ -82,9 +82,11 @@ class RequestOutputs:
 
 @functools.cache
 def smollm2() -> LLM:
-    """The default model (SmolLM2-135M-Instruct GGUF) through orca.LLM(), loaded once per session.
-    Tests that use its engine must leave it idle (every request finished)."""
-    return LLM()
+    """The default model (SmolLM2-135M-Instruct GGUF) through orca.LLM(), loaded once per session, its
+    weights dequantized (quantization none: the path whose numbers are transformers' on the same file;
+    LLM() itself serves the file's Q4_1 weights as int4, tests/test_gguf.py). Tests that use its engine
+    must leave it idle (every request finished)."""
+    return LLM(quantization="none")
 
 
 @torch.inference_mode()

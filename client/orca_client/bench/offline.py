@@ -131,12 +131,14 @@ def run_orca_offline(
         max_num_batched_tokens=args.max_num_batched_tokens or None, n_slots=args.n_slots,
         linear_backend=args.linear_backend, attention_backend=args.attention_backend, cuda_graphs=args.cuda_graphs,
         torch_compile=args.torch_compile, enable_prefix_caching=args.prefix_caching == "on",
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     ))
     try:
         result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
         result["device"] = str(engine.config.torch_device)
         result["enable_prefix_caching"] = engine.config.enable_prefix_caching
         result["effective_prefix_caching"] = engine.config.effective_prefix_caching  # never with flex attention
+        result["quantization"], result["kv_cache_dtype"] = engine.config.quantization, engine.config.kv_cache_dtype
         # What auto resolved to (the in-process worker's; the offline engine always has one).
         worker = getattr(engine.executor, "worker", None)
         result["linear_backend"] = getattr(worker, "linear_backend", None)
@@ -487,7 +489,8 @@ def print_offline(result: dict[str, Any]) -> None:
           f"{result['dtype']} on {result['device']} ({result['torch_threads']} threads); orca: max_bs "
           f"{first['max_bs']}, {first['kv']['total_blocks']} K/V blocks of {first['kv']['block_size']} tokens, "
           f"{'no token budget' if budget is None else f'{budget} tokens per iteration'}, prefix caching "
-          f"{'on' if result.get('effective_prefix_caching') else 'off'}")
+          f"{'on' if result.get('effective_prefix_caching') else 'off'}, quantization "
+          f"{result.get('quantization')}, kv_cache_dtype {result.get('kv_cache_dtype')}")
     print(f"matmul peak: {result['peak_flops'] / 1e9:.1f} GFLOP/s")
     rows = [(f"orca {p}", r) for p, r in policies.items()]
     if "transformers" in result:
@@ -580,6 +583,11 @@ def add_parser(sub: Any) -> None:
                    help="EngineConfig.enable_prefix_caching: this workload's random prompts share no prefix, so "
                         "on against off is what the cache costs at a 0%% hit rate (default: %(default)s, the "
                         "engine's)")
+    o.add_argument("--quantization", default="auto", metavar="{auto,none,int8,int4,fp8}",
+                   help="EngineConfig.quantization: auto serves the default GGUF's Q4_1 weights as int4 (its Q8_0 "
+                        "embedding as an int8 head); none dequantizes them (default: %(default)s, the engine's)")
+    o.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8_e4m3,int8}",
+                   help="EngineConfig.kv_cache_dtype (default: %(default)s, the engine's)")
     o.add_argument("--skip-transformers", action="store_true", help="no transformers run")
     o.add_argument("--peers", default="", metavar="NAME[:VARIANT],...",
                    help="CPU peer systems run on the same requests, each in the venv its setup script makes "
