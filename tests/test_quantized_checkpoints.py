@@ -118,22 +118,21 @@ def pack_nibbles(values: torch.Tensor, order: list[int]) -> torch.Tensor:
     return torch.from_numpy(words.view(np.int32))
 
 
-def test_awq(tiny_llama: Path, tmp_path: Path) -> None:
-    group = 32
-
+# Each format's quantization_config and packer (shared with tests/test_quantized_formats_e2e.py).
+def awq_format(group: int) -> tuple[dict, Packer]:
+    """AutoAWQ's GEMM layout, asymmetric, in groups of `group` inputs."""
     def pack(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         q, z, s = int4_groups(w, group, symmetric=False)
         packed = {"qweight": pack_nibbles(q.t().contiguous(), AWQ_PACK_ORDER),  # (in, out / 8)
                   "qzeros": pack_nibbles(z, AWQ_PACK_ORDER), "scales": s}
         return packed, int4_reference(q, z, s, group)
 
-    qcfg = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
-    check_reader(tmp_path / "awq", "awq", "int4", quantized_copy(tiny_llama, tmp_path / "awq", qcfg, pack))
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}, pack
 
 
-@pytest.mark.parametrize("checkpoint_format, group_size, symmetric",
-                         [("gptq", 32, True), ("gptq_v2", 32, False), ("gptq_v2", -1, False)])
-def test_gptq(tiny_llama: Path, tmp_path: Path, checkpoint_format: str, group_size: int, symmetric: bool) -> None:
+def gptq_format(checkpoint_format: str, group_size: int, symmetric: bool) -> tuple[dict, Packer]:
+    """AutoGPTQ's (checkpoint_format "gptq": zero points stored minus 1) or GPTQModel's ("gptq_v2")
+    layout, in groups of `group_size` inputs (-1: one group per row), without act-order."""
     def pack(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         cols = w.shape[1]
         group = cols if group_size == -1 else group_size
@@ -146,11 +145,12 @@ def test_gptq(tiny_llama: Path, tmp_path: Path, checkpoint_format: str, group_si
 
     qcfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
             "checkpoint_format": checkpoint_format}
-    check_reader(tmp_path / "gptq", "gptq", "int4", quantized_copy(tiny_llama, tmp_path / "gptq", qcfg, pack))
+    return qcfg, pack
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_compressed_tensors_fp8(tiny_llama: Path, tmp_path: Path, strategy: str) -> None:
+def fp8_format(strategy: str) -> tuple[dict, Packer]:
+    """compressed-tensors FP8 (llm-compressor's FP8 scheme: static input scales, which we do not use),
+    weight scales per channel or per tensor, lm_head left float."""
     def pack(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
         scale = (amax / 448).float()  # (out, 1) or (1,)
@@ -162,6 +162,24 @@ def test_compressed_tensors_fp8(tiny_llama: Path, tmp_path: Path, strategy: str)
     qcfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": {**weights, "strategy": "tensor"}}}}
+    return qcfg, pack
+
+
+def test_awq(tiny_llama: Path, tmp_path: Path) -> None:
+    qcfg, pack = awq_format(32)
+    check_reader(tmp_path / "awq", "awq", "int4", quantized_copy(tiny_llama, tmp_path / "awq", qcfg, pack))
+
+
+@pytest.mark.parametrize("checkpoint_format, group_size, symmetric",
+                         [("gptq", 32, True), ("gptq_v2", 32, False), ("gptq_v2", -1, False)])
+def test_gptq(tiny_llama: Path, tmp_path: Path, checkpoint_format: str, group_size: int, symmetric: bool) -> None:
+    qcfg, pack = gptq_format(checkpoint_format, group_size, symmetric)
+    check_reader(tmp_path / "gptq", "gptq", "int4", quantized_copy(tiny_llama, tmp_path / "gptq", qcfg, pack))
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8(tiny_llama: Path, tmp_path: Path, strategy: str) -> None:
+    qcfg, pack = fp8_format(strategy)
     path = tmp_path / "fp8"
     check_reader(path, "compressed-tensors", "fp8", quantized_copy(tiny_llama, path, qcfg, pack))
 
