@@ -1,9 +1,10 @@
 """A checkpoint: where it is and what it says. A local Hugging Face directory (config.json + *.safetensors,
 sharded or not) or a GGUF file, which goes through transformers' GGUF reader once and is cached as a
-Hugging Face directory (dequantised weights + tokenizer), so later starts are fast. ModelConfig is the
-architecture its config.json describes; load_tokenizer its tokenizer. The driver needs only this module:
-the weights are the workers' (orca/models/loader.py). Pickle checkpoints (pytorch_model.bin) and remote
-code are never loaded."""
+Hugging Face directory (dequantised weights + tokenizer, and the file's Q8_0/Q4_0/Q4_1 blocks unpacked for
+quantization auto: write_gguf_quantized), so later starts are fast and never parse the GGUF file again.
+ModelConfig is the architecture its config.json describes; load_tokenizer its tokenizer. The driver needs
+only this module: the weights are the workers' (orca/models/loader.py). Pickle checkpoints
+(pytorch_model.bin) and remote code are never loaded."""
 
 from __future__ import annotations
 
@@ -27,12 +28,16 @@ LLAMA_STYLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwe
 # recompute them from the longest sequence of the batch, which would make one request's numbers depend on
 # the others' lengths under selective batching).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# A converted GGUF directory names its source in this file, so that the loader can read the GGUF's quantized
-# blocks as they are (orca/models/quantized_checkpoints.py) rather than the dequantized copy.
+# A converted GGUF directory names its source in this file (gguf_source) and says what the conversion wrote
+# beside the dequantized weights (write_gguf_quantized).
 GGUF_SOURCE_FILE = "orca_gguf_source.json"
+# The GGUF file's quantized blocks, unpacked into orca's canonical layout at conversion, so that the loader
+# reads them as they are (orca/models/quantized_checkpoints.py GgufCheckpoint) without parsing the GGUF file
+# at each load. In a subdirectory: the loader's "*.safetensors" of the checkpoint are its float weights.
+GGUF_QUANTIZED_FILE = "orca_quantized/weights.safetensors"
 # Part of a converted directory's cache key: bumped whenever what a conversion writes changes, so that
-# directories an older orca wrote are converted again. 2: GGUF_SOURCE_FILE.
-CONVERTED_FORMAT = 2
+# directories an older orca wrote are converted again. 2: GGUF_SOURCE_FILE. 3: GGUF_QUANTIZED_FILE.
+CONVERTED_FORMAT = 3
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -233,7 +238,8 @@ def resolve_checkpoint(model: str | os.PathLike[str] | None) -> Path:
 
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantises a GGUF file into a cached Hugging Face directory (once per file version and
-    CONVERTED_FORMAT), which names its source in GGUF_SOURCE_FILE (gguf_source).
+    CONVERTED_FORMAT), with its quantized blocks unpacked beside (write_gguf_quantized: GGUF_QUANTIZED_FILE,
+    and GGUF_SOURCE_FILE naming the source).
 
     Several processes may ask at once (Triton loads models in parallel, each in its own stub process): an
     exclusive file lock makes one convert while the others wait, then find the result."""
@@ -254,9 +260,23 @@ def convert_gguf(gguf_path: Path) -> Path:
 
 def gguf_source(gguf_path: Path) -> dict[str, Any]:
     """What a converted directory records of its GGUF file (GGUF_SOURCE_FILE): the absolute path, and the
-    size and modification time that tell whether the file is still the one converted."""
+    size and modification time that tell whether the file is still the one converted (a stat, nothing read)."""
     stat = gguf_path.stat()
     return {"path": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def write_gguf_quantized(gguf_path: Path, directory: Path) -> dict[str, Any]:
+    """What a conversion writes besides transformers' dequantized checkpoint: the GGUF file's quantized
+    linear weights in orca's layout (GGUF_QUANTIZED_FILE, for a llama GGUF with Q8_0/Q4_0/Q4_1 tensors) and
+    GGUF_SOURCE_FILE, which this returns: gguf_source, "converted_format" (CONVERTED_FORMAT),
+    "architecture", "quantized" (GGUF_QUANTIZED_FILE or None) and "dequantized_only" ({GGUF tensor: type}
+    of the quantized tensors orca reads as the converted float weights only: K-quants and the like)."""
+    from orca.models.quantized_checkpoints import export_gguf_quantized
+
+    marker = {**gguf_source(gguf_path), "converted_format": CONVERTED_FORMAT,
+              **export_gguf_quantized(gguf_path, directory)}
+    (directory / GGUF_SOURCE_FILE).write_text(json.dumps(marker, indent=1))
+    return marker
 
 
 def _convert(gguf_path: Path, target: Path) -> None:
@@ -278,7 +298,12 @@ def _convert(gguf_path: Path, target: Path) -> None:
             del hf_model.config.quantization_config
         hf_model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / GGUF_SOURCE_FILE).write_text(json.dumps(gguf_source(gguf_path)))
+        del hf_model  # the float model's memory back before the quantized blocks are unpacked
+        marker = write_gguf_quantized(gguf_path, tmp)
+        if marker["dequantized_only"]:
+            types = sorted(set(marker["dequantized_only"].values()))
+            print(f"[orca] {gguf_path.name}: {len(marker['dequantized_only'])} tensors of types orca does not "
+                  f"read quantized ({', '.join(types)}) are served from the converted float weights", flush=True)
         shutil.rmtree(target, ignore_errors=True)  # a directory without config.json is a dead attempt
         os.replace(tmp, target)
     except BaseException:

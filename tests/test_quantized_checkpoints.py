@@ -1,8 +1,9 @@
 """Readers of quantized checkpoints (orca/models/quantized_checkpoints.py): each format's weights, packed
 here from a tiny random llama the way each format's writer packs them (AutoAWQ, AutoGPTQ/GPTQModel,
 compressed-tensors, llama.cpp's gguf package), come back as QuantizedWeight whose dequantization is the
-format's own formula applied to the packed integers; and the shipped SmolLM2 GGUF file's weights, read
-from its blocks, equal what transformers dequantized into the converted directory."""
+format's own formula applied to the packed integers; and the shipped SmolLM2 GGUF file's weights, unpacked
+from its blocks at conversion, equal what transformers dequantized into the converted directory, and are
+read back without parsing the GGUF file."""
 
 from __future__ import annotations
 
@@ -20,8 +21,16 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from orca.checkpoint import GGUF_SOURCE_FILE, default_model_path, gguf_source, resolve_checkpoint
-from orca.models.quantized_checkpoints import open_quantized_checkpoint
+from orca.checkpoint import (
+    CONVERTED_FORMAT,
+    GGUF_QUANTIZED_FILE,
+    GGUF_SOURCE_FILE,
+    default_model_path,
+    gguf_source,
+    resolve_checkpoint,
+    write_gguf_quantized,
+)
+from orca.models.quantized_checkpoints import open_quantized_checkpoint, pack_int4, unpack_int4
 
 LAYERS = 2
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -109,22 +118,21 @@ def pack_nibbles(values: torch.Tensor, order: list[int]) -> torch.Tensor:
     return torch.from_numpy(words.view(np.int32))
 
 
-def test_awq(tiny_llama: Path, tmp_path: Path) -> None:
-    group = 32
-
+# Each format's quantization_config and packer (shared with tests/test_quantized_formats_e2e.py).
+def awq_format(group: int) -> tuple[dict, Packer]:
+    """AutoAWQ's GEMM layout, asymmetric, in groups of `group` inputs."""
     def pack(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         q, z, s = int4_groups(w, group, symmetric=False)
         packed = {"qweight": pack_nibbles(q.t().contiguous(), AWQ_PACK_ORDER),  # (in, out / 8)
                   "qzeros": pack_nibbles(z, AWQ_PACK_ORDER), "scales": s}
         return packed, int4_reference(q, z, s, group)
 
-    qcfg = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
-    check_reader(tmp_path / "awq", "awq", "int4", quantized_copy(tiny_llama, tmp_path / "awq", qcfg, pack))
+    return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}, pack
 
 
-@pytest.mark.parametrize("checkpoint_format, group_size, symmetric",
-                         [("gptq", 32, True), ("gptq_v2", 32, False), ("gptq_v2", -1, False)])
-def test_gptq(tiny_llama: Path, tmp_path: Path, checkpoint_format: str, group_size: int, symmetric: bool) -> None:
+def gptq_format(checkpoint_format: str, group_size: int, symmetric: bool) -> tuple[dict, Packer]:
+    """AutoGPTQ's (checkpoint_format "gptq": zero points stored minus 1) or GPTQModel's ("gptq_v2")
+    layout, in groups of `group_size` inputs (-1: one group per row), without act-order."""
     def pack(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         cols = w.shape[1]
         group = cols if group_size == -1 else group_size
@@ -137,11 +145,12 @@ def test_gptq(tiny_llama: Path, tmp_path: Path, checkpoint_format: str, group_si
 
     qcfg = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
             "checkpoint_format": checkpoint_format}
-    check_reader(tmp_path / "gptq", "gptq", "int4", quantized_copy(tiny_llama, tmp_path / "gptq", qcfg, pack))
+    return qcfg, pack
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_compressed_tensors_fp8(tiny_llama: Path, tmp_path: Path, strategy: str) -> None:
+def fp8_format(strategy: str) -> tuple[dict, Packer]:
+    """compressed-tensors FP8 (llm-compressor's FP8 scheme: static input scales, which we do not use),
+    weight scales per channel or per tensor, lm_head left float."""
     def pack(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
         scale = (amax / 448).float()  # (out, 1) or (1,)
@@ -153,17 +162,50 @@ def test_compressed_tensors_fp8(tiny_llama: Path, tmp_path: Path, strategy: str)
     qcfg = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": {**weights, "strategy": "tensor"}}}}
+    return qcfg, pack
+
+
+def test_awq(tiny_llama: Path, tmp_path: Path) -> None:
+    qcfg, pack = awq_format(32)
+    check_reader(tmp_path / "awq", "awq", "int4", quantized_copy(tiny_llama, tmp_path / "awq", qcfg, pack))
+
+
+@pytest.mark.parametrize("checkpoint_format, group_size, symmetric",
+                         [("gptq", 32, True), ("gptq_v2", 32, False), ("gptq_v2", -1, False)])
+def test_gptq(tiny_llama: Path, tmp_path: Path, checkpoint_format: str, group_size: int, symmetric: bool) -> None:
+    qcfg, pack = gptq_format(checkpoint_format, group_size, symmetric)
+    check_reader(tmp_path / "gptq", "gptq", "int4", quantized_copy(tiny_llama, tmp_path / "gptq", qcfg, pack))
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8(tiny_llama: Path, tmp_path: Path, strategy: str) -> None:
+    qcfg, pack = fp8_format(strategy)
     path = tmp_path / "fp8"
     check_reader(path, "compressed-tensors", "fp8", quantized_copy(tiny_llama, path, qcfg, pack))
 
 
 # -- GGUF ------------------------------------------------------------------------------------------------
-def test_shipped_gguf_matches_the_converted_directory() -> None:
-    """SmolLM2's Q4_1 blocks (and the Q8_0 embedding), unpacked with llama.cpp's q/k row permutation
-    undone, equal the float tensors transformers wrote into the converted directory: the name mapping,
-    the permutation and the formulas are transformers' own."""
+def _no_gguf_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a load parsed the GGUF file")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", refuse)
+
+
+def test_shipped_gguf_matches_the_converted_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's Q4_1 blocks (and the Q8_0 embedding), unpacked at conversion with llama.cpp's q/k row
+    permutation undone, equal the float tensors transformers wrote into the converted directory: the name
+    mapping, the permutation and the formulas are transformers' own. Reading them back never parses the
+    GGUF file (its reader takes seconds on the tokenizer's arrays)."""
     checkpoint = resolve_checkpoint(None)
-    assert json.loads((checkpoint / GGUF_SOURCE_FILE).read_text()) == gguf_source(default_model_path())
+    marker = json.loads((checkpoint / GGUF_SOURCE_FILE).read_text())
+    assert {k: marker[k] for k in ("path", "size", "mtime_ns")} == gguf_source(default_model_path())
+    assert marker["converted_format"] == CONVERTED_FORMAT and marker["architecture"] == "llama"
+    assert marker["quantized"] == GGUF_QUANTIZED_FILE and marker["dequantized_only"] == {}
+    # The loader's float weights are the directory's *.safetensors: the quantized file is not among them.
+    assert [f.name for f in checkpoint.glob("*.safetensors")] == ["model.safetensors"]
+    _no_gguf_parsing(monkeypatch)
     reader = open_quantized_checkpoint(checkpoint)
     assert reader is not None and reader.format == "gguf"
     assert reader.kinds() == {"int4", "int8"}
@@ -197,15 +239,17 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, gguf.
 
 
 def converted_dir(path: Path, gguf_path: Path) -> Path:
-    """A stand-in for convert_gguf's directory: the reader needs its GGUF_SOURCE_FILE only."""
+    """A stand-in for convert_gguf's directory: what the reader needs of it (write_gguf_quantized:
+    GGUF_QUANTIZED_FILE and GGUF_SOURCE_FILE), not transformers' float weights."""
     path.mkdir()
-    (path / GGUF_SOURCE_FILE).write_text(json.dumps(gguf_source(gguf_path)))
+    write_gguf_quantized(gguf_path, path)
     return path
 
 
-def test_tiny_gguf_types_and_permutation(tmp_path: Path) -> None:
+def test_tiny_gguf_types_and_permutation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Q8_0, Q4_0 and Q4_1 against the gguf package's own dequantization, with transformers' reverse
-    permutation of attn_q (4 heads) and attn_k (2 KV heads); F16 and F32 tensors are left as floats."""
+    permutation of attn_q (4 heads) and attn_k (2 KV heads), written at conversion (int4 two values a
+    byte) and read back without the GGUF file's reader; F16 and F32 tensors are left as floats."""
     rng = np.random.default_rng(0)
     T = gguf.GGMLQuantizationType
     types = {"token_embd.weight": ((128, 64), T.Q8_0), "blk.0.attn_q.weight": ((64, 64), T.Q4_0),
@@ -213,7 +257,12 @@ def test_tiny_gguf_types_and_permutation(tmp_path: Path) -> None:
              "blk.0.ffn_down.weight": ((64, 128), T.F16), "blk.0.attn_norm.weight": ((64,), T.F32)}
     tensors = {name: (rng.standard_normal(shape).astype(np.float32), qtype) for name, (shape, qtype) in types.items()}
     gguf_path = write_gguf(tmp_path / "tiny.gguf", "llama", tensors)
-    reader = open_quantized_checkpoint(converted_dir(tmp_path / "converted", gguf_path))
+    converted = converted_dir(tmp_path / "converted", gguf_path)
+    with safe_open(converted / GGUF_QUANTIZED_FILE, framework="pt") as f:
+        assert f.get_slice("model.layers.0.self_attn.q_proj.weight.qweight").get_shape() == [64, 32]
+        assert f.get_slice("model.embed_tokens.weight.qweight").get_dtype() == "I8"
+    _no_gguf_parsing(monkeypatch)
+    reader = open_quantized_checkpoint(converted)
     assert reader is not None and reader.kinds() == {"int8", "int4"}
     processor = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
     expected = {"token_embd.weight": ("model.embed_tokens.weight", "int8"),
@@ -225,25 +274,56 @@ def test_tiny_gguf_types_and_permutation(tmp_path: Path) -> None:
         dequantized = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
         reference = torch.from_numpy(processor.process(dequantized, gguf_name).weights.copy())
         weight = reader.get(hf_name)
-        assert weight is not None and weight.kind == kind, hf_name
+        assert weight is not None and weight.kind == kind and weight.group_size == 32, hf_name
         assert torch.equal(weight.dequantize(), reference), hf_name
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight"):
         assert reader.get(name) is None, name
 
 
-def test_gguf_refusals(tmp_path: Path) -> None:
-    """A K-quant tensor is refused by name and type; a GGUF of another architecture is left to the
-    converted directory's dequantized weights (None); a GGUF changed or gone since its conversion is
-    refused."""
+def test_int4_packing_round_trips() -> None:
+    q = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    packed = pack_int4(q)
+    assert packed.shape == (3, 32) and packed[0, 0] == q[0, 0] | q[0, 1] << 4
+    assert torch.equal(unpack_int4(packed), q)
+
+
+def test_gguf_types_we_do_not_read_are_served_from_the_float_weights(tmp_path: Path) -> None:
+    """A K-quant tensor (and any quantized type but Q8_0, Q4_0, Q4_1) is left to the converted
+    directory's float weights, which transformers dequantized: get() and kind_of() are None for it, the
+    marker lists it; the file's other tensors are read quantized. A GGUF of another architecture, or
+    without a tensor we read, writes no quantized file: its reader is None."""
     weights = np.ones((4, 256), dtype=np.float32)
     k_quant = np.zeros((4, 144), dtype=np.uint8)  # 4 rows of one 256-value Q4_K block (144 bytes)
     T = gguf.GGMLQuantizationType
-    bad = write_gguf(tmp_path / "k.gguf", "llama", {"blk.0.attn_q.weight": (k_quant, T.Q4_K)})
-    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight is Q4_K.*supported: Q8_0, Q4_0, Q4_1"):
-        open_quantized_checkpoint(converted_dir(tmp_path / "k", bad))
+    mixed = write_gguf(tmp_path / "k.gguf", "llama", {"blk.0.attn_q.weight": (k_quant, T.Q4_K),
+                                                       "blk.0.attn_k.weight": (weights, T.Q4_0)})
+    converted = converted_dir(tmp_path / "k", mixed)
+    marker = json.loads((converted / GGUF_SOURCE_FILE).read_text())
+    assert marker["dequantized_only"] == {"blk.0.attn_q.weight": "Q4_K"}
+    reader = open_quantized_checkpoint(converted)
+    assert reader is not None and reader.kinds() == {"int4"}
+    assert reader.kind_of("model.layers.0.self_attn.q_proj.weight") is None
+    assert reader.get("model.layers.0.self_attn.q_proj.weight") is None
+    assert reader.kind_of("model.layers.0.self_attn.k_proj.weight") == "int4"
+    only_k = write_gguf(tmp_path / "only-k.gguf", "llama", {"blk.0.attn_q.weight": (k_quant, T.Q4_K)})
+    assert open_quantized_checkpoint(converted_dir(tmp_path / "only-k", only_k)) is None
     qwen = write_gguf(tmp_path / "qwen.gguf", "qwen2", {"blk.0.attn_q.weight": (weights, T.Q4_0)})
-    assert open_quantized_checkpoint(converted_dir(tmp_path / "qwen", qwen)) is None
-    llama = write_gguf(tmp_path / "llama.gguf", "llama", {"blk.0.attn_q.weight": (weights, T.Q4_0)})
+    converted = converted_dir(tmp_path / "qwen", qwen)
+    assert not (converted / GGUF_QUANTIZED_FILE).exists()
+    assert open_quantized_checkpoint(converted) is None
+
+
+def test_gguf_refusals(tmp_path: Path) -> None:
+    """A directory converted by an orca that wrote another format (no quantized file: it read the GGUF
+    at each load), or from a GGUF changed or gone since its conversion, is refused."""
+    weights = np.ones((8, 256), dtype=np.float32)  # 4 heads of 2 rows
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    llama = write_gguf(tmp_path / "llama.gguf", "llama", {"blk.0.attn_q.weight": (weights, q4_0)})
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / GGUF_SOURCE_FILE).write_text(json.dumps(gguf_source(llama)))  # what CONVERTED_FORMAT 2 wrote
+    with pytest.raises(ValueError, match=r"by another version of orca \(converted format 2, this one reads 3\)"):
+        open_quantized_checkpoint(old)
     converted = converted_dir(tmp_path / "llama", llama)
     assert open_quantized_checkpoint(converted) is not None
     os.utime(llama, ns=(0, 0))
