@@ -13,8 +13,8 @@ from _fixtures import drain, record_logits, smollm2
 from transformers import AutoModelForCausalLM
 
 from orca import LLM, SamplingParams
-from orca.models.quantization import QuantizedLinear
 from orca.checkpoint import cache_root, default_model_path
+from orca.models.quantization import QuantizedLinear
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village, there"]
 NEW_TOKENS = 16

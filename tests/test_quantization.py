@@ -188,7 +188,6 @@ def _run(engine: LLMEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
 def test_the_quantized_engine_computes_the_dequantized_model(family: str, kind: str) -> None:
     tokens, logits = _engine_logits(_checkpoint(family), quantization=kind)
     ref = AutoModelForCausalLM.from_pretrained(_dequantized_checkpoint(family, kind), dtype=torch.float32).eval()
-    spread = []
     for prompt, row in zip(PROMPTS, logits):
         with torch.inference_mode():
             expected = ref(torch.tensor([prompt])).logits[0, -1]
