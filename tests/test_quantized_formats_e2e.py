@@ -43,12 +43,13 @@ SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": LAYER
 PROMPTS = [[random.Random(i).randrange(0, 128) for _ in range(n)] for i, n in enumerate((5, 11, 3))]
 MAX_TOKENS = 6
 T = gguf.GGMLQuantizationType
-# The GGUF file's types: fused projections (q|k|v, gate|up) share one, as llama.cpp's own mixes do.
+# The GGUF file's types: fused projections (q|k|v, gate|up) share one, as llama.cpp's own mixes do, but for
+# layer 1's q|k|v (Q8_0, Q8_0, Q4_0): one layer, one kernel, so its v is requantized to int8 (the widest).
 GGUF_TYPES = {
     "token_embd": T.Q8_0, "output": T.Q8_0,
     "blk.0.attn_q": T.Q4_0, "blk.0.attn_k": T.Q4_0, "blk.0.attn_v": T.Q4_0, "blk.0.attn_output": T.Q4_1,
     "blk.0.ffn_gate": T.Q4_1, "blk.0.ffn_up": T.Q4_1, "blk.0.ffn_down": T.Q8_0,
-    "blk.1.attn_q": T.Q8_0, "blk.1.attn_k": T.Q8_0, "blk.1.attn_v": T.Q8_0, "blk.1.attn_output": T.Q4_0,
+    "blk.1.attn_q": T.Q8_0, "blk.1.attn_k": T.Q8_0, "blk.1.attn_v": T.Q4_0, "blk.1.attn_output": T.Q4_0,
     "blk.1.ffn_gate": T.Q4_0, "blk.1.ffn_up": T.Q4_0, "blk.1.ffn_down": T.Q4_1,
 }
 INT4_FORMATS = ("awq", "gptq", "gptq_v2", "gguf")

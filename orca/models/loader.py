@@ -140,8 +140,9 @@ def load_model(
             _check_shape(ours, tuple(tensor.shape), tuple(params[ours].shape), par)
             params[ours].copy_(tensor)
         for ours, (parent, attr, shape) in quantized.items():
+            kind = plan.fused_kind(stored, [s.name for s in weight_map[ours]])
             weight = concat_quantized([
-                shard_quantized(_read_quantized(s, plan, stored, read_float), s.shard, par.tp_rank, par.tp_size)
+                shard_quantized(_read_quantized(s, plan, stored, read_float, kind), s.shard, par.tp_rank, par.tp_size)
                 for s in weight_map[ours]
             ])
             _check_shape(ours, tuple(weight.shape), shape, par)
@@ -186,10 +187,21 @@ class QuantizationPlan:
             return None if stored is None else stored.kind_of(name)
         return self.kind
 
+    def fused_kind(self, stored: QuantizedCheckpoint | None, names: list[str]) -> str:
+        """The kind of one of our weights made of several HF tensors (q | k | v, gate | up): theirs when
+        they agree; when a checkpoint stores them in different kinds (a GGUF file mixing Q4_0 and Q8_0
+        tensors), the widest, int8, the others dequantized and quantized again into it (one kernel per
+        layer)."""
+        kinds = {self.kind_of(stored, name) for name in names}
+        return kinds.pop() if len(kinds) == 1 else min(kinds, key=KIND_WIDTH_ORDER.index)  # type: ignore[arg-type]
+
     def head_kind(self, stored: QuantizedCheckpoint | None, embedding: str) -> str | None:
         """A tied LM head's kind: the embedding's stored kind under auto (GGUF's Q8_0 embedding: int8),
         the chosen kind otherwise."""
         return self.kind_of(stored, embedding)
+
+
+KIND_WIDTH_ORDER = ("fp8", "int8", "int4")  # widest first: where one layer's parts are stored in several
 
 
 def plan_quantization(choice: str, stored: QuantizedCheckpoint | None, device: torch.device,
@@ -239,11 +251,11 @@ def _detach_quantized_weights(
 
 def _read_quantized(source: Source, plan: QuantizationPlan, stored: QuantizedCheckpoint | None,
                     read_float: Callable[[Source], torch.Tensor], kind: str | None = None) -> QuantizedWeight:
-    """One HF tensor as a QuantizedWeight of the plan's kind: as stored where it is stored in that kind (or
-    quantization auto keeps it), else quantized from its float (dequantized) form."""
+    """One HF tensor as a QuantizedWeight of `kind` (default: the plan's for it): as stored where it is
+    stored in that kind, else quantized from its float (dequantized) form."""
     kind = kind or plan.kind_of(stored, source.name)
     q = None if stored is None else stored.get(source.name)
-    if q is not None and (plan.keep_stored or q.kind == kind):
+    if q is not None and q.kind == kind:
         return q
     if kind is None:
         raise ValueError(f"{source.name} is stored float, but quantization auto asked for it quantized")

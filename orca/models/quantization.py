@@ -145,10 +145,13 @@ def shard_quantized(w: QuantizedWeight, rule: Shard, tp_rank: int, tp_size: int)
 
 def concat_quantized(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Fused projections (q | k | v, gate | up): the parts stacked along the output rows. They must share
-    kind and group size; per-channel parts of one input size always do."""
+    kind, and int4 parts their group size; int8/fp8 parts in different groups are made per channel."""
     first = parts[0]
     if len(parts) == 1:
         return first
+    if first.kind != "int4" and any(p.group_size != first.group_size for p in parts):
+        parts = [p.to_per_channel() for p in parts]  # int8 in groups (Q8_0) beside per-channel parts
+        first = parts[0]
     if any(p.kind != first.kind or p.group_size != first.group_size for p in parts):
         raise ValueError("fused projections quantized differently: "
                          + ", ".join(f"{p.kind}/group {p.group_size}" for p in parts))
