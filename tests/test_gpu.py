@@ -168,3 +168,37 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(family: str) -> None:
     assert tokens["auto"] == tokens["off"]
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
     assert tokens["auto"] == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
+
+
+# -- quantized weights on CUDA (orca/models/quantization.py) ----------------------------------------------------
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_quantized_linear_on_cuda_is_the_dequantized_matmul(kind: str) -> None:
+    """torch's CUDA kernels (int4 tinygemm, int8 weight-only or its dequantizing fallback, _scaled_mm for
+    fp8 on compute capability 8.9+) against the dequantized weight, in bfloat16."""
+    from orca.models.quantization import FP8_MIN_CAPABILITY, QuantizedLinear, quantize
+
+    if kind == "fp8" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+        pytest.skip("fp8 needs compute capability 8.9 or later")
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    q = quantize(torch.randn(200, 256) * 0.05, kind, 64)
+    layer = QuantizedLinear(q, None, device, torch.bfloat16)
+    x = torch.randn(7, 256, device=device, dtype=torch.bfloat16)
+    expected = x.float() @ q.dequantize().to(device).t()
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_engine_on_cuda_decodes_with_and_without_cuda_graphs(quantization: str) -> None:
+    import checkpoints
+    from _fixtures import _root
+
+    path = _root() / "gpu-quant-llama"
+    if not (path / "config.json").is_file():
+        checkpoints.make_llama(path, intermediate_size=128)
+    jobs = _workload(3, n=6)
+    options = dict(model=str(path), device="cuda", dtype="bfloat16", quantization=quantization, **POOL)
+    graphs = _run(LLMEngine(EngineConfig(attention_backend="flex", cuda_graphs="auto", **options)), jobs,
+                  temperature=0)
+    eager = _run(LLMEngine(EngineConfig(attention_backend="flex", cuda_graphs="off", **options)), jobs, temperature=0)
+    assert graphs == eager and all(len(t) == n for t, (_, n) in zip(eager, jobs))
