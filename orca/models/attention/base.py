@@ -258,8 +258,12 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values (..., D) x scales (...,), in float32, as `dtype`: what quantize_kv's x reads back as."""
-    return (values.float() * scales.unsqueeze(-1)).to(dtype)
+    """values (..., D) x scales (...,), in float32, as `dtype`: what quantize_kv's x reads back as. int8
+    values multiply as they are (promoted to float32 in the one pass); torch promotes no float8, so those
+    are converted first."""
+    if values.dtype != torch.int8:
+        values = values.float()
+    return (values * scales.unsqueeze(-1)).to(dtype)
 
 
 # -- attention inside a compiled forward pass (orca/worker/compiled.py) ----------------------------------
