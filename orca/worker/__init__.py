@@ -34,7 +34,7 @@ from orca.models.quantization import QuantizedLinear
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.worker.compiled import CompiledForward, why_not_compiled
 from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, why_no_graphs
-from orca.worker.kv_cache import KVLayout, blocks_from_gpu_memory
+from orca.worker.kv_cache import KVLayout, blocks_from_gpu_memory, resolve_kv_cache_dtype
 from orca.worker.sampler import SamplingTensors, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,9 @@ class Worker:
         # The backend: its metadata class, whose builder runs once per iteration and whose traits say what it
         # needs of the pool and of the load (orca/models/attention/base.py).
         self.attention: type[AttentionMetadata] = get_backend(self.attention_backend)
+        # The K/V pool's dtype (kv_cache_dtype: the model's, or quantized values with scales); a quantized pool
+        # the attention backend cannot read is refused now, before the weights load.
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attention_backend)
         logger.info("linear_backend %s -> %s, attention_backend %s -> %s (%s on %s; weights about %.0f MB)%s",
                     config.linear_backend, self.linear_backend, config.attention_backend, self.attention_backend,
                     str(self.dtype).removeprefix("torch."), self.device, weight_bytes / 1e6,
@@ -85,8 +88,9 @@ class Worker:
         mc: ModelConfig = self.model_config
         self.par = par or ParallelContext.single(mc.num_layers)
         kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
-        self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, self.dtype, config.block_size)
+        self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, kv_dtype, config.block_size)
         self.kv_pool: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # a quantized pool's scales (kv_cache.py)
         # CUDA graphs for decode iterations (orca/worker/cuda_graphs.py): captured in init_kv_pool when
         # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
         self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
@@ -135,7 +139,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats(self.device)
         # A profiling iteration: `num_tokens` prompt tokens in sequences of max_len, on a scratch pool.
         blocks = -(-num_tokens // cfg.block_size) + cfg.max_bs
-        self.kv_pool = self._allocate_pool(blocks)
+        self._allocate_pool(blocks)
         lengths = [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
         plan_requests, next_block = [], 0
         for i, n in enumerate(lengths):
@@ -150,8 +154,8 @@ class Worker:
         if result.error:
             raise RuntimeError(f"the profiling iteration ({num_tokens} tokens) failed: {result.error}")
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - self.kv_pool.numel() * self.kv_pool.element_size()
-        self.kv_pool = None
+        peak = torch.cuda.max_memory_allocated(self.device) - blocks * self.kv_layout.bytes_per_block
+        self.kv_pool = self.kv_scales = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory in use by others (another process, the CUDA context) counts against the budget too.
@@ -165,10 +169,14 @@ class Worker:
     def init_kv_pool(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the K/V pool needs at least one block")
+        layout = self.kv_layout
+        logger.info("K/V pool: %d blocks of %d tokens, %s%s (%d bytes per token)", num_blocks, layout.block_size,
+                    str(layout.dtype).removeprefix("torch."), " with float32 scales" if layout.quantized else "",
+                    layout.bytes_per_slot)
         if self.no_graphs_reason is None:
-            self.kv_pool = self._allocate_pool(num_blocks + 1)  # the last block: padding rows' slots
+            self._allocate_pool(num_blocks + 1)  # the last block: padding rows' slots
         else:
-            self.kv_pool = self._allocate_pool(num_blocks)
+            self._allocate_pool(num_blocks)
         if self.attention.compiles_at_load(self.device):
             self._warm_up_flex()
         if self.no_graphs_reason is None:
@@ -204,9 +212,12 @@ class Worker:
             # flex has its own on CUDA, and its pool, zeroed_pool, stays as allocated: zeroed).
             self._warm_up(prompt_and_increment_plans(self.kv_layout.block_size), "warming up the model")
 
-    def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
-        """A pool of num_blocks blocks; zeroed for a backend that weighs masked slots by 0 (flex; kv_cache.py)."""
-        return self.kv_layout.allocate(num_blocks, self.device, zeroed=self.attention.zeroed_pool)
+    def _allocate_pool(self, num_blocks: int) -> None:
+        """kv_pool (and a quantized pool's kv_scales) of num_blocks blocks; zeroed for a backend that weighs
+        masked slots by 0 (flex; kv_cache.py)."""
+        zeroed = self.attention.zeroed_pool
+        self.kv_pool = self.kv_layout.allocate(num_blocks, self.device, zeroed=zeroed)
+        self.kv_scales = self.kv_layout.allocate_scales(num_blocks, self.device, zeroed=zeroed)
 
     def _warm_up_flex(self) -> None:
         """Compiles the attention backend's kernels now rather than in a user's request (warm_up_plans with
@@ -382,13 +393,13 @@ class Worker:
                 steps.append(pr.sample_step)
                 sampled_ids.append(pr.request_id)
         if new_blocks and self.attention.reads_whole_blocks:  # batched and flex
-            self.kv_layout.zero_blocks(self.kv_pool, upload(new_blocks, torch.int64, self.device))
+            self.kv_layout.zero_blocks(self.kv_pool, upload(new_blocks, torch.int64, self.device), self.kv_scales)
         padding = 0 if padded_to is None else padded_to - len(input_ids)
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
         pad_slot = self.decode_graphs.pad_slot if padding else 0
         meta = self.attention.for_iteration(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool,
-                                            timer, padding=padding, pad_slot=pad_slot)
+                                            timer, padding=padding, pad_slot=pad_slot, kv_scales=self.kv_scales)
         ids = upload(input_ids, torch.int64, self.device)  # (T,)
         pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None

@@ -8,11 +8,15 @@
   ``attention_backend`` value that selects it (``get_backend``).
 - ``selective_attention``: what a layer calls. It writes the iteration's new keys and values into their
   slots of the pool (one scatter for every token of every request, the same for every backend), then runs
-  the backend's ``attend`` over this layer's pool.
+  the backend's ``attend`` over this layer's pool. A quantized pool (EngineConfig.kv_cache_dtype;
+  orca/worker/kv_cache.py) has a second tensor, its scales (AttentionMetadata.kv_scales): the write
+  quantizes (``quantize_kv``) and scatters values and scales alike, and ``attend`` gets this layer's
+  scales, with which the backend dequantizes what it reads (``dequantize_kv``).
 - ``resolve_attention_backend``: EngineConfig.attention_backend (``auto`` included) to the backend that
   runs.
 - ``orca::selective_attention`` and ``iteration_scope``: attention as one opaque op inside a compiled
-  forward pass (orca/worker/compiled.py).
+  forward pass (orca/worker/compiled.py). The pool and its scales reach the op through the metadata in
+  scope, not as arguments: its signature is the same for every kv_cache_dtype.
 - ``PhaseTimer`` (profiling); the builders' shared helpers ``token_slots`` (pool slots of a request's
   positions) and ``leading_increments``.
 """
@@ -31,6 +35,14 @@ import torch
 from orca.config import ATTENTION_BACKENDS
 
 _BACKENDS: dict[str, type[AttentionMetadata]] = {}
+
+# A quantized K/V pool's value dtypes and the largest magnitude each holds: a token's head of keys (or
+# values) is scaled so that its largest entry lands there (float8 e4m3's largest finite number; int8's
+# symmetric range, -128 unused).
+KV_QUANTIZED_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+# The smallest scale written: an all-zero head would otherwise divide 0 by 0. A normal float32 far below
+# any key or value's magnitude / 448.
+KV_MIN_SCALE = 2.0**-100
 
 
 def resolve_attention_backend(choice: str, device: torch.device) -> str:
@@ -81,7 +93,8 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # (T,) int64
-    kv_pool: torch.Tensor  # (layers, 2, KVH, slots, D)
+    kv_pool: torch.Tensor  # (layers, 2, KVH, slots, D): the model's dtype, or a quantized pool's values
+    kv_scales: torch.Tensor | None = None  # (layers, 2, KVH, slots) float32: a quantized pool's scales
     timer: PhaseTimer | None = None
 
     # -- the backend's traits (class attributes; the worker reads them at load and per iteration) ------------
@@ -123,11 +136,12 @@ class AttentionMetadata:
         backend: str = "reference",
         padding: int = 0,
         pad_slot: int = 0,
+        kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """The iteration's metadata for `backend` (resolved: "reference", "batched" or "flex"): that
         backend's for_iteration."""
         return get_backend(backend).for_iteration(lengths, context_lens, block_tables, block_size, kv_pool, timer,
-                                                  padding, pad_slot)
+                                                  padding, pad_slot, kv_scales)
 
     @classmethod
     def for_iteration(
@@ -140,17 +154,23 @@ class AttentionMetadata:
         timer: PhaseTimer | None = None,
         padding: int = 0,
         pad_slot: int = 0,
+        kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """This backend's builder. Request i feeds `lengths[i]` new tokens after `context_lens[i]` cached
         ones; block_tables[i] covers its first context_lens[i] + lengths[i] tokens; increments come first.
         `padding` rows follow the requests' (backends with cuda_graphs only: a decode iteration padded to a
         CUDA graph's size): each writes its keys and values to `pad_slot`, a slot no request owns, and
-        attends to nothing."""
+        attends to nothing. `kv_scales`: a quantized pool's scales (None: `kv_pool` holds the model's
+        dtype)."""
         raise NotImplementedError
 
-    def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
+        scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One layer's attention: q (T, H, D) over `pool` (this layer's, (2, KVH, slots, D), the iteration's
-        new keys and values written) -> (T, H * D)."""
+        new keys and values written) -> (T, H * D). `scales`: this layer's (2, KVH, slots) when the pool is
+        quantized, to dequantize what it reads to q's dtype (dequantize_kv); None otherwise."""
         raise NotImplementedError
 
     @classmethod
@@ -210,12 +230,40 @@ def selective_attention(
         t0 = time.perf_counter()
     # Write this iteration's keys and values into their slots: one scatter for every token of every request.
     pool = meta.kv_pool[layer]  # (2, KVH, slots, D)
-    pool.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
-    out = meta.attend(q, pool, scale, window)
+    if meta.kv_scales is None:
+        pool.index_copy_(2, meta.slot_mapping, kv.permute(1, 2, 0, 3))
+        out = meta.attend(q, pool, scale, window)
+    else:  # a quantized pool: the values (as bytes: CPU torch has no float8 index_copy_) and their scales
+        values, value_scales = quantize_kv(kv, pool.dtype)  # (T, 2, KVH, D), (T, 2, KVH)
+        pool.view(torch.uint8).index_copy_(2, meta.slot_mapping, values.view(torch.uint8).permute(1, 2, 0, 3))
+        scales = meta.kv_scales[layer]  # (2, KVH, slots)
+        scales.index_copy_(2, meta.slot_mapping, value_scales.permute(1, 2, 0))
+        out = meta.attend(q, pool, scale, window, scales)
     if timer is not None:
         timer.sync()
         timer.add("attention", time.perf_counter() - t0)
     return out
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) as `dtype` values (float8_e4m3fn or int8) and float32 scales (...,), one per row:
+    symmetric, scale = amax(|x|) / KV_QUANTIZED_MAX[dtype], the values x / scale (int8's rounded to the
+    nearest), so that x ~ values x scale (dequantize_kv). Computed in float32 whatever x's dtype."""
+    x = x.float()
+    scales = (x.abs().amax(-1) / KV_QUANTIZED_MAX[dtype]).clamp_min(KV_MIN_SCALE)
+    scaled = x / scales.unsqueeze(-1)
+    if dtype == torch.int8:
+        scaled = scaled.round()
+    return scaled.to(dtype), scales
+
+
+def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values (..., D) x scales (...,), in float32, as `dtype`: what quantize_kv's x reads back as. int8
+    values multiply as they are (promoted to float32 in the one pass); torch promotes no float8, so those
+    are converted first."""
+    if values.dtype != torch.int8:
+        values = values.float()
+    return (values * scales.unsqueeze(-1)).to(dtype)
 
 
 # -- attention inside a compiled forward pass (orca/worker/compiled.py) ----------------------------------

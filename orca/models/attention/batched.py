@@ -15,7 +15,8 @@ reads, while the reference reads a request's consecutive blocks as a view of the
 reads whole blocks: the slots past a row's length are masked and weigh 0, so they must hold finite
 numbers, and the worker zeroes each block it hands to a request (reads_whole_blocks, KVLayout.zero_blocks).
 A group's rows are padded to its longest row, so rows start a new group past BATCHED_GROUP_SLOTS slots of
-padding.
+padding. A quantized pool (kv_cache_dtype) is dequantized as it is gathered: each group's blocks and their
+scales, then one multiply into the model's dtype (the zeroed blocks' values and scales both 0).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orca.models.attention.base import AttentionMetadata, PhaseTimer, leading_increments
+from orca.models.attention.base import AttentionMetadata, PhaseTimer, dequantize_kv, leading_increments
 from orca.models.attention.reference import ReferenceMetadata
 from orca.models.device import upload
 
@@ -61,6 +62,7 @@ class BatchedMetadata(ReferenceMetadata):
         timer: PhaseTimer | None = None,
         padding: int = 0,
         pad_slot: int = 0,
+        kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """BatchedMetadata from BATCHED_MIN_INCREMENTS increments on; below that the reference's metadata
         (its per-request calls)."""
@@ -69,13 +71,16 @@ class BatchedMetadata(ReferenceMetadata):
         num_increment = leading_increments(lengths, context_lens)
         if num_increment < BATCHED_MIN_INCREMENTS:
             return ReferenceMetadata.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer,
-                                                 num_increment)
+                                                 num_increment, kv_scales=kv_scales)
         increments = IncrementBatch.groups(context_lens[:num_increment], block_tables[:num_increment], block_size,
                                            kv_pool.device)
         return cls.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer, num_increment,
-                               elsewhere=num_increment, increments=increments)
+                               elsewhere=num_increment, kv_scales=kv_scales, increments=increments)
 
-    def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
+        scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The increments group by group, each at once (a group's rows q (n, H, D), one row per request ->
         (n, H * D)), then the other requests as the reference runs them."""
         _, num_heads, head_dim = q.shape
@@ -86,6 +91,9 @@ class BatchedMetadata(ReferenceMetadata):
             n = batch.rows
             blocks = pool.unflatten(2, (-1, batch.block_size))  # (2, KVH, pool blocks, block size, D)
             kv = blocks.index_select(2, batch.blocks).view(2, num_kv_heads * n, batch.width, head_dim)
+            if scales is not None:
+                kv_scales = scales.unflatten(2, (-1, batch.block_size)).index_select(2, batch.blocks)
+                kv = dequantize_kv(kv, kv_scales.view(2, num_kv_heads * n, batch.width), q.dtype)
             # The `group` query heads sharing a K/V head are `group` query rows against it: a batch of KVH x n
             # (group, D) x (D, width) products, the scale and the mask added in the same call.
             qb = q[batch.first : batch.first + n].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
@@ -95,7 +103,7 @@ class BatchedMetadata(ReferenceMetadata):
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qb.dtype)  # float32, as SDPA's kernels
             out = torch.bmm(probs, kv[1])  # (KVH x n, group, D)
             outputs.append(out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads * head_dim))
-        return ReferenceMetadata.attend(self, q, pool, scale, window, outputs)
+        return ReferenceMetadata.attend(self, q, pool, scale, window, scales, outputs)
 
 
 @dataclass

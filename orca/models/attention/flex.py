@@ -15,7 +15,8 @@ plane).
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each
 block it hands to a request (reads_whole_blocks). The compiled forward pass of a CPU (orca/worker/
-compiled.py) does not run with it.
+compiled.py) does not run with it. Nor does a quantized pool (kv_cache_dtype fp8_e4m3 or int8: the fused
+kernel reads the pool as it is and would need its scales; refused at load, orca/worker/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ class FlexMetadata(AttentionMetadata):
         timer: PhaseTimer | None = None,
         padding: int = 0,
         pad_slot: int = 0,
+        kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """Padding rows write to `pad_slot` and attend to nothing (FlexLayout)."""
+        """Padding rows write to `pad_slot` and attend to nothing (FlexLayout). An unquantized pool only."""
+        if kv_scales is not None:
+            raise ValueError("the flex backend reads an unquantized K/V pool only (kv_cache_dtype auto)")
         slots: list[int] = []
         for n, past, table in zip(lengths, context_lens, block_tables):
             slots.extend(token_slots(table, block_size, past, past + n))

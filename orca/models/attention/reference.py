@@ -6,7 +6,8 @@ request's keys and values: a view of the pool when the request's blocks are cons
 for all such requests together. An increment (one token after a cached prefix) is one query row per head
 with no mask, its grouped query heads as query rows of their K/V head (no repeat of keys and values); a
 prompt attends causally to itself, a later chunk to every cached key and its own new keys up to itself; a
-sliding window keeps each query's last `window` keys.
+sliding window keeps each query's last `window` keys. A quantized pool (kv_cache_dtype) is dequantized as
+it is read: a request's keys and values, view or gather, become a float copy of the model's dtype.
 
 `auto` picks it on CUDA, where nothing has been measured yet, until a GPU run shows another backend ahead
 (docs/design.md, the data plane); on a CPU `auto` picks batched.
@@ -25,7 +26,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from orca.models.attention.base import AttentionMetadata, PhaseTimer, leading_increments, token_slots
+from orca.models.attention.base import (
+    AttentionMetadata,
+    PhaseTimer,
+    dequantize_kv,
+    leading_increments,
+    token_slots,
+)
 from orca.models.device import upload
 
 
@@ -57,11 +64,12 @@ class ReferenceMetadata(AttentionMetadata):
         timer: PhaseTimer | None = None,
         padding: int = 0,
         pad_slot: int = 0,
+        kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         if padding:
             raise ValueError("padding rows need the flex backend")
         return cls.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer,
-                               leading_increments(lengths, context_lens))
+                               leading_increments(lengths, context_lens), kv_scales=kv_scales)
 
     @classmethod
     def per_request(
@@ -74,6 +82,7 @@ class ReferenceMetadata(AttentionMetadata):
         timer: PhaseTimer | None,
         num_increment: int,
         elsewhere: int = 0,
+        kv_scales: torch.Tensor | None = None,
         **fields: object,
     ) -> AttentionMetadata:
         """The slots, views and gathers of the iteration. Requests [0, elsewhere) read their keys and values
@@ -107,27 +116,36 @@ class ReferenceMetadata(AttentionMetadata):
             gather_index=upload(gather, torch.int64, device) if gather else None,
             gather_sizes=gather_sizes,
             kv_pool=kv_pool,
+            kv_scales=kv_scales,
             timer=timer,
             **fields,
         )
 
     def attend(
         self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
-        increments_out: list[torch.Tensor] | None = None,
+        scales: torch.Tensor | None = None, increments_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Per request, over its keys and values in `pool` (this layer's, new ones written).
-        `increments_out`: the increments' outputs when a subclass attended them itself (batched.py), in
-        row order; None runs them here, one call each."""
+        """Per request, over its keys and values in `pool` (this layer's, new ones written; dequantized
+        with `scales` when quantized). `increments_out`: the increments' outputs when a subclass attended
+        them itself (batched.py), in row order; None runs them here, one call each."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = pool.shape[1]
         group = num_heads // num_kv_heads  # query heads per K/V head (grouped-query attention)
         gathered = iter(())
         if self.gather_index is not None:
-            gathered = iter(pool.index_select(2, self.gather_index).split(self.gather_sizes, dim=2))
+            kv_gathered = pool.index_select(2, self.gather_index)
+            if scales is not None:
+                kv_gathered = dequantize_kv(kv_gathered, scales.index_select(2, self.gather_index), q.dtype)
+            gathered = iter(kv_gathered.split(self.gather_sizes, dim=2))
 
         def keys_values(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             view = self.views[i]
-            kvi = pool[:, :, view[0] : view[1]] if view is not None else next(gathered)  # (2, KVH, past + n, D)
+            if view is None:
+                kvi = next(gathered)  # (2, KVH, past + n, D)
+            else:
+                kvi = pool[:, :, view[0] : view[1]]
+                if scales is not None:
+                    kvi = dequantize_kv(kvi, scales[:, :, view[0] : view[1]], q.dtype)
             return kvi[0:1], kvi[1:2]  # (1, KVH, past + n, D) each
 
         n_inc = self.num_increment
