@@ -114,10 +114,13 @@ class EngineConfig:
       256; it must divide every quantized layer's input size, per tensor-parallel rank); checkpoints
       quantized in groups keep their own.
     - kv_cache_dtype: how the K/V pool stores keys and values (orca/worker/kv_cache.py). "auto": the model's
-      dtype. "fp8_e4m3": float8 e4m3, with a float32 scale per token and K/V head, half the bytes of
-      bfloat16 (a quarter of float32), so the pool holds 2-4x the tokens; attention dequantizes what it
-      reads. "int8": the same with int8 values. Supported by the reference and batched attention backends
-      (and flex on CUDA).
+      dtype. "fp8_e4m3": float8 e4m3 values with a float32 scale per token and K/V head, so a token costs
+      head_dim + 4 bytes per K/V head instead of 2 or 4 x head_dim: the pool holds 2D/(D+4) times
+      bfloat16's tokens (1.9x at head_dim 64), 4D/(D+4) times float32's (3.8x); attention dequantizes what
+      it reads. "int8": the same with int8 values. Supported by the reference and batched attention
+      backends; refused with flex (its fused kernel reads the pool as it is), so CUDA graphs, which need
+      flex, do not run with it. On a CPU torch converts float8 element by element: int8 is the fast choice
+      there (docs/BENCHMARKS.md, "Results: quantized weights and K/V").
     - max_bs: at most this many requests per iteration (Orca's max_bs). In request_level_gpt it is Triton's
       max_batch_size, not a parameter.
     - block_size: tokens per K/V block of the paged pool, the unit in which requests take K/V memory.

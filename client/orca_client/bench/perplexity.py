@@ -60,11 +60,12 @@ def engine_nll(model: str | None, dtype: str, quantization: str, kv_cache_dtype:
     with torch.inference_mode():
         for window in windows:
             if worker.attention.reads_whole_blocks:
-                worker.kv_layout.zero_blocks(worker.kv_pool, torch.tensor(table, dtype=torch.int64))
+                worker.kv_layout.zero_blocks(worker.kv_pool, torch.tensor(table, dtype=torch.int64), worker.kv_scales)
             t0 = time.perf_counter()
             for start in range(0, len(window) - 1, chunk):
                 ids = window[start : start + chunk]
-                meta = worker.attention.for_iteration([len(ids)], [start], [table], block, worker.kv_pool, None)
+                meta = worker.attention.for_iteration([len(ids)], [start], [table], block, worker.kv_pool, None,
+                                                      kv_scales=worker.kv_scales)
                 hidden = worker.model(torch.tensor(ids), torch.arange(start, start + len(ids)), meta)
                 logits = worker.model.compute_logits(hidden)  # (n, V) float32
                 targets = window[start + 1 : start + len(ids) + 1]
