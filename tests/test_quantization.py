@@ -133,8 +133,8 @@ def _checkpoint(family: str) -> Path:
 
 
 def _dequantized_checkpoint(family: str, kind: str) -> Path:
-    """The same checkpoint with every linear weight replaced by quantize(w).dequantize(): what the
-    quantized engine stands for. A tied head is quantized apart from its embedding (which stays float), so
+    """The same checkpoint with every linear weight replaced by quantize(w).dequantize() (the LM head int8
+    under int4, as the loader keeps it): what the quantized engine stands for. A tied head is quantized apart from its embedding (which stays float), so
     the reference unties them: its head is the dequantized embedding."""
     src = _checkpoint(family)
     path = _root() / f"quant-{family}-{kind}-dequantized"
@@ -154,7 +154,8 @@ def _dequantized_checkpoint(family: str, kind: str) -> Path:
         if t.dim() == 2 and not any(n in name for n in NOT_LINEAR):
             conv1d = family == "gpt2" and "lm_head" not in name  # Conv1D: stored (in, out)
             w = t.t() if conv1d else t
-            d = quantize(w, kind, 32).dequantize()
+            head_kind = "int8" if kind == "int4" and name == "lm_head.weight" else kind  # the head stays wider
+            d = quantize(w, head_kind, 32).dequantize()
             tensors[name] = (d.t() if conv1d else d).contiguous()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
@@ -202,6 +203,13 @@ def test_the_quantized_engine_computes_the_dequantized_model(family: str, kind: 
     if kind == "int8" and family == "llama":
         deq_tokens, _ = _engine_logits(_dequantized_checkpoint(family, kind), quantization="none")
         assert tokens == deq_tokens
+
+
+def test_under_int4_the_head_is_int8() -> None:
+    model, _ = load_model(_checkpoint("llama"), torch.float32, CPU, quantization="int4")
+    assert model.lm_head.kind == "int8" and model.layers[0].qkv_proj.kind == "int4"
+    tied, _ = load_model(_checkpoint("llama-tied"), torch.float32, CPU, quantization="int4")
+    assert tied.lm_head.kind == "int8"
 
 
 def test_a_tied_head_gets_a_quantized_copy_and_the_embedding_stays_float() -> None:

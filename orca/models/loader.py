@@ -140,7 +140,8 @@ def load_model(
             _check_shape(ours, tuple(tensor.shape), tuple(params[ours].shape), par)
             params[ours].copy_(tensor)
         for ours, (parent, attr, shape) in quantized.items():
-            kind = plan.fused_kind(stored, [s.name for s in weight_map[ours]])
+            names = [s.name for s in weight_map[ours]]
+            kind = plan.head_kind(stored, names[0]) if ours == "lm_head.weight" else plan.fused_kind(stored, names)
             weight = concat_quantized([
                 shard_quantized(_read_quantized(s, plan, stored, read_float, kind), s.shard, par.tp_rank, par.tp_size)
                 for s in weight_map[ours]
@@ -195,10 +196,13 @@ class QuantizationPlan:
         kinds = {self.kind_of(stored, name) for name in names}
         return kinds.pop() if len(kinds) == 1 else min(kinds, key=KIND_WIDTH_ORDER.index)  # type: ignore[arg-type]
 
-    def head_kind(self, stored: QuantizedCheckpoint | None, embedding: str) -> str | None:
-        """A tied LM head's kind: the embedding's stored kind under auto (GGUF's Q8_0 embedding: int8),
-        the chosen kind otherwise."""
-        return self.kind_of(stored, embedding)
+    def head_kind(self, stored: QuantizedCheckpoint | None, name: str) -> str | None:
+        """The LM head's kind (its own weight, or the embedding's `name` for a tied head): as stored under
+        auto (GGUF's Q8_0 embedding: int8); int8 where the plan is int4, as llama.cpp's 4-bit mixes keep
+        the output layer wider: its error goes straight into the logits (measured: docs/BENCHMARKS.md,
+        "Results: quantized weights and K/V"); the plan's kind otherwise."""
+        kind = self.kind_of(stored, name)
+        return "int8" if not self.keep_stored and kind == "int4" else kind
 
 
 KIND_WIDTH_ORDER = ("fp8", "int8", "int4")  # widest first: where one layer's parts are stored in several
