@@ -130,7 +130,7 @@ def run_orca(system: str, checkpoint: Path, args: argparse.Namespace, prompts: l
     per_request = -(-(args.prompt_len + args.new_tokens) // block) * block
     engine = LLMEngine(EngineConfig(
         model=str(checkpoint), device=str(device), dtype=args.dtype, max_bs=max(batches), block_size=block,
-        n_slots=max(batches) * per_request, **ORCA_SYSTEMS[system],
+        n_slots=max(batches) * per_request, quantization=args.quantization, **ORCA_SYSTEMS[system],
     ))
     worker = getattr(engine.executor, "worker", None)
     graphs = getattr(worker, "decode_graphs", None)
@@ -205,9 +205,11 @@ def roofline(weight_bytes: int, kv_bytes_per_token: int, batch: int, context: fl
     return batch * bandwidth / (weight_bytes + batch * context * kv_bytes_per_token)
 
 
-def model_bytes(checkpoint: Path, dtype: Any) -> tuple[int, int, dict[str, int]]:
+def model_bytes(checkpoint: Path, dtype: Any, quantization: str = "none") -> tuple[int, int, dict[str, int]]:
     """(bytes of the weights a decode iteration reads: everything but the input embedding; K/V bytes per
-    token; the shape) of a Llama-shaped checkpoint in `dtype`."""
+    token; the shape) of a Llama-shaped checkpoint in `dtype`, its linear weights stored as `quantization`
+    says (EngineConfig.quantization for a float checkpoint: int8 and fp8 one byte a weight; int4 half a
+    byte and a scale and offset per 32 in `dtype`, its LM head int8, as the loader keeps it)."""
     import torch
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -218,10 +220,16 @@ def model_bytes(checkpoint: Path, dtype: Any) -> tuple[int, int, dict[str, int]]
     per_layer = e * (heads + 2 * kv_heads) * head_dim + heads * head_dim * e + 3 * e * i
     element = torch.empty((), dtype=dtype).element_size()
     params = layers * per_layer + e * vocab  # + the LM head
+    if quantization in ("int8", "fp8"):
+        weight_bytes = params * 1.0
+    elif quantization == "int4":
+        weight_bytes = layers * per_layer * (0.5 + 2 * element / 32) + e * vocab * 1.0
+    else:
+        weight_bytes = params * element
     shape = {"hidden_size": e, "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads,
              "head_dim": head_dim, "intermediate_size": i, "vocab_size": vocab,
              "parameters": params + e * vocab}  # + the input embedding
-    return params * element, layers * 2 * kv_heads * head_dim * element, shape
+    return int(weight_bytes), layers * 2 * kv_heads * head_dim * element, shape
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,7 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             print(f"building a random-weight {args.shape} Llama on {device} ...", flush=True)
             checkpoint = build_checkpoint(args.shape, Path(tmp) / args.shape, dtype, device)
-        weight_bytes, kv_bytes, shape = model_bytes(checkpoint, dtype)
+        weight_bytes, kv_bytes, shape = model_bytes(checkpoint, dtype, args.quantization)
         if args.prompt_len + args.new_tokens > json.loads((checkpoint / "config.json").read_text()).get(
                 "max_position_embeddings", 1 << 30):
             raise ValueError("--prompt-len + --new-tokens exceeds the model's max_position_embeddings")
@@ -285,7 +293,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "decode", "command": sys.argv, "machine": _machine(device),
         "torch": torch.__version__, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "model": str(args.model or f"random {args.shape}"), "shape": shape, "weight_bytes": weight_bytes,
+        "model": str(args.model or f"random {args.shape}"), "shape": shape, "quantization": args.quantization,
+        "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_bytes, "copy_bandwidth_bytes_per_second": bandwidth,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "systems": systems, "runs": rows,
@@ -332,6 +341,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=None,
                    help=f"comma-separated from {', '.join(SYSTEMS)} (default: all on CUDA, orca-reference and "
                         "transformers elsewhere)")
+    p.add_argument("--quantization", default="none", metavar="{none,int8,int4,fp8}",
+                   help="EngineConfig.quantization of orca's systems (the random checkpoint is float: auto is none); "
+                        "the roofline counts the weights' bytes in that format (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the result here")
 
