@@ -30,6 +30,7 @@ from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.loader import load_model
 from orca.models.quantization import (
     FP8_DTYPE,
+    HYBRID_QUANTIZED_MIN_ROWS,
     QuantizedLinear,
     QuantizedWeight,
     _fp8_linear,
@@ -107,6 +108,21 @@ def test_quantized_linear_is_the_dequantized_matmul(kind: str, cols: int, dtype:
     torch.testing.assert_close(y.float(), expected, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_with_a_float_copy_large_iterations_multiply_the_dequantized_weight(kind: str) -> None:
+    """linear_backend hybrid: below HYBRID_QUANTIZED_MIN_ROWS rows the int kernel, from there oneDNN on
+    the dequantized weight (float32 exact)."""
+    torch.manual_seed(5)
+    q = quantize(torch.randn(48, 128) * 0.05, kind, 32)
+    plain = QuantizedLinear(q, None, CPU, torch.float32)
+    hybrid = QuantizedLinear(q, None, CPU, torch.float32, float_copy=True)
+    small = torch.randn(HYBRID_QUANTIZED_MIN_ROWS - 1, 128)
+    torch.testing.assert_close(hybrid(small), plain(small), atol=0, rtol=0)
+    large = torch.randn(HYBRID_QUANTIZED_MIN_ROWS, 128)
+    torch.testing.assert_close(hybrid(large), large @ q.dequantize().t(), atol=1e-5, rtol=1e-5)
+    assert (plain(large) - large @ q.dequantize().t()).abs().max() > 1e-4  # the int kernel's bfloat16 differs
+
+
 def test_fp8_matmul_is_the_product_of_its_dequantized_operands() -> None:
     torch.manual_seed(4)
     q = quantize(torch.randn(32, 64), "fp8")
@@ -134,8 +150,9 @@ def _checkpoint(family: str) -> Path:
 
 def _dequantized_checkpoint(family: str, kind: str) -> Path:
     """The same checkpoint with every linear weight replaced by quantize(w).dequantize() (the LM head int8
-    under int4, as the loader keeps it): what the quantized engine stands for. A tied head is quantized apart from its embedding (which stays float), so
-    the reference unties them: its head is the dequantized embedding."""
+    under int4, as the loader keeps it): what the quantized engine stands for. A tied head is quantized
+    apart from its embedding (which stays float), so the reference unties them: its head is the
+    dequantized embedding."""
     src = _checkpoint(family)
     path = _root() / f"quant-{family}-{kind}-dequantized"
     if (path / "config.json").is_file():
@@ -187,7 +204,8 @@ def _run(engine: LLMEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
 @pytest.mark.parametrize("family", ["llama", "gpt2", "llama-tied"])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_the_quantized_engine_computes_the_dequantized_model(family: str, kind: str) -> None:
-    tokens, logits = _engine_logits(_checkpoint(family), quantization=kind)
+    # linear_backend onednn: the int kernels at every row count (hybrid's float copies take prompts)
+    tokens, logits = _engine_logits(_checkpoint(family), quantization=kind, linear_backend="onednn")
     ref = AutoModelForCausalLM.from_pretrained(_dequantized_checkpoint(family, kind), dtype=torch.float32).eval()
     for prompt, row in zip(PROMPTS, logits):
         with torch.inference_mode():
@@ -226,6 +244,7 @@ def test_the_compiled_forward_pass_gives_the_eager_tokens(monkeypatch: pytest.Mo
     eager_tokens, eager_logits = _engine_logits(_checkpoint("llama"), quantization="int4", torch_compile="off")
     monkeypatch.delenv("ORCA_TORCH_COMPILE")
     engine = LLMEngine(EngineConfig(model=str(_checkpoint("llama")), dtype="float32", quantization="int4"))
+    assert engine.executor.worker.linear_backend == "hybrid"  # the float copies' op in the graph too
     assert engine.executor.worker.compiled is not None and engine.executor.worker.compiled.ready
     tokens, logits = _run(engine)
     assert tokens == eager_tokens

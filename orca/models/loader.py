@@ -100,12 +100,14 @@ def load_model(
     a float weight is quantized after sharding. Those layers never hold a float weight, not even during the
     load. With linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) the remaining
     float linear weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
-    checkpoint's weights too."""
+    checkpoint's weights too, and gives each quantized layer a oneDNN-packed dequantized copy, for
+    iterations of HYBRID_QUANTIZED_MIN_ROWS rows or more."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)
     stored = open_quantized_checkpoint(checkpoint)
     plan = plan_quantization(quantization, stored, device, group_size)
+    float_copy = linear_backend == "hybrid"  # quantized layers keep a float copy for large iterations too
     weight_map = cls.hf_weight_map(cfg, par)
     # Our linear weights to load quantized: those every HF tensor of which is loaded quantized.
     quantize_names = {ours for ours, sources in weight_map.items()
@@ -149,12 +151,12 @@ def load_model(
             _check_shape(ours, tuple(weight.shape), shape, par)
             linear = getattr(parent, attr)
             layer_par = par if isinstance(linear, RowParallelLinear) else None
-            setattr(parent, attr, QuantizedLinear(weight, linear.bias, device, dtype, layer_par))
+            setattr(parent, attr, QuantizedLinear(weight, linear.bias, device, dtype, layer_par, float_copy))
         head = _tied_head_source(model, weight_map, params, par)
         if head is not None and plan.head_kind(stored, head.name) is not None:
             weight = shard_quantized(_read_quantized(head, plan, stored, read_float, plan.head_kind(stored, head.name)),
                                      head.shard, par.tp_rank, par.tp_size)
-            model.lm_head = QuantizedLinear(weight, None, device, dtype)
+            model.lm_head = QuantizedLinear(weight, None, device, dtype, float_copy=float_copy)
     model.eval()
     if linear_backend in ("onednn", "hybrid"):
         prepack_linears(model, keep_weights=linear_backend == "hybrid")

@@ -193,7 +193,7 @@ class QuantizedLinear(nn.Module):
     all-reduced before the bias is added once, as RowParallelLinear does."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
-                 dtype: torch.dtype, par: ParallelContext | None = None) -> None:
+                 dtype: torch.dtype, par: ParallelContext | None = None, float_copy: bool = False) -> None:
         super().__init__()
         check_supported(weight.kind, device)
         if weight.kind != "int4":
@@ -237,28 +237,34 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(device, dtype), persistent=False)
         self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
             "aten::_weight_int8pack_mm", "CUDA")
+        # linear_backend hybrid on a CPU: the dequantized weight as well, packed for oneDNN, for iterations of
+        # HYBRID_QUANTIZED_MIN_ROWS rows or more (the int kernels are compute-bound there, oneDNN is not).
+        float_packed = None
+        if float_copy and not cuda and weight.kind != "fp8":
+            float_packed = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(dtype).to(device), None)
+        self.register_buffer("float_packed", float_packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.kind == "fp8":
             y = _fp8_linear(x2, self.packed, self.scales, self.dtype)
-        else:
-            xq = x2.to(self.compute_dtype)
-            if self.kind == "int4":
-                if self.packed.device.type == "cuda":
-                    y = torch._weight_int4pack_mm(xq, self.packed, self.group_size, self.scales)
-                else:
-                    y = torch._weight_int4pack_mm_for_cpu(xq, self.packed, self.group_size, self.scales)
-                if y.shape[1] != self.out_features:  # the padding rows (INT4_ROW_TILE) dropped
-                    y = y[:, : self.out_features].contiguous()
-            elif self._int8_kernel:
-                if self.pad_columns:
-                    xq = F.pad(xq, (0, self.pad_columns))
-                y = torch._weight_int8pack_mm(xq, self.packed, self.scales)
-            else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
-                y = F.linear(xq, self.packed.to(xq.dtype)) * self.scales
+        elif self.float_packed is not None:
+            args = (x2, self.packed, self.scales, self.float_packed, self.kind, self.group_size, self.pad_columns,
+                    self.out_features)
+            # inside a compiled graph as an opaque op: the row count is dynamic, the graph cannot branch on it
+            y = torch.ops.orca.hybrid_quantized_linear(*args) if torch.compiler.is_compiling() \
+                else _hybrid_quantized_linear(*args)
+        elif self.packed.device.type == "cpu" or self.kind == "int8" and self._int8_kernel:
+            y = _int_linear(x2, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
+                            self.out_features)
+        elif self.kind == "int4":  # CUDA's tinygemm: bfloat16 activations
+            y = torch._weight_int4pack_mm(x2.to(self.compute_dtype), self.packed, self.group_size, self.scales)
+            if y.shape[1] != self.out_features:  # the padding rows (INT4_ROW_TILE) dropped
+                y = y[:, : self.out_features].contiguous()
             y = y.to(self.dtype)
+        else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
+            y = (F.linear(x2, self.packed.to(x2.dtype)) * self.scales).to(self.dtype)
         if self.par is not None:
             y = self.par.all_reduce(y)
         if self.bias is not None:
@@ -268,7 +274,51 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.kind == "int4" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}{group}, "
-                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, bias={self.bias is not None}")
+                f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, bias={self.bias is not None}"
+                + (", float_copy=True" if self.float_packed is not None else ""))
+
+
+def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kind: str, group_size: int,
+                pad_columns: int, out_features: int) -> torch.Tensor:
+    """x (T, in) times an int8 or int4 weight through torch's weight-only kernels (the CPU's, and CUDA's
+    int8), in the scales' dtype (the kernel's activation dtype), the result in x's dtype."""
+    xq = x.to(scales.dtype)
+    if kind == "int4":
+        y = torch._weight_int4pack_mm_for_cpu(xq, packed, group_size, scales)
+        if y.shape[1] != out_features:  # the padding rows (INT4_ROW_TILE) dropped
+            y = y[:, :out_features].contiguous()
+    else:
+        if pad_columns:
+            xq = F.pad(xq, (0, pad_columns))
+        y = torch._weight_int8pack_mm(xq, packed, scales)
+    return y.to(x.dtype)
+
+
+# linear_backend hybrid with quantized weights (a CPU): at this many rows or more the dequantized weight,
+# packed for oneDNN, multiplies instead of the int kernels (measured: docs/BENCHMARKS.md, "Results:
+# quantized weights and K/V").
+HYBRID_QUANTIZED_MIN_ROWS = 8
+
+
+def _hybrid_quantized_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                             float_packed: torch.Tensor, kind: str, group_size: int, pad_columns: int,
+                             out_features: int) -> torch.Tensor:
+    if x.shape[0] >= HYBRID_QUANTIZED_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, float_packed, None, "none", [], "")
+    return _int_linear(x, packed, scales, kind, group_size, pad_columns, out_features)
+
+
+def _hybrid_quantized_linear_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                                   float_packed: torch.Tensor, kind: str, group_size: int, pad_columns: int,
+                                   out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+_OPS = torch.library.Library("orca", "FRAGMENT")
+_OPS.define("hybrid_quantized_linear(Tensor x, Tensor packed, Tensor scales, Tensor float_packed, str kind, "
+            "int group_size, int pad_columns, int out_features) -> Tensor")
+_OPS.impl("hybrid_quantized_linear", _hybrid_quantized_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("orca::hybrid_quantized_linear", _hybrid_quantized_linear_shape, lib=_OPS)
 
 
 def _fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -41,7 +41,7 @@ def _variant(spec: str) -> tuple[str, str]:
 
 
 def engine_nll(model: str | None, dtype: str, quantization: str, kv_cache_dtype: str, windows: list[list[int]],
-               chunk: int) -> tuple[float, int, float]:
+               chunk: int, linear_backend: str = "onednn") -> tuple[float, int, float]:
     """(summed NLL, predicted tokens, seconds) of the windows through orca's worker in one variant."""
     import torch
     import torch.nn.functional as F
@@ -51,7 +51,8 @@ def engine_nll(model: str | None, dtype: str, quantization: str, kv_cache_dtype:
 
     longest = max(len(w) for w in windows)
     config = EngineConfig(model=model, dtype=dtype, device="cpu", quantization=quantization,
-                          kv_cache_dtype=kv_cache_dtype, torch_compile="off", n_slots=longest + 64)
+                          kv_cache_dtype=kv_cache_dtype, torch_compile="off", n_slots=longest + 64,
+                          linear_backend=linear_backend)
     worker = Worker(config)
     worker.init_kv_pool(worker.determine_num_blocks())
     block = worker.kv_layout.block_size
@@ -106,7 +107,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     windows = [w for w in windows if len(w) > 1]
     result: dict[str, Any] = {
         "command": "perplexity", "machine": machine_info(), "model": str(args.model or "default (SmolLM2 GGUF)"),
-        "dtype": args.dtype, "tokens": sum(len(w) for w in windows), "window": args.window, "chunk": args.chunk,
+        "dtype": args.dtype, "linear_backend": args.linear_backend, "tokens": sum(len(w) for w in windows),
+        "window": args.window, "chunk": args.chunk,
         "text": "pydoc_data.topics, sorted", "variants": [],
     }
     reference = None
@@ -118,7 +120,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     first = None
     for spec in args.variants.split(","):
         quantization, kv = _variant(spec)
-        total, count, seconds = engine_nll(args.model, args.dtype, quantization, kv, windows, args.chunk)
+        total, count, seconds = engine_nll(args.model, args.dtype, quantization, kv, windows, args.chunk,
+                                           args.linear_backend)
         ppl = math.exp(total / count)
         first = first or ppl
         record = {"variant": spec, "quantization": quantization, "kv_cache_dtype": kv, "perplexity": ppl,
@@ -146,6 +149,9 @@ def add_parser(sub: Any) -> None:
     pp.add_argument("--window", type=positive_int, default=1024, help="tokens per window (default: %(default)s)")
     pp.add_argument("--chunk", type=positive_int, default=128,
                     help="tokens per forward pass through the K/V pool (default: %(default)s)")
+    pp.add_argument("--linear-backend", default="onednn", metavar="{onednn,hybrid,reference,auto}",
+                    help="EngineConfig.linear_backend (default: %(default)s: quantized layers multiply with their "
+                         "own kernels at every row count; hybrid would hand these prompt-sized chunks to float copies)")
     pp.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     pp.add_argument("--skip-transformers", action="store_true", help="no transformers reference")
     pp.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
