@@ -2,7 +2,9 @@
 layer's projections in order, then the LM head, on --rows token rows (the batch size of a decode
 iteration, or a prompt's tokens at 512), with each linear_backend (reference: torch's F.linear on the
 checkpoint layout; onednn: the weights packed for oneDNN, orca.models.layers.PackedLinear; hybrid: onednn
-below HYBRID_MIN_ROWS rows, F.linear from there), in turn in this process; median of --repeats passes
+below HYBRID_MIN_ROWS rows, F.linear from there; int8 and int4: the weights quantized as quantization
+int8 / int4 loads them, orca.models.quantization.QuantizedLinear, multiplied by torch's weight-only
+kernels at every row count), in turn in this process; median of --repeats passes
 after a warm-up. Beside them, the memory bandwidth of a sum over as many bytes as the weights (the bound a
 pass at one row cannot beat: every weight is read once). Reports ms per pass, the weights' GB/s and
 GFLOP/s per backend and rows, and the ratios reference / onednn and onednn / hybrid.
@@ -29,6 +31,7 @@ def cmd_linears(args: argparse.Namespace) -> int:
     from orca.config import EngineConfig
     from orca.models.layers import PackedLinear, onednn_packs
     from orca.models.loader import load_model
+    from orca.models.quantization import QuantizedLinear, quantize
     from orca_client.peers.runner_common import timed
 
     dtype = EngineConfig(dtype=args.dtype, device="cpu").torch_dtype  # validated: a bad name is a ValueError
@@ -41,6 +44,12 @@ def cmd_linears(args: argparse.Namespace) -> int:
     weights.append(head.detach())
     packed = [PackedLinear(w, None) for w in weights]
     hybrid = [PackedLinear(w, None, keep_weight=True) for w in weights]
+    # The quantized layers as quantization int8 / int4 loads them (the head int8 under int4), their own
+    # kernels at every row count (no float copy).
+    cpu = torch.device("cpu")
+    quantized = {kind: [QuantizedLinear(quantize(w, "int8" if kind == "int4" and i == len(weights) - 1 else kind),
+                                        None, cpu, dtype) for i, w in enumerate(weights)]
+                 for kind in ("int8", "int4")}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     params = sum(w.numel() for w in weights)
     rows = [int(r) for r in args.rows.split(",")]
@@ -48,6 +57,8 @@ def cmd_linears(args: argparse.Namespace) -> int:
         "reference": lambda x, i: F.linear(x, weights[i]),
         "onednn": lambda x, i: packed[i](x),
         "hybrid": lambda x, i: hybrid[i](x),
+        "int8": lambda x, i: quantized["int8"][i](x),
+        "int4": lambda x, i: quantized["int4"][i](x),
     }
 
     def median_seconds(fn: Callable[[], object]) -> float:
@@ -70,6 +81,8 @@ def cmd_linears(args: argparse.Namespace) -> int:
                                 "gflop_per_s": 2 * params * n / seconds / 1e9}
             record["ratio_reference_to_onednn"] = record["reference"]["ms"] / record["onednn"]["ms"]
             record["ratio_onednn_to_hybrid"] = record["onednn"]["ms"] / record["hybrid"]["ms"]
+            for kind in ("int8", "int4"):
+                record[f"ratio_onednn_to_{kind}"] = record["onednn"]["ms"] / record[kind]["ms"]
             runs.append(record)
     result = {
         "benchmark": "linears", "machine": machine_info(), "command": sys.argv, "dtype": str(dtype),
@@ -79,12 +92,15 @@ def cmd_linears(args: argparse.Namespace) -> int:
     print(f"{len(weights)} linear weights ({nbytes / 1e6:.0f} MB {str(dtype).removeprefix('torch.')}, the head "
           f"last), {torch.get_num_threads()} threads; memory bandwidth (sum over as many bytes): {bandwidth:.1f} GB/s")
     print(f"{'rows':>5} {'reference ms':>13} {'GB/s':>6} {'onednn ms':>10} {'GB/s':>6} {'GFLOP/s':>8} {'ratio':>6} "
-          f"{'hybrid ms':>10} {'GFLOP/s':>8} {'onednn/hybrid':>14}")
+          f"{'hybrid ms':>10} {'GFLOP/s':>8} {'onednn/hybrid':>14} {'int8 ms':>8} {'onednn/int8':>12} "
+          f"{'int4 ms':>8} {'onednn/int4':>12}")
     for r in runs:
         ref, one, hyb = r["reference"], r["onednn"], r["hybrid"]
         print(f"{r['rows']:>5} {ref['ms']:>13.1f} {ref['weights_gb_per_s']:>6.1f} {one['ms']:>10.1f} "
               f"{one['weights_gb_per_s']:>6.1f} {one['gflop_per_s']:>8.1f} {r['ratio_reference_to_onednn']:>5.2f}x "
-              f"{hyb['ms']:>10.1f} {hyb['gflop_per_s']:>8.1f} {r['ratio_onednn_to_hybrid']:>13.2f}x")
+              f"{hyb['ms']:>10.1f} {hyb['gflop_per_s']:>8.1f} {r['ratio_onednn_to_hybrid']:>13.2f}x "
+              f"{r['int8']['ms']:>8.1f} {r['ratio_onednn_to_int8']:>11.2f}x {r['int4']['ms']:>8.1f} "
+              f"{r['ratio_onednn_to_int4']:>11.2f}x")
     if args.json:
         write_json(args.json, result)
     return 0
