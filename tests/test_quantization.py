@@ -116,9 +116,9 @@ def test_with_a_float_copy_large_iterations_multiply_the_dequantized_weight(kind
     q = quantize(torch.randn(48, 128) * 0.05, kind, 32)
     plain = QuantizedLinear(q, None, CPU, torch.float32)
     hybrid = QuantizedLinear(q, None, CPU, torch.float32, float_copy=True)
-    small = torch.randn(HYBRID_QUANTIZED_MIN_ROWS - 1, 128)
+    small = torch.randn(HYBRID_QUANTIZED_MIN_ROWS[kind] - 1, 128)
     torch.testing.assert_close(hybrid(small), plain(small), atol=0, rtol=0)
-    large = torch.randn(HYBRID_QUANTIZED_MIN_ROWS, 128)
+    large = torch.randn(HYBRID_QUANTIZED_MIN_ROWS[kind], 128)
     torch.testing.assert_close(hybrid(large), large @ q.dequantize().t(), atol=1e-5, rtol=1e-5)
     assert (plain(large) - large @ q.dequantize().t()).abs().max() > 1e-4  # the int kernel's bfloat16 differs
 

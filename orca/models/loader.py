@@ -101,7 +101,7 @@ def load_model(
     load. With linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) the remaining
     float linear weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
     checkpoint's weights too, and gives each quantized layer a oneDNN-packed dequantized copy, for
-    iterations of HYBRID_QUANTIZED_MIN_ROWS rows or more."""
+    iterations of HYBRID_QUANTIZED_MIN_ROWS (8 rows for int8, 12 for int4) or more."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)

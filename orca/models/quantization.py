@@ -238,7 +238,7 @@ class QuantizedLinear(nn.Module):
         self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
             "aten::_weight_int8pack_mm", "CUDA")
         # linear_backend hybrid on a CPU: the dequantized weight as well, packed for oneDNN, for iterations of
-        # HYBRID_QUANTIZED_MIN_ROWS rows or more (the int kernels are compute-bound there, oneDNN is not).
+        # HYBRID_QUANTIZED_MIN_ROWS[kind] rows or more (the int kernels are compute-bound there, oneDNN is not).
         float_packed = None
         if float_copy and not cuda and weight.kind != "fp8":
             float_packed = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(dtype).to(device), None)
@@ -251,7 +251,7 @@ class QuantizedLinear(nn.Module):
             y = _fp8_linear(x2, self.packed, self.scales, self.dtype)
         elif self.float_packed is not None:
             args = (x2, self.packed, self.scales, self.float_packed, self.kind, self.group_size, self.pad_columns,
-                    self.out_features)
+                    self.out_features, HYBRID_QUANTIZED_MIN_ROWS[self.kind])
             # inside a compiled graph as an opaque op: the row count is dynamic, the graph cannot branch on it
             y = torch.ops.orca.hybrid_quantized_linear(*args) if torch.compiler.is_compiling() \
                 else _hybrid_quantized_linear(*args)
@@ -295,28 +295,30 @@ def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kin
 
 
 # linear_backend hybrid with quantized weights (a CPU): at this many rows or more the dequantized weight,
-# packed for oneDNN, multiplies instead of the int kernels (measured: docs/BENCHMARKS.md, "Results:
-# quantized weights and K/V").
-HYBRID_QUANTIZED_MIN_ROWS = 8
+# packed for oneDNN, multiplies instead of the int kernels. Measured on SmolLM2's layers (`orca-bench
+# linears`, docs/BENCHMARKS.md "Results: quantized weights and K/V"): against float32 oneDNN, int8 is
+# 1.6-2.0x faster at 1-2 rows and even at 8, int4 2.4-2.8x and 1.26x at 8, even at 12-16; at 32 rows both
+# are 0.7x, at 128 0.45x.
+HYBRID_QUANTIZED_MIN_ROWS = {"int8": 8, "int4": 12}
 
 
 def _hybrid_quantized_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                              float_packed: torch.Tensor, kind: str, group_size: int, pad_columns: int,
-                             out_features: int) -> torch.Tensor:
-    if x.shape[0] >= HYBRID_QUANTIZED_MIN_ROWS:
+                             out_features: int, min_rows: int) -> torch.Tensor:
+    if x.shape[0] >= min_rows:
         return torch.ops.mkldnn._linear_pointwise(x, float_packed, None, "none", [], "")
     return _int_linear(x, packed, scales, kind, group_size, pad_columns, out_features)
 
 
 def _hybrid_quantized_linear_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                                    float_packed: torch.Tensor, kind: str, group_size: int, pad_columns: int,
-                                   out_features: int) -> torch.Tensor:
+                                   out_features: int, min_rows: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
 _OPS = torch.library.Library("orca", "FRAGMENT")
 _OPS.define("hybrid_quantized_linear(Tensor x, Tensor packed, Tensor scales, Tensor float_packed, str kind, "
-            "int group_size, int pad_columns, int out_features) -> Tensor")
+            "int group_size, int pad_columns, int out_features, int min_rows) -> Tensor")
 _OPS.impl("hybrid_quantized_linear", _hybrid_quantized_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("orca::hybrid_quantized_linear", _hybrid_quantized_linear_shape, lib=_OPS)
 
