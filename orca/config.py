@@ -67,7 +67,10 @@ class EngineConfig:
       there (float32 always, bfloat16 and float16 where the CPU has the instructions). "hybrid": onednn,
       and the checkpoint's weights kept beside the packed ones (the linear weights' memory twice), which
       multiply inputs of HYBRID_MIN_ROWS (384) rows or more (prompt iterations) with F.linear (MKL's
-      matmul). "reference": torch's F.linear on the checkpoint layout (cuBLAS on CUDA). "auto": hybrid for
+      matmul); each quantized layer (quantization) keeps a oneDNN-packed dequantized copy, used for
+      iterations of 8 rows (int8) or 12 (int4) and more, where the int kernels lose to oneDNN's float32
+      matmul on a CPU (HYBRID_QUANTIZED_MIN_ROWS, orca/models/quantization.py). "reference": torch's
+      F.linear on the checkpoint layout (cuBLAS on CUDA). "auto": hybrid for
       float32 on a CPU when the second copy (estimated from the checkpoint, per rank) takes at most a
       quarter of the memory available at load, onednn on a CPU where oneDNN packs the dtype otherwise,
       reference elsewhere. An explicit onednn or hybrid where oneDNN cannot run is refused at load. The
@@ -107,9 +110,10 @@ class EngineConfig:
       elsewhere. int8, int4 and fp8 quantize a float checkpoint at load, after tensor-parallel sharding
       (each rank its own share); a quantized checkpoint in another format is dequantized and quantized
       again. The embedding, norms and a mixture's expert matrices stay float; an LM head tied to the
-      embedding gets a quantized copy. On a CPU the quantized kernels take bfloat16 activations (a float32
-      model converts at each quantized layer). Speed and quality: docs/BENCHMARKS.md, "Results: quantized
-      weights and K/V".
+      embedding gets a quantized copy (int8 under int4: an int4 head cost 5% perplexity). On a CPU the
+      quantized kernels take bfloat16 activations (a float32 model converts at each quantized layer), and
+      linear_backend hybrid keeps a float copy for large iterations (below). Speed and quality:
+      docs/BENCHMARKS.md, "Results: quantized weights and K/V".
     - quantization_group_size: input columns per scale of int4 weights quantized at load (32, 64, 128 or
       256; it must divide every quantized layer's input size, per tensor-parallel rank); checkpoints
       quantized in groups keep their own.
