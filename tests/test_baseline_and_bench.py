@@ -498,6 +498,9 @@ def test_orca_bench_linears_times_each_backend_over_the_models_weights(tmp_path:
         assert r["reference"]["ms"] > 0 and r["onednn"]["ms"] > 0 and r["hybrid"]["ms"] > 0
         assert r["ratio_reference_to_onednn"] == pytest.approx(r["reference"]["ms"] / r["onednn"]["ms"])
         assert r["ratio_onednn_to_hybrid"] == pytest.approx(r["onednn"]["ms"] / r["hybrid"]["ms"])
+        # the quantized layers' own kernels: int8; int4's groups of 32 do not divide the tiny MLP's 112 columns
+        assert r["int8"]["ms"] > 0 and r["ratio_onednn_to_int8"] == pytest.approx(r["onednn"]["ms"] / r["int8"]["ms"])
+        assert "int4" not in r
 
 
 def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofline(tmp_path: Path) -> None:
