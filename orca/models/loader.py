@@ -98,8 +98,9 @@ def load_model(
     (orca/models/quantization.py; plan_quantization): their weights are read quantized where the checkpoint
     stores them so (orca/models/quantized_checkpoints.py), else quantized whole from the float weight, then
     sharded in that form (so a rank's share is the one-rank model's) and packed for the kernel. Those layers
-    hold no float weight during the load (a hybrid float copy is made from the quantized one). With linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) the remaining
-    float linear weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
+    hold no float weight during the load (a hybrid float copy is made from the quantized one). With
+    linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) the remaining float linear
+    weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
     checkpoint's weights too, and gives each quantized layer a oneDNN-packed dequantized copy, for
     iterations of HYBRID_QUANTIZED_MIN_ROWS (8 rows for int8, 12 for int4) or more."""
     cfg, _ = read_model_config(checkpoint)
