@@ -127,9 +127,11 @@ def load_model(
     if set(weight_map) != set(params) | set(quantized):
         raise RuntimeError(f"weight map and model disagree: {sorted(set(weight_map) ^ (set(params) | set(quantized)))}")
 
+    no_float = set() if stored is None else stored.stored_names()  # read these dequantized
+
     def read_float(source: Source) -> torch.Tensor:
         name = source.name
-        if stored is not None and name in stored.stored_names():  # no float tensor: the dequantized weight
+        if name in no_float:
             return stored.get(name).dequantize(dtype)  # type: ignore[union-attr]
         t = reader.get(_hf_name_aliases(name, reader))
         return t.t() if source.conv1d else t
@@ -154,8 +156,9 @@ def load_model(
             layer_par = par if isinstance(linear, RowParallelLinear) else None
             setattr(parent, attr, QuantizedLinear(weight, linear.bias, device, dtype, layer_par, float_copy))
         head = _tied_head_source(model, weight_map, params, par)
-        if head is not None and plan.head_kind(stored, head.name) is not None:
-            weight = shard_quantized(_read_quantized(head, plan, stored, read_float, plan.head_kind(stored, head.name)),
+        head_kind = None if head is None else plan.head_kind(stored, head.name)
+        if head_kind is not None:
+            weight = shard_quantized(_read_quantized(head, plan, stored, read_float, head_kind),
                                      head.shard, par.tp_rank, par.tp_size)
             model.lm_head = QuantizedLinear(weight, None, device, dtype, float_copy=float_copy)
     model.eval()
@@ -261,11 +264,10 @@ def _read_quantized(source: Source, plan: QuantizationPlan, stored: QuantizedChe
     """One HF tensor as a QuantizedWeight of `kind` (default: the plan's for it): as stored where it is
     stored in that kind, else quantized from its float (dequantized) form."""
     kind = kind or plan.kind_of(stored, source.name)
-    q = None if stored is None else stored.get(source.name)
-    if q is not None and q.kind == kind:
-        return q
     if kind is None:
         raise ValueError(f"{source.name} is stored float, but quantization auto asked for it quantized")
+    if stored is not None and stored.kind_of(source.name) == kind:
+        return stored.get(source.name)  # type: ignore[return-value]
     try:
         return quantize(read_float(source), kind, plan.group_size)
     except ValueError as e:

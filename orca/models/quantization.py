@@ -255,14 +255,9 @@ class QuantizedLinear(nn.Module):
             # inside a compiled graph as an opaque op: the row count is dynamic, the graph cannot branch on it
             y = torch.ops.orca.hybrid_quantized_linear(*args) if torch.compiler.is_compiling() \
                 else _hybrid_quantized_linear(*args)
-        elif self.packed.device.type == "cpu" or self.kind == "int8" and self._int8_kernel:
+        elif self.kind == "int4" or self._int8_kernel:
             y = _int_linear(x2, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
                             self.out_features)
-        elif self.kind == "int4":  # CUDA's tinygemm: bfloat16 activations
-            y = torch._weight_int4pack_mm(x2.to(self.compute_dtype), self.packed, self.group_size, self.scales)
-            if y.shape[1] != self.out_features:  # the padding rows (INT4_ROW_TILE) dropped
-                y = y[:, : self.out_features].contiguous()
-            y = y.to(self.dtype)
         else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
             y = (F.linear(x2, self.packed.to(x2.dtype)) * self.scales).to(self.dtype)
         if self.par is not None:
@@ -280,11 +275,13 @@ class QuantizedLinear(nn.Module):
 
 def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kind: str, group_size: int,
                 pad_columns: int, out_features: int) -> torch.Tensor:
-    """x (T, in) times an int8 or int4 weight through torch's weight-only kernels (the CPU's, and CUDA's
-    int8), in the scales' dtype (the kernel's activation dtype), the result in x's dtype."""
+    """x (T, in) times an int8 or int4 weight through torch's weight-only kernels (the CPU's; on CUDA
+    tinygemm for int4, and int8's where torch has it), in the scales' dtype (the kernel's activation dtype),
+    the result in x's dtype."""
     xq = x.to(scales.dtype)
     if kind == "int4":
-        y = torch._weight_int4pack_mm_for_cpu(xq, packed, group_size, scales)
+        int4_mm = torch._weight_int4pack_mm if packed.is_cuda else torch._weight_int4pack_mm_for_cpu
+        y = int4_mm(xq, packed, group_size, scales)
         if y.shape[1] != out_features:  # the padding rows (INT4_ROW_TILE) dropped
             y = y[:, :out_features].contiguous()
     else:
