@@ -130,6 +130,25 @@ def record_logits(engine: LLMEngine, monkeypatch: Any) -> list[dict[str, torch.T
     return iterations
 
 
+@torch.inference_mode()
+def greedy_with_first_logits(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt's greedy tokens (EOS ignored: max_tokens each) and the logits its first token was drawn
+    from (the prompt's own iteration), in prompt order, all prompts in flight together."""
+    engine.capture_logits = True
+    first: dict[str, torch.Tensor] = {}
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.logits is not None and out.request_id not in first:
+                first[out.request_id] = out.logits
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokens[str(i)] for i in range(len(prompts))], [first[str(i)] for i in range(len(prompts))]
+
+
 def drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
     """Steps the engine until it has no request left; returns each request's final output."""
     final: dict[str, RequestOutput] = {}

@@ -171,15 +171,12 @@ def make_qwen3_moe(path: Path, seed: int = 0, **overrides: Any) -> Path:
     return _save_scaled(model, path)
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
-    """Writes a Hugging Face checkpoint of `arch` (qwen2 or qwen3) as an F32 GGUF file the way llama.cpp
-    names things (gguf's own tensor-name map), with a small byte-pair tokenizer (letters and their pairs),
-    so that transformers' GGUF reader, which the engine's loader uses, can read it back."""
+def gguf_writer(cfg: dict[str, Any], out: Path, arch: str, file_type: Any) -> Any:
+    """A gguf.GGUFWriter for `out` holding what every test GGUF file says of itself: the sizes of the Hugging
+    Face config `cfg`, its file type, and a small byte-pair tokenizer (letters and their pairs) that
+    transformers' GGUF reader can convert. The caller adds its own keys and the tensors."""
     import gguf
-    from safetensors.torch import load_file
 
-    cfg = json.loads((hf_dir / "config.json").read_text())
-    model_arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
     w = gguf.GGUFWriter(out, arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg["max_position_embeddings"])
@@ -190,18 +187,30 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(file_type)
     vocab = cfg["vocab_size"]
     alphabet = [chr(c) for c in range(ord("a"), ord("z") + 1)]
     tokens = alphabet + [a + b for a in alphabet for b in alphabet][: vocab - len(alphabet)]
-    merges = [f"{t[0]} {t[1]}" for t in tokens[len(alphabet):]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    w.add_token_merges(merges)
+    w.add_token_merges([f"{t[0]} {t[1]}" for t in tokens[len(alphabet):]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    return w
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+    """Writes a Hugging Face checkpoint of `arch` (qwen2 or qwen3) as an F32 GGUF file the way llama.cpp
+    names things (gguf's own tensor-name map), with a small byte-pair tokenizer (letters and their pairs),
+    so that transformers' GGUF reader, which the engine's loader uses, can read it back."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    model_arch = {"qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    w = gguf_writer(cfg, out, arch, gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_pre("qwen2")
     names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
     state: dict[str, torch.Tensor] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from _fixtures import _root
+from _fixtures import _root, greedy_with_first_logits
 from checkpoints import make_gpt2, make_llama
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from orca import EngineConfig, LLMEngine, SamplingParams
+from orca import EngineConfig, LLMEngine
 from orca.models.loader import load_model
 from orca.models.quantization import (
     FP8_DTYPE,
@@ -186,19 +186,8 @@ def _engine_logits(path: Path, **options: object) -> tuple[list[list[int]], list
     return _run(LLMEngine(EngineConfig(model=str(path), dtype="float32", **options)))
 
 
-@torch.inference_mode()
 def _run(engine: LLMEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
-    engine.capture_logits = True
-    first: dict[str, torch.Tensor] = {}
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.logits is not None and out.request_id not in first:
-                first[out.request_id] = out.logits
-            tokens[out.request_id].extend(out.new_token_ids)
-    return [tokens[str(i)] for i in range(len(PROMPTS))], [first[str(i)] for i in range(len(PROMPTS))]
+    return greedy_with_first_logits(engine, PROMPTS, max_tokens=8)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "llama-tied"])

@@ -27,11 +27,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from _fixtures import greedy_with_first_logits
+from checkpoints import gguf_writer
 from safetensors.torch import load_file, save_file
 from test_quantized_checkpoints import LAYERS, awq_format, fp8_format, gptq_format, quantized_copy
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from orca import EngineConfig, LLMEngine, SamplingParams
+from orca import EngineConfig, LLMEngine
 from orca.checkpoint import resolve_checkpoint
 from orca.models.llama import LlamaModel
 from orca.models.quantization import QuantizedLinear
@@ -108,27 +110,8 @@ def write_llama_gguf(hf_dir: Path, out: Path) -> Path:
     norms F32, with a small byte-pair tokenizer (letters and their pairs) for transformers to convert."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    w = gguf.GGUFWriter(out, "llama")
-    w.add_name("tiny-llama")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w = gguf_writer(cfg, out, "llama", gguf.LlamaFileType.MOSTLY_Q4_0)
     w.add_rope_dimension_count(cfg["hidden_size"] // heads)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    vocab = cfg["vocab_size"]
-    alphabet = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    tokens = alphabet + [a + b for a in alphabet for b in alphabet][: vocab - len(alphabet)]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    w.add_token_merges([f"{t[0]} {t[1]}" for t in tokens[len(alphabet):]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
     for name, t in load_file(hf_dir / "model.safetensors").items():
         gguf_name = names.get_name(name, try_suffixes=(".weight",))
@@ -187,20 +170,9 @@ def checkpoints(float_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return built
 
 
-@torch.inference_mode()
 def run(engine: LLMEngine) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens and the first token's logits of each prompt."""
-    engine.capture_logits = True
-    first: dict[str, torch.Tensor] = {}
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.logits is not None and out.request_id not in first:
-                first[out.request_id] = out.logits
-            tokens[out.request_id].extend(out.new_token_ids)
-    return [tokens[str(i)] for i in range(len(PROMPTS))], [first[str(i)] for i in range(len(PROMPTS))]
+    return greedy_with_first_logits(engine, PROMPTS, MAX_TOKENS)
 
 
 def engine(model: Path, quantization: str, **options: object) -> LLMEngine:
