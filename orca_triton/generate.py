@@ -4,7 +4,11 @@ model_repository/orca_gpt/1/model.py only moves these arrays in and out of Trito
 request means is decided here, where it can be unit-tested without a server.
 
 Inputs (all optional; exactly one prompt input): input_ids INT32 [-1], text_input STRING [1],
-messages STRING [1] (OpenAI-style JSON list of {role, content}), stream BOOL [1],
+messages STRING [1] (OpenAI-style JSON list of {role, content}; roles system, user, assistant and tool,
+assistant messages may carry tool_calls, tool messages tool_call_id), tools STRING [1] (with messages only:
+a JSON list of OpenAI tool objects {"type": "function", "function": {"name", "description",
+"parameters"}}, rendered by the model's chat template, or by orca.frontend.tokenizer in Qwen's Hermes
+format when the template knows no tools), stream BOOL [1],
 sampling_parameters STRING [1] (JSON object), exclude_input_in_output BOOL [1], cache_salt STRING [1]
 (prefix caching: requests with different salts never share cached keys and values; a UTF-8 string of 1
 to 1024 characters, the engine core's MAX_CACHE_SALT_CHARS; left out = no salt), and
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,13 +45,15 @@ from orca.frontend.tokenizer import check_stop_strings
 from orca.sampling_params import SamplingParams, json_object, json_type, json_value
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+"""OpenAI's rule for a function's name."""
 RETURN_FLAGS = (
     "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
     "return_cumulative_logprob",
 )
 """vllm_backend's additional-output flags (BOOL [1] inputs)."""
 INPUT_NAMES = (
-    *PROMPT_INPUTS, "stream", "sampling_parameters", "exclude_input_in_output", "cache_salt", *RETURN_FLAGS,
+    *PROMPT_INPUTS, "tools", "stream", "sampling_parameters", "exclude_input_in_output", "cache_salt", *RETURN_FLAGS,
 )
 
 
@@ -54,7 +61,7 @@ class TextCodec(Protocol):
     """What parsing needs: the model's tokenizer behind the front end's checks (orca.frontend.tokenizer.Tokenizer)."""
 
     def encode(self, text: str) -> list[int]: ...
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...  # and tools=..., when given
     def decode(self, token_ids: list[int]) -> str: ...
 
 
@@ -90,6 +97,8 @@ def parse_generate_request(
         raise ValueError("the request has no prompt: give input_ids, text_input or messages")
     if len(given) > 1:
         raise ValueError(f"give exactly one prompt input, got {', '.join(given)}")
+    if "tools" in inputs and "messages" not in inputs:
+        raise ValueError("tools is only allowed with the messages input (the chat template renders them)")
     prompt_text: str | None = None
     if "input_ids" in inputs:
         arr = np.asarray(inputs["input_ids"])
@@ -104,7 +113,11 @@ def parse_generate_request(
     else:
         # A chat prompt is a structure, not text: its response carries the completion only.
         messages = _parse_messages(_string_input(inputs, "messages"))
-        prompt_ids = _with_codec("messages", codec.apply_chat_template, messages)
+        tools = _parse_tools(_string_input(inputs, "tools")) if "tools" in inputs else None
+        if tools:
+            prompt_ids = _with_codec("messages", lambda m: codec.apply_chat_template(m, tools=tools), messages)
+        else:  # a codec of its own (tests, the offline LLM's) need not know tools
+            prompt_ids = _with_codec("messages", codec.apply_chat_template, messages)
     parameters = dict(parameters)
     cache_salt = _cache_salt(inputs, parameters.pop("cache_salt", None))
     params = _sampling_params(inputs, parameters)
@@ -201,10 +214,14 @@ def _bool_input(inputs: dict[str, np.ndarray], name: str) -> bool:
     raise ValueError(f"{name} must be a boolean (BOOL, true or false), got {np.asarray(inputs[name]).dtype}")
 
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
-def _parse_messages(text: str) -> list[dict[str, str]]:
+def _parse_messages(text: str) -> list[dict[str, Any]]:
+    """The chat: OpenAI's messages, content a string (null allowed for an assistant message with
+    tool_calls). tool_calls' arguments arrive as JSON text (OpenAI's form) or an object, and leave as an
+    object: chat templates write them with `tojson` (vLLM does the same)."""
     messages = json_value(text, "messages")
     if not isinstance(messages, list) or not messages:
         got = "an empty array" if isinstance(messages, list) else json_type(messages)
@@ -213,18 +230,93 @@ def _parse_messages(text: str) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f'messages[{i}] must be an object with the keys "role" and "content", got {json_type(m)}')
-        if set(m) != {"role", "content"}:
+        role = m.get("role")
+        needs_content = not (role == "assistant" and m.get("tool_calls"))
+        if "role" not in m or (needs_content and "content" not in m) or not set(m) <= set(_MESSAGE_KEYS):
             keys = ", ".join(_clip(k) for k in m) or "none"
-            raise ValueError(f'messages[{i}] must be an object with exactly the keys "role" and "content", got {keys}')
-        if not isinstance(m["role"], str) or m["role"] not in _ROLES:
-            raise ValueError(f'messages[{i}]: role must be "system", "user" or "assistant", got {_clip(m["role"])}')
-        if not isinstance(m["content"], str):
-            raise ValueError(f"messages[{i}]: content must be a string, got {json_type(m['content'])}")
-        try:
-            m["content"].encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"messages[{i}]: content is not valid Unicode ({exc.reason})") from None
+            raise ValueError(f'messages[{i}] must be an object with exactly the keys "role" and "content" (and '
+                             f'optionally "tool_calls", "tool_call_id", "name"), got {keys}')
+        if not isinstance(role, str) or role not in _ROLES:
+            raise ValueError(f'messages[{i}]: role must be "system", "user", "assistant" or "tool", got {_clip(role)}')
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and not needs_content):
+            raise ValueError(f"messages[{i}]: content must be a string, got {json_type(content)}")
+        _check_text(f"messages[{i}]: content", content or "")
+        for key in ("tool_call_id", "name"):
+            if key in m and not isinstance(m[key], str):
+                raise ValueError(f"messages[{i}]: {key} must be a string, got {json_type(m[key])}")
+            if key in m:
+                _check_text(f"messages[{i}]: {key}", m[key])
+        if "tool_call_id" in m and role != "tool":
+            raise ValueError(f'messages[{i}]: tool_call_id belongs to a "tool" message, not to {_clip(role)}')
+        if "tool_calls" in m:
+            if role != "assistant":
+                raise ValueError(f'messages[{i}]: tool_calls belong to an "assistant" message, not to {_clip(role)}')
+            m["tool_calls"] = _parse_tool_calls(f"messages[{i}].tool_calls", m["tool_calls"])
     return messages
+
+
+def _check_text(what: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode ({exc.reason})") from None
+
+
+def _parse_tool_calls(what: str, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ValueError(f"{what} must be a list of tool calls, got {json_type(calls)}")
+    for j, call in enumerate(calls):
+        where = f"{what}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise ValueError(f'{where} must be an object {{"id", "type": "function", "function": {{"name", '
+                             f'"arguments"}}}}, got {_clip(call)}')
+        if call.get("type", "function") != "function":
+            raise ValueError(f'{where}.type must be "function", got {_clip(call.get("type"))}')
+        if "id" in call and not isinstance(call["id"], str):
+            raise ValueError(f"{where}.id must be a string, got {json_type(call['id'])}")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"{where}.function.name must be a non-empty string, got {_clip(function.get('name'))}")
+        _check_text(f"{where}.function.name", function["name"])
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            _check_text(f"{where}.function.arguments", arguments)
+            arguments = json_value(arguments, f"{where}.function.arguments") if arguments.strip() else {}
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where}.function.arguments must be a JSON object (or its JSON text), "
+                             f"got {json_type(arguments)}")
+        function["arguments"] = arguments
+    return calls
+
+
+def _parse_tools(text: str) -> list[dict[str, Any]]:
+    """The tools input: OpenAI's tool objects, each a function with a unique name and, optionally, a
+    description and a JSON schema object of its parameters."""
+    tools = json_value(text, "tools")
+    if not isinstance(tools, list):
+        raise ValueError(f'tools must be a JSON list of {{"type": "function", "function": {{"name": ...}}}} '
+                         f"objects, got {json_type(tools)}")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            raise ValueError(f'tools[{i}] must be an object {{"type": "function", "function": {{"name", '
+                             f'"description", "parameters"}}}}, got {_clip(tool)}')
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise ValueError(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ or -, got {_clip(name)}")
+        if name in seen:
+            raise ValueError(f"tools[{i}].function.name: {name} is given twice: tool names must be unique")
+        seen.add(name)
+        if "description" in function and not isinstance(function["description"], (str, type(None))):
+            raise ValueError(f"tools[{i}].function.description must be a string, "
+                             f"got {json_type(function['description'])}")
+        _check_text(f"tools[{i}].function.description", function.get("description") or "")
+        if "parameters" in function and not isinstance(function["parameters"], (dict, type(None))):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object, "
+                             f"got {json_type(function['parameters'])}")
+    return tools
 
 
 def _clip(value: Any, limit: int = 40) -> str:

@@ -18,7 +18,11 @@ class FakeCodec:
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def __init__(self) -> None:
+        self.seen: tuple[list, list | None] | None = None  # the last apply_chat_template's (messages, tools)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        self.seen = (messages, tools)
         return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
 
     def decode(self, token_ids: list[int]) -> str:
@@ -53,7 +57,8 @@ def test_each_prompt_input() -> None:
         ({"messages": s("{")}, "messages is not valid JSON"),
         ({"messages": s("[]")}, "non-empty JSON list"),
         ({"messages": s('[{"role": "user"}]')}, 'keys "role" and "content"'),
-        ({"messages": s('[{"role": "robot", "content": "x"}]')}, 'role must be "system", "user" or "assistant"'),
+        ({"messages": s('[{"role": "robot", "content": "x"}]')},
+         'role must be "system", "user", "assistant" or "tool", got "robot"'),
         ({"input_ids": np.array([1]), "stream": np.array([1])}, "stream must be a boolean"),
         ({"input_ids": np.array([1]), "sampling_parameters": s("[1]")}, "must be a JSON object"),
     ],
@@ -131,3 +136,63 @@ def test_num_cached_tokens_is_on_the_final_response() -> None:
         assert tensor.dtype == np.uint32 and tensor.tolist() == [32]
     cold = final.replace(num_cached_tokens=0)
     assert response_tensors(cold, parse(IDS), has_tokenizer=False)["num_cached_tokens"].tolist() == [0]
+
+
+# -- tools: the tools input and tool messages -----------------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": CITY}}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C"},
+]
+
+
+def test_tools_and_tool_messages_reach_the_chat_template() -> None:
+    codec = FakeCodec()
+    parse_generate_request({"messages": s(json.dumps(TOOL_CHAT)), "tools": s(json.dumps([WEATHER]))}, {}, codec, True)
+    messages, tools = codec.seen
+    assert tools == [WEATHER]
+    # the arguments' JSON text becomes an object: templates write it with tojson (as vLLM does)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert messages[1]["content"] is None and messages[2] == TOOL_CHAT[2]
+    # no tools (or an empty list): the codec is called as before, without them
+    parse_generate_request({"messages": s(json.dumps(TOOL_CHAT)), "tools": s("[]")}, {}, codec, True)
+    assert codec.seen[1] is None
+
+
+@pytest.mark.parametrize(
+    ("inputs", "message"),
+    [
+        ({"text_input": s("x"), "tools": s(json.dumps([WEATHER]))}, "tools is only allowed with the messages input"),
+        ({"tools": s("{}")}, "tools must be a JSON list"),
+        ({"tools": s('[{"type": "function"}]')}, 'tools[0] must be an object {"type": "function"'),
+        ({"tools": s('[{"type": "function", "function": {"name": "a b"}}]')},
+         "tools[0].function.name must be 1 to 64 letters, digits, _ or -, got \"a b\""),
+        ({"tools": s(json.dumps([WEATHER, WEATHER]))}, "tools[1].function.name: get_weather is given twice"),
+        ({"tools": s('[{"type": "function", "function": {"name": "f", "parameters": []}}]')},
+         "tools[0].function.parameters must be a JSON schema object, got array"),
+        ({"messages": s('[{"role": "user", "content": null}]')}, "messages[0]: content must be a string, got null"),
+        ({"messages": s('[{"role": "user", "content": "x", "tool_calls": []}]')},
+         'messages[0]: tool_calls belong to an "assistant" message'),
+        ({"messages": s('[{"role": "user", "content": "x", "tool_call_id": "1"}]')},
+         'messages[0]: tool_call_id belongs to a "tool" message'),
+        ({"messages": s('[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]')},
+         "messages[0].tool_calls[0].function.arguments is not valid JSON"),
+        ({"messages": s('[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]')},
+         "messages[0].tool_calls[0].function.arguments must be a JSON object (or its JSON text), got array"),
+        ({"messages": s('[{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]')},
+         "messages[0].tool_calls[0].function.name must be a non-empty string"),
+        ({"messages": s('[{"role": "assistant", "tool_calls": 3}]')}, "messages[0].tool_calls must be a list"),
+        ({"messages": s('[{"role": "user", "content": "a", "weight": 1}]')},
+         'messages[0] must be an object with exactly the keys "role" and "content" (and optionally "tool_calls", '
+         '"tool_call_id", "name"), got "role", "content", "weight"'),
+    ],
+)
+def test_bad_tools_and_tool_messages_say_what_is_wrong(inputs: dict, message: str) -> None:
+    if "text_input" not in inputs:
+        inputs = {"messages": s(json.dumps(TOOL_CHAT)), **inputs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse(inputs)

@@ -53,12 +53,14 @@ def build_inputs(
     return_logprobs: bool | None = None,
     return_cumulative_logprob: bool | None = None,
     cache_salt: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
     **sampling: Any,
 ) -> list[grpcclient.InferInput]:
     """The request tensors for orca_gpt; `sampling` holds SamplingParams keys (max_tokens, logprobs, ...).
     The return_* flags (vllm_backend's) are sent when not None; `logprobs=n` with `return_logprobs=True`
     gets each token's log-probability and the top n. `cache_salt` (sent when not None): requests with
-    different salts never share the prefix cache's keys and values."""
+    different salts never share the prefix cache's keys and values. `tools` (with `messages`; sent when
+    not None): OpenAI's tool objects, rendered by the model's chat template."""
     inputs = []
 
     def add(name: str, dtype: str, value: np.ndarray) -> None:
@@ -72,6 +74,8 @@ def build_inputs(
         add("text_input", "BYTES", np.asarray([text.encode()], dtype=np.object_))
     if messages is not None:
         add("messages", "BYTES", np.asarray([json.dumps(messages).encode()], dtype=np.object_))
+    if tools is not None:
+        add("tools", "BYTES", np.asarray([json.dumps(tools).encode()], dtype=np.object_))
     add("stream", "BOOL", np.asarray([stream]))
     add("exclude_input_in_output", "BOOL", np.asarray([exclude_input_in_output]))
     if cache_salt is not None:

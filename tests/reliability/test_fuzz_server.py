@@ -82,12 +82,12 @@ BAD = [
     Bad({"messages": "{"}, r"messages is not valid JSON"),
     Bad({"messages": "[]"}, r"messages must be a non-empty JSON list .*, got an empty array"),
     Bad({"messages": '{"role": "user", "content": "hi"}'}, r"messages must be a non-empty JSON list .*, got object"),
-    Bad({"messages": '[{"role": "robot", "content": "x"}]'}, r'messages\[0\]: role must be "system", "user" or '
-                                                              r'"assistant", got "robot"'),
+    Bad({"messages": '[{"role": "robot", "content": "x"}]'}, r'messages\[0\]: role must be "system", "user", '
+                                                              r'"assistant" or "tool", got "robot"'),
     Bad({"messages": '[{"role": "user"}]'}, r'messages\[0\] must be an object with exactly the keys "role" and '
-                                             r'"content", got "role"'),
-    Bad({"messages": '[{"role": "user", "content": "a", "name": "x"}]'},
-        r'messages\[0\] must be an object with exactly .*, got "role", "content", "name"'),
+                                             r'"content" .*, got "role"'),
+    Bad({"messages": '[{"role": "user", "content": "a", "weight": "x"}]'},
+        r'messages\[0\] must be an object with exactly .*, got "role", "content", "weight"'),
     Bad({"messages": '[{"role": "user", "content": {"text": [1, {"deep": null}]}}]'},
         r"messages\[0\]: content must be a string, got object"),
     Bad({"messages": '[{"role": "user", "content": "ok"}, 3]'}, r"messages\[1\] must be an object .*, got integer"),
