@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orca_openai import protocol
+from orca_openai import protocol, tools
 from orca_openai.triton import APIError, Chunk, Triton, build_inputs
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -32,6 +32,7 @@ class Settings:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     required_models: tuple[str, ...] = ()  # /health is 503 unless these are ready (always: Triton, one orca model)
+    tool_call_parser: str = "auto"  # how tool_choice "auto" finds calls in the text (orca_openai.tools.PARSERS)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -160,8 +161,12 @@ def create_app(settings: Settings) -> FastAPI:
         if req.cache_salt is not None and not info.has_cache_salt:
             raise APIError(400, f"cache_salt is not supported by this model ({info.name} has no cache_salt input)",
                            "invalid_request_error", "cache_salt", "cache_salt_not_supported")
+        if req.tools and not info.has_tools:
+            raise APIError(400, f"tools are not supported by this model ({info.name} has no tools input)",
+                           "invalid_request_error", "tools", "tools_not_supported")
         inputs = build_inputs(req.prompt, req.sampling, return_logprobs=req.logprobs is not None,
-                              cache_salt=req.cache_salt)
+                              cache_salt=req.cache_salt, tools=req.tools)
+        parser = req.tool_parser(settings.tool_call_parser) if chat else None
         kind = "chatcmpl" if chat else "cmpl"
         ident = f"{kind}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -171,7 +176,7 @@ def create_app(settings: Settings) -> FastAPI:
                 chunks = await _collect_unless_disconnected(request, gen)
             finally:
                 await gen.aclose()
-            return JSONResponse(_full_response(req, chat, ident, created, chunks))
+            return JSONResponse(_full_response(req, chat, ident, created, chunks, parser))
         try:
             first = await gen.__anext__()  # an error before the first token is an HTTP status, not an event
         except StopAsyncIteration:
@@ -179,7 +184,7 @@ def create_app(settings: Settings) -> FastAPI:
         except BaseException:
             await gen.aclose()
             raise
-        return StreamingResponse(_events(req, chat, ident, created, first, gen), media_type="text/event-stream",
+        return StreamingResponse(_events(req, chat, ident, created, first, gen, parser), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     app.add_middleware(Guard, limit=settings.max_body_bytes, api_key=settings.api_key)
@@ -222,7 +227,14 @@ def _choice_logprobs(req: protocol.Request, chat: bool, chunk: Chunk, offset: in
     return protocol.completion_logprobs(chunk, req.logprobs, offset)
 
 
-def _full_response(req: protocol.Request, chat: bool, ident: str, created: int, chunks: list[Chunk]) -> dict[str, Any]:
+def _finish_reason(reason: str | None, calls: bool) -> str | None:
+    """The engine's reason, or "tool_calls" when the text held calls (a cut-off answer stays "length")."""
+    return "tool_calls" if calls and reason != "length" else reason
+
+
+def _full_response(
+    req: protocol.Request, chat: bool, ident: str, created: int, chunks: list[Chunk], parser: Any = None
+) -> dict[str, Any]:
     text, parts, offset = req.echo, [], len(req.echo)
     for chunk in chunks:
         part = _choice_logprobs(req, chat, chunk, offset)
@@ -234,7 +246,15 @@ def _full_response(req: protocol.Request, chat: bool, ident: str, created: int, 
     logprobs = protocol.merge_logprobs(parts)
     choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": logprobs}
     if chat:
-        choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if parser is not None:
+            content, calls = tools.parse_all(parser, text)
+            if calls:
+                message["content"] = content or None
+                message["tool_calls"] = [{"id": c.id, "type": "function",
+                                          "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+                choice["finish_reason"] = _finish_reason(last.finish_reason, True)
+        choice["message"] = message
     else:
         choice["text"] = text
     return {
@@ -245,9 +265,10 @@ def _full_response(req: protocol.Request, chat: bool, ident: str, created: int, 
 
 
 async def _events(
-    req: protocol.Request, chat: bool, ident: str, created: int, first: Chunk | None, gen: Any
+    req: protocol.Request, chat: bool, ident: str, created: int, first: Chunk | None, gen: Any, parser: Any = None
 ) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk format; leaving early (the client hung up) cancels the request."""
+    """Server-sent events in OpenAI's chunk format; leaving early (the client hung up) cancels the request.
+    With a tool call parser, chat deltas are its content and tool_calls entries (one entry an event)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": ident, "object": obj, "created": created, "model": req.model, "system_fingerprint": None}
 
@@ -265,6 +286,28 @@ async def _events(
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
+    def parsed(chunk: Chunk, logprobs: Any) -> list[bytes]:
+        """The events of one response through the tool call parser: its content, then each tool_calls
+        entry; the finish_reason on the last event of the final response."""
+        delta = parser.feed(chunk.text or "")
+        if chunk.final:
+            end = parser.finish()
+            delta.content += end.content
+            delta.calls += end.calls
+        deltas: list[dict[str, Any]] = []
+        if delta.content:
+            deltas.append({"content": delta.content})
+        deltas += [{"tool_calls": [entry]} for entry in delta.calls]
+        if not deltas and (logprobs is not None or chunk.final):
+            deltas.append({})
+        out = []
+        for i, d in enumerate(deltas):
+            last_one = chunk.final and i == len(deltas) - 1
+            reason = _finish_reason(chunk.finish_reason, bool(parser.calls)) if last_one else None
+            out.append(event([{"index": 0, "delta": d, "logprobs": logprobs if i == 0 else None,
+                               "finish_reason": reason}]))
+        return out
+
     last: Chunk | None = None
     offset = len(req.echo)
     try:
@@ -277,12 +320,18 @@ async def _events(
             last = chunk
             logprobs = _choice_logprobs(req, chat, chunk, offset)
             offset += len(chunk.text or "")
-            if chunk.text or logprobs is not None or chunk.final or chunk.output_ids:
+            if parser is not None:
+                for data in parsed(chunk, logprobs):
+                    yield data
+            elif chunk.text or logprobs is not None or chunk.final or chunk.output_ids:
                 yield event([choice(chunk.text or "", chunk.finish_reason if chunk.final else None, logprobs)])
             try:
                 chunk = await gen.__anext__()
             except StopAsyncIteration:
                 chunk = None
+        if parser is not None and last is not None and not last.final:  # ended without a final response
+            for data in parsed(Chunk([], None, True), None):
+                yield data
         if req.include_usage and last is not None:
             yield event([], usage=protocol.chunk_usage(last))
     except APIError as err:  # after the 200: OpenAI's clients raise on an event with an "error" key

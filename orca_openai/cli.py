@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 
 from orca_openai.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app
+from orca_openai.tools import PARSERS
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -44,6 +45,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="/health answers 503 unless this model is ready (repeatable; default: Triton ready with at least "
         "one orca model, all of them ready)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default="auto",
+        help="how tool calls are found in the text of a chat with tools and tool_choice auto: hermes "
+        "(<tool_call>{...}</tool_call>: Qwen2.5, Hermes, and templates without tools, which orca renders so), "
+        "mistral ([TOOL_CALLS][{...}], or a bare JSON array of calls), llama3_json ({\"name\", \"parameters\"} "
+        "objects, ;-separated), auto: any of them (default: %(default)s). tool_choice required or naming a "
+        "function is grammar-enforced and needs no parser",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
     return parser.parse_args(argv)
 
@@ -57,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         host = args.triton_url.rsplit(":", 1)[0] or "localhost"
         metrics_url = f"http://{host}:8002/metrics"
     settings = Settings(triton_url=args.triton_url, metrics_url=metrics_url, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes, required_models=tuple(args.require_model))
+                        max_body_bytes=args.max_body_bytes, required_models=tuple(args.require_model),
+                        tool_call_parser=args.tool_call_parser)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -69,13 +69,17 @@ class ModelInfo:
     def has_cache_salt(self) -> bool:
         return "cache_salt" in self.inputs
 
+    @property
+    def has_tools(self) -> bool:
+        return "tools" in self.inputs
+
 
 def build_inputs(
-    prompt: str | list[int] | list[dict[str, str]], sampling: dict[str, Any], return_logprobs: bool = False,
-    cache_salt: str | None = None,
+    prompt: str | list[int] | list[dict[str, Any]], sampling: dict[str, Any], return_logprobs: bool = False,
+    cache_salt: str | None = None, tools: list[dict[str, Any]] | None = None,
 ) -> list[grpcclient.InferInput]:
     """orca_gpt's request tensors (orca_client's): text, token ids or chat messages; always streaming,
-    completion only; the cache_salt input when a salt is given."""
+    completion only; the cache_salt input when a salt is given, the tools input when tools are."""
     if isinstance(prompt, str):
         source: dict[str, Any] = {"text": prompt}
     elif prompt and isinstance(prompt[0], dict):
@@ -84,7 +88,7 @@ def build_inputs(
         source = {"input_ids": prompt}
     return orca_client.build_inputs(
         **source, stream=True, exclude_input_in_output=True, return_logprobs=True if return_logprobs else None,
-        cache_salt=cache_salt, **sampling,
+        cache_salt=cache_salt, tools=tools or None, **sampling,
     )
 
 

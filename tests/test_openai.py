@@ -333,7 +333,7 @@ def test_bad_inputs_get_openai_errors(client: openai.OpenAI, stream: bool) -> No
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, frequency_penalty=0.5)
     with pytest.raises(openai.BadRequestError, match="role"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}])
+        client.chat.completions.create(model=MODEL, messages=[{"role": "function", "content": "x", "name": "f"}])
     with pytest.raises(openai.BadRequestError, match="no tokenizer"):  # orca_gpt's INVALID_ARG, passed through
         client.completions.create(model="orca_tiny", prompt="text", max_tokens=4, stream=stream)
 
