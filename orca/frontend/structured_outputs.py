@@ -105,6 +105,22 @@ def _clip(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# xgrammar 0.2.8 spells a string with a length bound (minLength/maxLength) with this character class,
+# which lets raw control characters (U+0000-U+001F, forbidden in JSON strings) through; its unbounded
+# strings exclude them. Found by the tests' byte-fallback tokenizer: an output json.loads refused.
+_LAX_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool, strict: bool = True) -> str:
+    """xgrammar's EBNF for a JSON schema, every string character class excluding control characters.
+    strict (vLLM's default): properties and items the schema does not name are not generated."""
+    import xgrammar
+
+    text = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict))
+    return text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly `choices`."""
 
@@ -182,9 +198,9 @@ class StructuredOutputCompiler:
         start = time.perf_counter()
         try:
             if so.kind == "json":
-                compiled = compiler.compile_json_schema(so.spec, any_whitespace=so.any_whitespace)
-            elif so.kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
+                compiled = compiler.compile_grammar(json_schema_grammar(so.spec, so.any_whitespace))
+            elif so.kind == "json_object":  # OpenAI's: a JSON object (xgrammar's builtin allows any value)
+                compiled = compiler.compile_grammar(json_schema_grammar('{"type":"object"}', so.any_whitespace, False))
             elif so.kind == "regex":
                 compiled = compiler.compile_regex(so.spec)
             elif so.kind == "choice":
