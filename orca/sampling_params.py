@@ -36,7 +36,11 @@ class SamplingParams:
 
     logprobs (as vLLM's): None = none; n in [0, 20] = for each new token its log-probability and rank plus
     the n most likely tokens' (0 = the sampled token's only), computed in fp32 from the raw logits the token
-    was drawn from (before temperature, top-k and top-p).
+    was drawn from (before temperature, top-k and top-p; after a structured-output constraint's mask).
+
+    structured_outputs (vLLM's StructuredOutputsParams, vllm_backend's spelling): a StructuredOutputs, or
+    its JSON object (or that object's JSON text), constraining the output to a JSON schema, any JSON, a
+    regex, one of several strings or a grammar; None = unconstrained.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -48,6 +52,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Every message names the field, what is wrong and the allowed values or range.
@@ -86,6 +91,8 @@ class SamplingParams:
         for i, token_id in enumerate(ids):
             _check_int(f"stop_token_ids[{i}]", token_id, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            object.__setattr__(self, "structured_outputs", StructuredOutputs.parse(self.structured_outputs))
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +117,11 @@ class SamplingParams:
         """Builds from a JSON-like dict."""
         if not isinstance(values, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {json_type(values)}")
+        values = dict(values)
+        if "guided_decoding" in values:  # vLLM's name before 0.11, which vllm_backend also passes on
+            if "structured_outputs" in values:
+                raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+            values["structured_outputs"] = values.pop("guided_decoding")
         cls.check_keys(values)
         return cls(**values)
 
@@ -120,7 +132,101 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stop"], d["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+"""What a structured output constrains to: a JSON schema, any JSON object, a regex, one of several strings,
+or a context-free grammar (EBNF, llama.cpp's GBNF spelling: `root ::= ...`)."""
+MAX_STRUCTURED_OUTPUT_CHARS = 200_000
+"""The longest schema, regex or grammar (and all choices together) a request may give, in characters."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """One request's output constraint, validated in shape here (the front end compiles it and refuses
+    what does not compile: orca/frontend/structured_outputs.py).
+
+    kind is one of STRUCTURED_OUTPUT_KINDS; spec its text: the JSON schema as compact JSON (keys in the
+    client's order, which is the order generated; equal texts share one compiled grammar), the regex, the
+    grammar, or the choices as a JSON list;
+    "" for json_object. any_whitespace: JSON may hold any whitespace between tokens (vLLM's default; its
+    disable_any_whitespace turns it off, for compact JSON)."""
+
+    kind: str
+    spec: str
+    any_whitespace: bool = True
+
+    @classmethod
+    def parse(cls, value: Any) -> StructuredOutputs:
+        """From vLLM's StructuredOutputsParams as JSON: an object (or its JSON text) with exactly one of
+        json, json_object, regex, choice, grammar, and optionally disable_any_whitespace."""
+        what = "structured_outputs"
+        if isinstance(value, str):
+            value = json_object(value, what)
+        if not isinstance(value, dict):
+            raise ValueError(f"{what} must be a JSON object with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                             f"got {_show(value)}")
+        allowed = (*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace", "backend")
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown {what} key(s) {', '.join(_key(k) for k in unknown[:5])}; allowed: "
+                             f"{', '.join(allowed)}")
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if value.get(k) not in (None, False)]
+        if len(given) != 1:
+            got = ", ".join(given) if given else "none"
+            raise ValueError(f"{what} must give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {got}")
+        backend = value.get("backend")
+        if backend not in (None, "auto", "xgrammar"):
+            raise ValueError(f"{what}.backend must be \"xgrammar\" or \"auto\" (the one grammar engine served), "
+                             f"got {_show(backend)}")
+        flag = value.get("disable_any_whitespace", False)
+        if not isinstance(flag, bool):
+            raise ValueError(f"{what}.disable_any_whitespace must be a boolean, got {_show(flag)}")
+        kind = given[0]
+        raw = value[kind]
+        name = f"{what}.{kind}"
+        if kind == "json":
+            schema = json_object(raw, name) if isinstance(raw, str) else raw
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"{name} must be a JSON schema (an object, or its JSON text), got {_show(schema)}")
+            # Compact, keys in the client's order: a grammar generates properties in the schema's order.
+            spec = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        elif kind == "json_object":
+            if raw is not True:
+                raise ValueError(f"{name} must be true (any JSON object), got {_show(raw)}")
+            spec = ""
+        elif kind == "choice":
+            if not isinstance(raw, (list, tuple)) or not raw:
+                raise ValueError(f"{name} must be a non-empty list of non-empty strings, got {_show(raw)}")
+            for i, c in enumerate(raw):
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"{name}[{i}] must be a non-empty string, got {_show(c)}")
+                _check_unicode(f"{name}[{i}]", c)
+            spec = json.dumps(list(raw), ensure_ascii=False)
+        else:  # regex, grammar
+            if not isinstance(raw, str) or not raw.strip():
+                raise ValueError(f"{name} must be a non-empty string, got {_show(raw)}")
+            _check_unicode(name, raw)
+            spec = raw
+        if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"{name} is {len(spec)} characters long; at most {MAX_STRUCTURED_OUTPUT_CHARS} allowed")
+        return cls(kind, spec, any_whitespace=not flag)
+
+    @property
+    def choices(self) -> list[str]:
+        return json.loads(self.spec) if self.kind == "choice" else []
+
+    def to_dict(self) -> dict[str, Any]:
+        """vLLM's spelling, which parse() reads back."""
+        value: Any = {"json": json.loads(self.spec) if self.kind == "json" else None, "json_object": True,
+                      "regex": self.spec, "choice": self.choices, "grammar": self.spec}[self.kind]
+        out: dict[str, Any] = {self.kind: value}
+        if not self.any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
@@ -217,5 +323,5 @@ def _check_number(name: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{name} must be a finite number {allowed}, got {_num(value)}")
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "SamplingParams", "json_object", "json_type",
-           "json_value"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "MAX_STRUCTURED_OUTPUT_CHARS",
+           "STRUCTURED_OUTPUT_KINDS", "SamplingParams", "StructuredOutputs", "json_object", "json_type", "json_value"]

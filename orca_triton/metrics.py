@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from orca.core.engine import EngineStats
 
+COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 # The gauges, each named (in Metrics' families) by the EngineStats field or property it shows.
@@ -51,6 +52,10 @@ class Metrics:
                                      "admission (their keys and values not computed again)", C),
             "prefix_cache_blocks": fam("orca_prefix_cache_blocks", "K/V blocks holding cached, reusable keys and "
                                        "values", G),
+            "constrained": fam("orca_structured_output_requests_total", "Requests with a structured output "
+                               "(JSON schema, json_object, regex, choice or grammar) submitted", C),
+            "grammar_compile": fam("orca_grammar_compile_seconds", "Time to compile a structured output's grammar "
+                                   "(cache hits are not compiles)", H),
         }
         f = self._families
         self.prompt = f["prompt"].Metric(labels=labels)
@@ -62,6 +67,8 @@ class Metrics:
         self.e2e = f["e2e"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
         self.batch = f["batch"].Metric(labels=labels, buckets=BATCH_BUCKETS)
         self.iteration = f["iteration"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
+        self.constrained = f["constrained"].Metric(labels=labels)
+        self.grammar_compile = f["grammar_compile"].Metric(labels=labels, buckets=COMPILE_BUCKETS)
         self._gauges = {key: f[key].Metric(labels=labels) for key in _GAUGES}
         self._counters = {key: f[key].Metric(labels=labels) for key in _COUNTERS}
         self._shown: dict[str, int] = {}

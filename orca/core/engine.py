@@ -33,6 +33,7 @@ from typing import Any
 from orca.checkpoint import ModelConfig, read_model_config, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.block_manager import BlockManager
+from orca.core.constraint import TokenConstraint
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from orca.core.request import FinishReason, Request
 from orca.core.scheduler import OrcaScheduler, ScheduledBatch
@@ -237,11 +238,14 @@ class EngineCore:
         arrival_time: float | None = None,
         eos_token_ids: frozenset[int] | None = None,
         cache_salt: str | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         """Adds a request that validate() accepted. `eos_token_ids` are the ids that end it with "stop"
         (unless params.ignore_eos); None = the model's. With prefix caching on, requests share cached K/V
-        only with requests of the same `cache_salt` (None: no salt). Raises ValueError for an id in use, QueueFullError
-        when the waiting queue is full, EngineFailedError once the engine has failed."""
+        only with requests of the same `cache_salt` (None: no salt). `constraint`: the compiled structured
+        output (params.structured_outputs, compiled by the front end) that masks each token it draws.
+        Raises ValueError for an id in use, QueueFullError when the waiting queue is full,
+        EngineFailedError once the engine has failed."""
         if self.failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self.failed}")
         if request_id in self.scheduler:
@@ -258,6 +262,7 @@ class EngineCore:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids if eos_token_ids is None else eos_token_ids,
             cache_salt=cache_salt,
+            constraint=constraint,
         )
         self.scheduler.add(req)
         if self.timeline is not None:
@@ -366,6 +371,7 @@ class EngineCore:
                 new_block_ids=tuple(m.new_blocks),
                 sampling=sampling,
                 sample_step=len(req.output_token_ids) if m.sample else None,
+                allowed_tokens=req.constraint.allowed_tokens() if m.sample and req.constraint is not None else None,
             ))
         free, self._to_free = tuple(self._to_free), []
         return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile)
@@ -387,6 +393,12 @@ class EngineCore:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.finish_reason = req.stop_reason(token)
+                if req.constraint is not None:
+                    if not req.constraint.accept(token):  # the mask allowed it: a grammar engine's fault
+                        req.finish_reason = FinishReason.ERROR
+                        req.error = f"the structured output's grammar refused token {token}, which its mask allowed"
+                    elif req.finish_reason is None and req.constraint.is_terminated():
+                        req.finish_reason = FinishReason.STOP  # complete: nothing more may follow
             if self.capture_logits:
                 out.logits = result.logits.get(req.request_id)
             outputs.append(out)

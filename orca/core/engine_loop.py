@@ -39,6 +39,7 @@ from orca.core.engine import (
     IterationStats,
     QueueFullError,
 )
+from orca.core.constraint import TokenConstraint
 from orca.core.request import FinishReason
 from orca.sampling_params import SamplingParams
 
@@ -53,6 +54,7 @@ class _Add:
     arrival_time: float
     eos_token_ids: frozenset[int] | None
     cache_salt: str | None
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(frozen=True)
@@ -147,10 +149,11 @@ class EngineLoop:
         arrival_time: float | None = None,
         eos_token_ids: frozenset[int] | None = None,
         cache_salt: str | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> None:
         """Validates (ValueError: the core's checks, here on the caller's thread and only here) and
         enqueues a request; QueueFullError when the waiting queue is full. Never waits for an iteration.
-        `eos_token_ids`, `cache_salt`: EngineCore.add_request's."""
+        `eos_token_ids`, `cache_salt`, `constraint`: EngineCore.add_request's."""
         if self._failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self._failed}")
         self.core.validate(prompt_token_ids, params, cache_salt)
@@ -163,7 +166,9 @@ class EngineLoop:
                 )
             self._queued_adds += 1
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, arrival_time, eos_token_ids, cache_salt))
+        self._commands.put(_Add(
+            request_id, list(prompt_token_ids), params, arrival_time, eos_token_ids, cache_salt, constraint
+        ))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -276,7 +281,7 @@ class EngineLoop:
                 try:  # (validated by submit)
                     self.core.add_request(
                         cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time, cmd.eos_token_ids,
-                        cmd.cache_salt,
+                        cmd.cache_salt, cmd.constraint,
                     )
                 except (ValueError, QueueFullError, EngineFailedError) as exc:
                     self._emit([_failed(cmd.request_id, str(exc))])

@@ -41,7 +41,9 @@ class PlannedRequest:
     ``sampling`` is set when the worker has no state for the request yet (its table starts empty);
     ``new_block_ids`` extend its block table (at admission, the table's first ``start // block_size`` blocks
     may be the prefix cache's, holding those positions' keys and values already); ``sample_step`` is the
-    index of the output token to draw (None for a prompt chunk that does not reach the prompt's end)."""
+    index of the output token to draw (None for a prompt chunk that does not reach the prompt's end);
+    ``allowed_tokens``, with it, the packed bitmask of the tokens a structured output allows this step
+    (orca/core/constraint.py; None = every token)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -49,6 +51,7 @@ class PlannedRequest:
     new_block_ids: tuple[int, ...] = ()
     sampling: SamplingSpec | None = None
     sample_step: int | None = None
+    allowed_tokens: bytes | None = None
 
 
 @dataclass(frozen=True)

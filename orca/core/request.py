@@ -8,6 +8,7 @@ import enum
 from collections.abc import Container
 from dataclasses import dataclass, field
 
+from orca.core.constraint import TokenConstraint
 from orca.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Request:
     cache_salt: str | None = None  # requests share cached K/V only with requests of the same salt
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     block_hashes: list[bytes] = field(default_factory=list)  # the hash chain of its full blocks, so far
+    constraint: TokenConstraint | None = None  # a structured output's grammar state (orca/core/constraint.py)
 
     @property
     def num_prompt_tokens(self) -> int:

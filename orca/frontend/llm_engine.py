@@ -16,6 +16,7 @@ from orca.config import EngineConfig
 from orca.core.engine import EngineCore, EngineStats, IterationStats
 from orca.executor import Executor
 from orca.frontend.output_processor import OutputProcessor, RequestOutput
+from orca.frontend.structured_outputs import StructuredOutputCompiler
 from orca.frontend.tokenizer import Tokenizer, check_stop_strings
 from orca.sampling_params import SamplingParams
 
@@ -27,6 +28,10 @@ class LLMEngine:
         self.text = Tokenizer.load(self.core.checkpoint)
         self.output_processor = OutputProcessor(self.text)
         self.eos_token_ids = self.text.eos_token_ids(self.core.eos_token_ids)
+        # Structured outputs compile on the caller's thread here (a synchronous caller waits anyway).
+        self.structured_outputs = StructuredOutputCompiler(
+            self.text.hf, self.core.model_config.vocab_size, self.eos_token_ids
+        )
 
     # -- what the core knows, for callers and benchmarks -------------------------------------------
     @property
@@ -100,9 +105,12 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Any, params: SamplingParams, cache_salt: str | None = None) -> None:
-        """The core's checks (the cache salt's included), and the front end's: stop strings need a tokenizer."""
+        """The core's checks (the cache salt's included), and the front end's: stop strings need a tokenizer,
+        a structured output must compile (it is compiled here, once: add_request finds it cached)."""
         self.core.validate(prompt_token_ids, params, cache_salt=cache_salt)
         check_stop_strings(params, self.text.available)
+        if params.structured_outputs is not None:
+            self.structured_outputs.compile(params.structured_outputs)
 
     def add_request(
         self,
@@ -117,8 +125,12 @@ class LLMEngine:
         params = params or SamplingParams()
         self.validate(prompt_token_ids, params, cache_salt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        constraint = None
+        if params.structured_outputs is not None:
+            constraint = self.structured_outputs.constraint(params.structured_outputs)  # ValueError: refused
         self.core.add_request(
-            request_id, prompt_token_ids, params, arrival_time, frozenset(self.eos_token_ids), cache_salt=cache_salt
+            request_id, prompt_token_ids, params, arrival_time, frozenset(self.eos_token_ids), cache_salt=cache_salt,
+            constraint=constraint,
         )
         self.output_processor.add_request(request_id, len(prompt_token_ids), params, arrival_time)
 
@@ -147,4 +159,5 @@ class LLMEngine:
         return self.text.decode(token_ids)
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.core.shutdown()

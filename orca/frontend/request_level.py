@@ -73,7 +73,10 @@ class RequestLevelBatcher:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> None:
         """Raises ValueError naming what is wrong with one member (the engine's own checks). A cache salt
-        is checked as orca_gpt checks it, and then changes nothing: the baseline has no prefix cache."""
+        is checked as orca_gpt checks it, and then changes nothing: the baseline has no prefix cache. The
+        baseline serves no structured outputs (a padded batch runs to its longest member unconstrained)."""
+        if params.structured_outputs is not None:
+            raise ValueError("structured_outputs are not served by the request-level baseline: use orca_gpt")
         self.engine.validate(prompt_token_ids, params, cache_salt)
 
     def plan(self, batch: Sequence[tuple[list[int], SamplingParams]]) -> list[SubBatch]:

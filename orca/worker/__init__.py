@@ -35,7 +35,7 @@ from orca.parallel import ParallelContext, local_kv_heads
 from orca.worker.compiled import CompiledForward, why_not_compiled
 from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, why_no_graphs
 from orca.worker.kv_cache import KVLayout, blocks_from_gpu_memory, resolve_kv_cache_dtype
-from orca.worker.sampler import SamplingTensors, sample, token_logprobs
+from orca.worker.sampler import SamplingTensors, apply_allowed_tokens, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -302,8 +302,10 @@ class Worker:
             self._send_activations(hidden)
             return result
         if sample_rows is not None:
-            rows, specs, steps, sampled_ids = sample_rows
+            rows, specs, steps, sampled_ids, masks = sample_rows
             logits = self.model.compute_logits(hidden[rows])  # (B, V): no logits for other prompt rows
+            if masks and par.tp_rank == 0:  # structured outputs: their disallowed tokens are never drawn
+                apply_allowed_tokens(logits, masks)
             if timer is not None:
                 timer.sync()
             t2 = time.perf_counter()
@@ -357,7 +359,8 @@ class Worker:
         self, ordered: list[PlannedRequest], timer: PhaseTimer | None, padded_to: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, tuple | None]:
         """Flat input ids and positions (T,), the attention metadata, and the sampling rows: (row indices
-        (B,), specs, steps, request ids) of the requests that draw a token, or None when none does. With
+        (B,), specs, steps, request ids, the (sampling row, bitmask) of the constrained ones) of the
+        requests that draw a token, or None when none does. With
         `padded_to`, padding rows follow the requests' up to that many rows (a CUDA graph's size); no
         sampling row is ever one of them."""
         input_ids: list[int] = []
@@ -369,6 +372,7 @@ class Worker:
         specs: list[SamplingSpec] = []
         steps: list[int] = []
         sampled_ids: list[str] = []
+        masks: list[tuple[int, bytes]] = []  # (sampling row, allowed-token bitmask) of constrained requests
         new_blocks: list[int] = []
         for pr, end in zip(ordered, itertools.accumulate(len(p.token_ids) for p in ordered)):
             state = self._requests.get(pr.request_id)
@@ -391,6 +395,8 @@ class Worker:
                 rows.append(end - 1)
                 specs.append(state.sampling)
                 steps.append(pr.sample_step)
+                if pr.allowed_tokens is not None:
+                    masks.append((len(sampled_ids), pr.allowed_tokens))
                 sampled_ids.append(pr.request_id)
         if new_blocks and self.attention.reads_whole_blocks:  # batched and flex
             self.kv_layout.zero_blocks(self.kv_pool, upload(new_blocks, torch.int64, self.device), self.kv_scales)
@@ -404,7 +410,7 @@ class Worker:
         pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None
         if rows:
-            sample_rows = (upload(rows, torch.int64, self.device), specs, steps, sampled_ids)
+            sample_rows = (upload(rows, torch.int64, self.device), specs, steps, sampled_ids, masks)
         return ids, pos, meta, sample_rows
 
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from orca.core.plan import SamplingSpec, TokenLogprobs
@@ -18,6 +19,7 @@ from orca.models.device import upload
 from orca.sampling_params import MIN_TEMPERATURE
 
 _MASK64 = (1 << 64) - 1
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 
@@ -101,6 +103,22 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     exp_noise = -counter_uniform(st.seeds, st.steps, vocab).log()  # (B, V) ~ Exp(1)
     sampled_ids = (probs / exp_noise).argmax(dim=-1)  # (B,)
     return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, masks: list[tuple[int, bytes]]) -> None:
+    """Structured outputs: for each (row, bitmask) sets, in place, the logits of the tokens the row's
+    packed bitmask (orca/core/constraint.py: int32 words, bit j of word i = token 32 i + j) disallows to
+    -inf, so that greedy, sampled and logprobs alike see only allowed tokens. Tokens past the mask's
+    words (a logits vocabulary padded beyond the tokenizer's) are disallowed."""
+    vocab = logits.shape[-1]
+    packed = np.frombuffer(b"".join(m for _, m in masks), dtype=np.uint8).reshape(len(masks), -1)
+    # Little-endian words: byte k of word i holds tokens 32 i + 8 k ... + 7, lowest bit first.
+    bits = np.unpackbits(packed, axis=1, count=vocab, bitorder="little")  # (R, V) 0/1, zeros past the mask
+    # An additive bias, 0 where allowed and -inf where not, by arithmetic alone: (bit - 1) * max * 2
+    # overflows to -inf exactly (a masked_fill on a random mask is branchy and ~10x slower on a CPU).
+    bias = torch.from_numpy(bits).to(logits.device, torch.float32).sub_(1).mul_(_FLOAT32_MAX).mul_(2.0)
+    index = upload([row for row, _ in masks], torch.int64, logits.device)
+    logits.index_add_(0, index, bias)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

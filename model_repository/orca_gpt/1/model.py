@@ -47,6 +47,7 @@ from orca import (
 )
 from orca.core.engine import IterationStats
 from orca.core.engine_loop import EngineLoop, fault_from_env
+from orca.frontend.structured_outputs import StructuredOutputCompiler
 from orca.frontend.tokenizer import Tokenizer
 from orca_triton.generate import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
 from orca_triton.lifecycle import HttpProbe, cmdline, log_to_stderr, start_reaper
@@ -103,6 +104,12 @@ class TritonPythonModel:
         self.has_tokenizer = self.text.available
         self.eos_token_ids = self.text.eos_token_ids(self.core.eos_token_ids)
         self.outputs = OutputProcessor(self.text)  # on the response thread (add_request on execute's)
+        # Structured outputs compile on a pool thread; their requests are submitted once compiled.
+        self.structured_outputs = StructuredOutputCompiler(
+            self.text.hf, self.core.model_config.vocab_size, self.eos_token_ids
+        )
+        self.structured_outputs.on_compiled = self.metrics.grammar_compile.observe
+        self.structured_outputs.warm_up()
         self.metrics.publish(self.core.stats())
         self._model_name = args["model_name"]
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
@@ -123,6 +130,7 @@ class TritonPythonModel:
         # Cancels what is in flight: each gets its FINAL through the queue. A failed engine has answered
         # everything already, and its thread may be hung for good (an iteration that never returns): do not
         # hold up Triton's unload (and exit) waiting for it.
+        self.structured_outputs.shutdown()
         self.loop.shutdown(timeout=30.0 if self.loop.failed is None else 1.0)
         self._responses.put(None)
         self._response_thread.join(timeout=30)
@@ -171,26 +179,45 @@ class TritonPythonModel:
                     inputs[name] = tensor.as_numpy()
             parameters = json.loads(request.parameters() or "{}")
             parsed = parse_generate_request(inputs, parameters, self.text, self.has_tokenizer)
-            request_id = f"{self._id_prefix}{next(self._ids)}"
-            arrival = time.monotonic()
-            with self._active_lock:
-                self._active[request_id] = _Active(sender, parsed)
-                self.outputs.add_request(request_id, len(parsed.prompt_token_ids), parsed.params, arrival)
-            try:
-                self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params, arrival, self.eos_token_ids,
-                                 cache_salt=parsed.cache_salt)
-            except BaseException:
-                with self._active_lock:
-                    self._active.pop(request_id, None)
-                    self.outputs.forget(request_id)
-                raise
-        except ValueError as exc:
-            _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
-        except (QueueFullError, EngineFailedError) as exc:
-            _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+            so = parsed.params.structured_outputs
+            if so is None:
+                self._submit_parsed(sender, parsed, None)
+                return
+            # The engine's checks and the schema's now; the grammar compiles off this thread, and the
+            # request joins the engine when it is done (or gets its error then).
+            self.core.validate(parsed.prompt_token_ids, parsed.params, parsed.cache_salt)
+            self.structured_outputs.check(so)
+            self.metrics.constrained.increment(1)
+            self.structured_outputs.compile_async(
+                so, lambda constraint, error: self._compiled(sender, parsed, constraint, error)
+            )
         except Exception as exc:  # noqa: BLE001 - answer the request whatever went wrong
-            logger.exception("could not submit a request")
-            _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            _answer_failure(sender, exc)
+
+    def _compiled(self, sender: Any, parsed: GenerateRequest, constraint: Any, error: str | None) -> None:
+        """A structured output's grammar is compiled (or refused): on a grammar pool or timer thread."""
+        if error is not None:
+            _send_error(sender, error, pb_utils.TritonError.INVALID_ARG)
+            return
+        try:
+            self._submit_parsed(sender, parsed, constraint)
+        except Exception as exc:  # noqa: BLE001
+            _answer_failure(sender, exc)
+
+    def _submit_parsed(self, sender: Any, parsed: GenerateRequest, constraint: Any) -> None:
+        request_id = f"{self._id_prefix}{next(self._ids)}"
+        arrival = time.monotonic()
+        with self._active_lock:
+            self._active[request_id] = _Active(sender, parsed)
+            self.outputs.add_request(request_id, len(parsed.prompt_token_ids), parsed.params, arrival)
+        try:
+            self.loop.submit(request_id, parsed.prompt_token_ids, parsed.params, arrival, self.eos_token_ids,
+                             cache_salt=parsed.cache_salt, constraint=constraint)
+        except BaseException:
+            with self._active_lock:
+                self._active.pop(request_id, None)
+                self.outputs.forget(request_id)
+            raise
 
     # -- the scheduler thread's side (the gauges: self.metrics.publish) ---------------------------
     def _on_iteration(self, stats: IterationStats) -> None:
@@ -318,6 +345,18 @@ class TritonPythonModel:
             m.e2e.observe(out.finish_time - out.arrival_time)
             if out.first_token_time is not None and out.num_output_tokens > 1:
                 m.tpot.observe((out.finish_time - out.first_token_time) / (out.num_output_tokens - 1))
+
+
+def _answer_failure(sender: Any, exc: Exception) -> None:
+    """The error FINAL of a request that could not be submitted: INVALID_ARG for what the client got
+    wrong, UNAVAILABLE for a full queue or a failed engine, INTERNAL for the rest."""
+    if isinstance(exc, ValueError):
+        _send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+    elif isinstance(exc, (QueueFullError, EngineFailedError)):
+        _send_error(sender, str(exc), pb_utils.TritonError.UNAVAILABLE)
+    else:
+        logger.error("could not submit a request", exc_info=exc)
+        _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
 
 
 def _send_error(sender: Any, message: str, code: Any) -> None:
