@@ -201,10 +201,13 @@ def _check_structured(value: Any, param: str) -> dict[str, Any]:
     grammar says, and refuses what it cannot compile)."""
     if not isinstance(value, dict):
         raise bad(f"{param} must be an object with one of {', '.join(STRUCTURED_KINDS)}", param)
-    unknown = [k for k in value if k not in (*STRUCTURED_KINDS, "disable_any_whitespace")]
+    unknown = [k for k in value if k not in (*STRUCTURED_KINDS, "disable_any_whitespace", "backend")]
     if unknown:
         raise bad(f"{param}.{unknown[0]} is not supported: give one of {', '.join(STRUCTURED_KINDS)} (and "
-                  f"optionally disable_any_whitespace)", param)
+                  f"optionally disable_any_whitespace, backend)", param)
+    if value.get("backend") not in (None, "xgrammar", "auto"):
+        raise bad(f'{param}.backend must be "xgrammar" or "auto" (orca enforces grammars with xgrammar), got '
+                  f"{_short(value['backend'])}", f"{param}.backend")
     kinds = [k for k in STRUCTURED_KINDS if value.get(k) is not None]
     if len(kinds) != 1:
         raise bad(f"{param} must hold exactly one of {', '.join(STRUCTURED_KINDS)}, got "
@@ -212,7 +215,7 @@ def _check_structured(value: Any, param: str) -> dict[str, Any]:
     kind = kinds[0]
     item = value[kind]
     where = param if param.startswith("guided_") else f"{param}.{kind}"
-    if kind == "json" and not isinstance(item, (dict, str)):
+    if kind == "json" and not isinstance(item, (dict, str, bool)):
         raise bad(f"{where} must be a JSON schema (an object, or its JSON text)", where)
     if kind == "json" and isinstance(item, str) and not isinstance(_json_or_none(item), dict):
         raise bad(f"{where} must be a JSON schema: its text is not a JSON object", where)
@@ -225,7 +228,7 @@ def _check_structured(value: Any, param: str) -> dict[str, Any]:
     flag = value.get("disable_any_whitespace")
     if flag is not None and not isinstance(flag, bool):
         raise bad(f"{param}.disable_any_whitespace must be a boolean", param)
-    return {kind: item, **({"disable_any_whitespace": flag} if flag is not None else {})}
+    return {kind: item, **{k: value[k] for k in ("disable_any_whitespace", "backend") if value.get(k) is not None}}
 
 
 def _json_or_none(text: str) -> Any:
