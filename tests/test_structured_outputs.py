@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orca import LLM
-from orca.frontend.structured_outputs import check_json_schema, choice_grammar
+from orca.frontend.structured_outputs import choice_grammar
 from orca.sampling_params import SamplingParams, StructuredOutputs
 from orca.worker.sampler import apply_allowed_tokens
 
@@ -45,7 +45,8 @@ SCHEMAS: list[dict[str, Any]] = [
      "required": ["id", "items", "status", "gift"]},
     {"type": "array", "minItems": 1, "maxItems": 3, "items": {"enum": ["red", "green", "blue", 7, None]}},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -50, "maximum": 50}, "y": {"type": "integer", "minimum": -50, "maximum": 50}},
+        "x": {"type": "integer", "minimum": -50, "maximum": 50},
+        "y": {"type": "integer", "minimum": -50, "maximum": 50}},
         "required": ["x", "y"]}, "label": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 5}]}},
      "required": ["point", "label"]},
 ]
@@ -91,7 +92,8 @@ def _byte_fallback_tokenizer(path: Path) -> Any:
         return tok
 
     trained = build(models.BPE(unk_token="<unk>"))
-    trained.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=1200, special_tokens=["<unk>", "<s>", "</s>"]))
+    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<unk>", "<s>", "</s>"])
+    trained.train_from_iterator(_corpus(), trainer)
     # The <0xNN> byte tokens are ordinary vocabulary (as in Llama 2's), not special tokens.
     model = json.loads(trained.to_str())["model"]
     vocab = dict(model["vocab"])

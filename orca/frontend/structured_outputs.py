@@ -83,8 +83,8 @@ def check_json_schema(schema: Any, what: str = "structured_outputs.json") -> Non
             if key in node:
                 raise ValueError(f"{what}: the keyword {key!r} (at {path or '/'}) is not supported: structured "
                                  f"outputs cannot enforce it; supported: type, properties, required, items, "
-                                 f"prefixItems, enum, const, anyOf, oneOf, $ref/$defs, string, number and array bounds, "
-                                 f"pattern, format")
+                                 f"prefixItems, enum, const, anyOf, oneOf, $ref/$defs, string, number and array "
+                                 f"bounds, pattern, format")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             raise ValueError(f"{what}: allOf with more than one subschema (at {path or '/'}) is not supported: "
                              f"merge them into one schema")
