@@ -359,3 +359,15 @@ def test_bounded_strings_refuse_control_characters(smollm2_compiler: Any) -> Non
     assert xgrammar.GrammarMatcher(compiled).accept_string('{"a": "ok"}')
     for bad in ('{"a": "o\x15"}', '{"a": "\t"}', '{"a": "\n"}'):
         assert not xgrammar.GrammarMatcher(compiled).accept_string(bad), repr(bad)
+
+
+def test_the_timeline_marks_constrained_arrivals(tmp_path: Path) -> None:
+    _smollm2_tokenizer(tmp_path)
+    make_llama(tmp_path, vocab_size=49216, max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
+    trace = tmp_path / "run.jsonl"
+    llm = LLM(str(tmp_path), dtype="float32", torch_compile="off", quantization="none", trace=str(trace))
+    llm.generate(["a", "b"], [SamplingParams(max_tokens=4, structured_outputs={"choice": ["x", "y"]}),
+                              SamplingParams(max_tokens=4)])
+    llm.engine.shutdown()
+    arrivals = [r for r in map(json.loads, trace.read_text().splitlines()) if r.get("type") == "arrival"]
+    assert [r.get("constrained", False) for r in arrivals] == [True, False]
