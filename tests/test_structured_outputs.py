@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orca import LLM
-from orca.frontend.structured_outputs import check_json_schema, choice_grammar
+from orca.frontend.structured_outputs import choice_grammar
 from orca.sampling_params import SamplingParams, StructuredOutputs
 from orca.worker.sampler import apply_allowed_tokens
 
@@ -45,7 +45,8 @@ SCHEMAS: list[dict[str, Any]] = [
      "required": ["id", "items", "status", "gift"]},
     {"type": "array", "minItems": 1, "maxItems": 3, "items": {"enum": ["red", "green", "blue", 7, None]}},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -50, "maximum": 50}, "y": {"type": "integer", "minimum": -50, "maximum": 50}},
+        "x": {"type": "integer", "minimum": -50, "maximum": 50},
+        "y": {"type": "integer", "minimum": -50, "maximum": 50}},
         "required": ["x", "y"]}, "label": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 5}]}},
      "required": ["point", "label"]},
 ]
@@ -91,7 +92,8 @@ def _byte_fallback_tokenizer(path: Path) -> Any:
         return tok
 
     trained = build(models.BPE(unk_token="<unk>"))
-    trained.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=1200, special_tokens=["<unk>", "<s>", "</s>"]))
+    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<unk>", "<s>", "</s>"])
+    trained.train_from_iterator(_corpus(), trainer)
     # The <0xNN> byte tokens are ordinary vocabulary (as in Llama 2's), not special tokens.
     model = json.loads(trained.to_str())["model"]
     vocab = dict(model["vocab"])
@@ -357,3 +359,15 @@ def test_bounded_strings_refuse_control_characters(smollm2_compiler: Any) -> Non
     assert xgrammar.GrammarMatcher(compiled).accept_string('{"a": "ok"}')
     for bad in ('{"a": "o\x15"}', '{"a": "\t"}', '{"a": "\n"}'):
         assert not xgrammar.GrammarMatcher(compiled).accept_string(bad), repr(bad)
+
+
+def test_the_timeline_marks_constrained_arrivals(tmp_path: Path) -> None:
+    _smollm2_tokenizer(tmp_path)
+    make_llama(tmp_path, vocab_size=49216, max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
+    trace = tmp_path / "run.jsonl"
+    llm = LLM(str(tmp_path), dtype="float32", torch_compile="off", quantization="none", trace=str(trace))
+    llm.generate(["a", "b"], [SamplingParams(max_tokens=4, structured_outputs={"choice": ["x", "y"]}),
+                              SamplingParams(max_tokens=4)])
+    llm.engine.shutdown()
+    arrivals = [r for r in map(json.loads, trace.read_text().splitlines()) if r.get("type") == "arrival"]
+    assert [r.get("constrained", False) for r in arrivals] == [True, False]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from orca.core.constraint import TokenConstraint
 from orca.core.engine import (
     EngineCore,
     EngineCoreOutput,
@@ -39,7 +40,6 @@ from orca.core.engine import (
     IterationStats,
     QueueFullError,
 )
-from orca.core.constraint import TokenConstraint
 from orca.core.request import FinishReason
 from orca.sampling_params import SamplingParams
 

@@ -83,8 +83,8 @@ def check_json_schema(schema: Any, what: str = "structured_outputs.json") -> Non
             if key in node:
                 raise ValueError(f"{what}: the keyword {key!r} (at {path or '/'}) is not supported: structured "
                                  f"outputs cannot enforce it; supported: type, properties, required, items, "
-                                 f"prefixItems, enum, const, anyOf, oneOf, $ref/$defs, string, number and array bounds, "
-                                 f"pattern, format")
+                                 f"prefixItems, enum, const, anyOf, oneOf, $ref/$defs, string, number and array "
+                                 f"bounds, pattern, format")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             raise ValueError(f"{what}: allOf with more than one subschema (at {path or '/'}) is not supported: "
                              f"merge them into one schema")
@@ -113,12 +113,42 @@ _JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
 
 
 def json_schema_grammar(schema: str, any_whitespace: bool, strict: bool = True) -> str:
-    """xgrammar's EBNF for a JSON schema, every string character class excluding control characters.
-    strict (vLLM's default): properties and items the schema does not name are not generated."""
+    """xgrammar's EBNF for a JSON schema (its length-bounded strings respelled: ``bounded_strings_as_patterns``),
+    every string character class excluding control characters. strict (vLLM's default): properties and
+    items the schema does not name are not generated."""
     import xgrammar
 
-    text = str(xgrammar.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict))
+    respelled = json.dumps(bounded_strings_as_patterns(json.loads(schema)))
+    text = str(xgrammar.Grammar.from_json_schema(respelled, any_whitespace=any_whitespace, strict_mode=strict))
     return text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def bounded_strings_as_patterns(node: Any) -> Any:
+    """The schema with each string's minLength/maxLength (without a pattern or format of its own) spelled
+    as the equivalent pattern ``^[^"\\\x00-\x1f]{min,max}$``: unescaped characters, as xgrammar's own bounded
+    strings allow. xgrammar 0.2.8 spells the bounds as a chain of one rule per character, whose masks it
+    cannot precompute: measured on SmolLM2's vocabulary, 0.7 ms per token on average (up to 6 ms) against
+    0.017 ms as a pattern, and 1.8 s to compile maxLength 120."""
+    if isinstance(node, list):
+        return [bounded_strings_as_patterns(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: bounded_strings_as_patterns(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_VALUED or key in _SCHEMA_LISTS:
+            out[key] = bounded_strings_as_patterns(value)
+        else:
+            out[key] = value
+    bounds = ("minLength" in out or "maxLength" in out)
+    if bounds and out.get("type") == "string" and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
+        if isinstance(low, int) and (high is None or isinstance(high, int)):
+            out["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{"" if high is None else high}}}$'
+        else:  # not integers: left for the meta-schema check to refuse
+            out["minLength"], out["maxLength"] = low, high
+    return out
 
 
 def choice_grammar(choices: list[str]) -> str:

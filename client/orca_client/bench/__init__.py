@@ -22,7 +22,9 @@ description (its docstring, which --help shows), its options (add_parser) and it
   system prompt (real text, the model's chat template): offline in this process, and through orca's
   server and vLLM's (TTFT, throughput, the cache's hit rate);
 - perplexity: ``orca-bench perplexity``, the engine's weight and K/V formats (quantization,
-  kv_cache_dtype) on real English text against transformers' float32 reference.
+  kv_cache_dtype) on real English text against transformers' float32 reference;
+- structured: ``orca-bench structured``, structured outputs' cost: grammar engines' compile and mask times
+  (xgrammar against llguidance) and the engine's constrained against unconstrained tokens/s.
 
 Shared: common (the machine record, the JSON output, transformers' continuous batching; no tritonclient)
 and options (the argparse types and the workload options of trace and offline). This module imports no
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         perplexity,
         prefix,
         serve,
+        structured,
         timeline_cmd,
         trace_cmd,
     )
@@ -54,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orca-bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for command in (trace_cmd, timeline_cmd, offline, linears, decode, distributed, serve, core, prefix,
-                    perplexity):
+                    perplexity, structured):
         command.add_parser(sub)
     return p
 
