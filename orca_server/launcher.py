@@ -90,6 +90,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="do not start the OpenAI-compatible API (same as --openai-port 0)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        metavar="{auto,hermes,mistral,llama3_json}",
+        help="orca-openai's --tool-call-parser: how tool calls are found in a chat answer's text "
+        "(default: %(default)s; python -m orca_openai --help describes each)",
+    )
+    parser.add_argument(
         "--address",
         default=None,
         help="bind HTTP, gRPC and metrics to this address (default: all interfaces)",
@@ -185,6 +192,7 @@ def openai_command(args: argparse.Namespace) -> list[str]:
         "--port", str(args.openai_port),
         "--triton-url", f"{triton_host}:{args.grpc_port}",
         "--metrics-url", f"http://{triton_host}:{args.metrics_port}/metrics",
+        "--tool-call-parser", args.tool_call_parser,
     ]
 
 

@@ -202,12 +202,15 @@ def test_cli_help_and_dry_run_with_ports_from_env(tmp_path: Path) -> None:
         str(tmp_path / "b"),
         "--model",
         "smoke",
+        "--tool-call-parser",
+        "hermes",
         "--dry-run",
         "--",
         "--log-verbose=1",
         env=env,
     )
     assert dry.returncode == 0, dry.stderr
+    assert "--tool-call-parser hermes" in dry.stdout  # orca-openai's command line
     for arg in ("--http-port=18123", "--grpc-port=18124", "--metrics-port=18125", "--load-model=smoke"):
         assert arg in dry.stdout
     assert dry.stdout.rstrip().endswith("--log-verbose=1")

@@ -152,8 +152,10 @@ class LLMEngine:
     def encode(self, text: str) -> list[int]:
         return self.text.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.text.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat's prompt ids, `tools` (OpenAI tool objects) rendered by the model's template (or in
+        the Hermes format when it has no tools: orca/frontend/tokenizer.py)."""
+        return self.text.apply_chat_template(messages, tools)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.text.decode(token_ids)
