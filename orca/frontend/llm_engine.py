@@ -152,7 +152,9 @@ class LLMEngine:
     def encode(self, text: str) -> list[int]:
         return self.text.encode(text)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The chat's prompt ids, `tools` (OpenAI tool objects) rendered by the model's template (or in
         the Hermes format when it has no tools: orca/frontend/tokenizer.py)."""
         return self.text.apply_chat_template(messages, tools)
