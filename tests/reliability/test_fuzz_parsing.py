@@ -34,7 +34,7 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.extra import numpy as hnp
 
 from orca import LLMEngine, Logprob, RequestOutput
-from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, SamplingParams
+from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from orca_triton.generate import (
     INPUT_NAMES,
     PROMPT_INPUTS,
@@ -115,6 +115,8 @@ def check_servable(engine: LLMEngine, request: GenerateRequest) -> None:
     assert isinstance(p.stop_token_ids, tuple) and all(type(t) is int and t >= 0 for t in p.stop_token_ids)
     assert type(p.ignore_eos) is bool
     assert p.logprobs is None or (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_LOGPROBS)
+    assert p.structured_outputs is None or (isinstance(p.structured_outputs, StructuredOutputs)
+                                            and engine.tokenizer is not None)
     for flag in (request.stream, request.exclude_input_in_output, request.return_logprobs,
                  request.return_cumulative_logprob):
         assert type(flag) is bool
@@ -178,6 +180,10 @@ def valid_value(field: str) -> st.SearchStrategy[Any]:
         "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),
         "ignore_eos": st.booleans(),
         "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+        "structured_outputs": st.none() | st.sampled_from([
+            {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"json_object": True},
+            {"regex": "[a-z]{1,5}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a" | "b"'},
+            '{"json": {"type": "string"}, "disable_any_whitespace": true}']),
     }[field]
 
 
@@ -223,6 +229,9 @@ def test_every_sampling_field_fuzzed(engine: LLMEngine, data: st.DataObject) -> 
         sent = [sent] if field == "stop" and not sent.startswith("[") else json.loads(sent)
     if field == "stop" and isinstance(sent, str):
         sent = [sent]
+    if field == "structured_outputs":
+        assert got == (None if sent is None else StructuredOutputs.parse(sent)), (got, sent)
+        return
     if isinstance(sent, list):
         sent = tuple(sent)
     assert got == sent and (type(got) is type(sent) or {type(got), type(sent)} == {int, float}), (got, sent)
