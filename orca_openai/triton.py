@@ -114,7 +114,12 @@ class Triton:
             return self._models
 
     async def _load_models(self) -> dict[str, ModelInfo]:
-        index = await self.client.get_model_repository_index(as_json=True, client_timeout=10)
+        try:
+            index = await self.client.get_model_repository_index(as_json=True, client_timeout=10)
+        except (InferenceServerException, grpc.RpcError, OSError) as exc:  # Triton down or still starting
+            message = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+            raise APIError(503, f"Triton at {self.url} is unreachable: {message}", "service_unavailable",
+                           code="model_unavailable") from None
         found: dict[str, ModelInfo] = {}
         for entry in index.get("models", []):
             name = entry["name"]

@@ -488,3 +488,31 @@ def test_serve_bench_hops_time_each_endpoint_beside_the_iterations(orca_server: 
     for figures in hops.values():
         assert figures["itl_ms_p90"] >= figures["itl_ms_median"] > 0
         assert figures["iteration_ms_mean"] > 0
+
+
+def test_triton_unreachable_is_503_not_500(tmp_path: Path) -> None:
+    """orca-openai before Triton is up (or after it died): an OpenAI error object with 503, never a 500."""
+    port, dead = free_ports(2)
+    log = tmp_path / "orca-openai.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "orca_openai", "--host", "127.0.0.1", "--port", str(port),
+                                 "--triton-url", f"127.0.0.1:{dead}"], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=REPO_ROOT)
+    try:
+        def up() -> bool:
+            try:
+                return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
+            except requests.RequestException:
+                return False
+
+        wait_for(up, f"orca-openai on :{port}\n{log.read_text()}", timeout=120)
+        for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": CHAT}),
+                           ("/v1/completions", {"model": MODEL, "prompt": PARIS}), ("/v1/models", None)):
+            r = (requests.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=30) if body
+                 else requests.get(f"http://127.0.0.1:{port}{path}", timeout=30))
+            assert r.status_code == 503, (path, r.text)
+            assert "unreachable" in r.json()["error"]["message"]
+        assert "Traceback" not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
