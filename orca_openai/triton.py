@@ -92,12 +92,29 @@ def build_inputs(
     )
 
 
+def _channel_args() -> list[tuple[str, Any]]:
+    """tritonclient's defaults (message sizes, keepalive), and reconnection within a second: gRPC's own
+    backoff grows to two minutes, so an orca-openai started before Triton (make serve) would answer 503
+    for up to that long after Triton came up."""
+    keepalive = grpcclient.KeepAliveOptions()
+    size = grpcclient.MAX_GRPC_MESSAGE_SIZE
+    return [
+        ("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+        ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+        ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+        ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
 class Triton:
     """Talks to one Triton server; the models it serves are looked up at most every ``ttl`` seconds."""
 
     def __init__(self, url: str, ttl: float = 2.0) -> None:
         self.url, self.ttl = url, ttl
-        self.client = aiogrpc.InferenceServerClient(url)
+        self.client = aiogrpc.InferenceServerClient(url, channel_args=_channel_args())
         self._models: dict[str, ModelInfo] = {}
         self._models_at = -1e9
         self._lock = asyncio.Lock()
