@@ -430,7 +430,7 @@ def test_make_serve_starts_orca_openai_beside_triton(tmp_path: Path) -> None:
     (repo / "smoke" / "1" / "model.py").write_text((smoke / "model.py").read_text())
     http, grpc_port, metrics, port = free_ports(4)
     dry = subprocess.run(
-        ["make", "-s", "serve", f"MODEL_REPOSITORY={repo}", f"HTTP_PORT={http}", f"GRPC_PORT={grpc_port}",
+        ["make", "-s", "-o", "venv", "serve", f"MODEL_REPOSITORY={repo}", f"HTTP_PORT={http}", f"GRPC_PORT={grpc_port}",
          f"METRICS_PORT={metrics}", f"OPENAI_PORT={port}", "SERVE_ARGS=--dry-run --address 127.0.0.1"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
