@@ -1,7 +1,8 @@
 # Developer and CI entry points. Everything runs from the project venv that `make venv`
 # creates (scripts/setup_venv.sh: idempotent, returns at once when nothing changed).
 #
-#   make serve HTTP_PORT=8100   # serve model_repository with Triton (and the OpenAI API on :9000)
+#   make serve HTTP_PORT=8100   # serve model_repository with Triton (and the OpenAI API on :9000);
+#                               # or ORCA_HTTP_PORT=8100 make serve (the command line wins over the environment)
 #   make test PYTEST_ARGS='-k launcher -x'
 #   make test-stress            # full-size reliability runs (tests/reliability, marker stress): 1,000-request
 #                               # soak and 200-stream cancellation storm on SmolLM2; figures to docs/reliability/
@@ -9,11 +10,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 MODEL_REPOSITORY ?= model_repository
-HTTP_PORT ?= 8000
-GRPC_PORT ?= 8001
-METRICS_PORT ?= 8002
-# The OpenAI-compatible API (orca-openai) beside Triton; OPENAI_PORT=0 starts none.
-OPENAI_PORT ?= $(or $(ORCA_OPENAI_PORT),9000)
+# Ports. Left empty, the launcher picks each (the one place they have defaults): ORCA_HTTP_PORT,
+# ORCA_GRPC_PORT, ORCA_METRICS_PORT, ORCA_OPENAI_PORT from the environment, else 8000/8001/8002/9000;
+# one given here (make serve HTTP_PORT=8100) wins over the environment. OPENAI_PORT is the
+# OpenAI-compatible API (orca-openai) beside Triton; OPENAI_PORT=0 starts none.
+HTTP_PORT ?=
+GRPC_PORT ?=
+METRICS_PORT ?=
+OPENAI_PORT ?=
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -26,8 +30,9 @@ venv:
 
 serve: venv
 	$(VPY) -m orca_server.launcher --model-repository $(MODEL_REPOSITORY) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
-		--openai-port $(OPENAI_PORT) $(SERVE_ARGS)
+		$(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) \
+		$(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) $(if $(OPENAI_PORT),--openai-port $(OPENAI_PORT)) \
+		$(SERVE_ARGS)
 
 # Any non-zero pytest exit fails the target: 1 for failures, 5 when no test was collected.
 test: venv

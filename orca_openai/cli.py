@@ -60,9 +60,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Serves until SIGINT or SIGTERM, then shuts down gracefully and returns 0 (quietly: no traceback)."""
+    try:
+        return _serve(parse_args(argv))
+    except KeyboardInterrupt:  # Ctrl-C before the server took over SIGINT (while importing, say)
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    args = parse_args(argv)
+    class QuietServer(uvicorn.Server):
+        """uvicorn's Server, but every SIGINT/SIGTERM asks for the same graceful shutdown.
+
+        uvicorn turns a second SIGINT into a forced exit that leaves the lifespan task to be cancelled (its
+        CancelledError is logged with a traceback), and re-raises the signals it caught once it has shut down
+        (a KeyboardInterrupt, or death by SIGTERM). A Ctrl-C in the terminal of ``make serve`` reaches this
+        process twice (the terminal signals the process group, and the launcher forwards it), so: one stop
+        request however many signals come, bounded by ``timeout_graceful_shutdown``, and exit status 0."""
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            self.should_exit = True
+
     metrics_url = args.metrics_url
     if metrics_url is None:
         host = args.triton_url.rsplit(":", 1)[0] or "localhost"
@@ -70,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(triton_url=args.triton_url, metrics_url=metrics_url, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, required_models=tuple(args.require_model),
                         tool_call_parser=args.tool_call_parser)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
-    return 0
+    config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = QuietServer(config)
+    server.run()
+    return 0 if server.started else 3  # uvicorn.run's STARTUP_FAILURE (the port taken, say)

@@ -37,9 +37,13 @@ while True:
     time.sleep(0.5)
     if started(stub) != stub_start:
         sys.exit(0)
-    if started(server) != server_start:
-        print(f"orca reaper: tritonserver (pid {server}) is gone: killing its Python backend stub {stub}", flush=True)
-        os.kill(stub, signal.SIGKILL)
+    if server_start is None or started(server) != server_start:  # None: gone before we first looked
+        os.kill(stub, signal.SIGKILL)  # first: the server's end of our stdout may be gone with it
+        try:
+            print(f"orca reaper: tritonserver (pid {server}) was gone: killed its Python backend stub {stub}",
+                  flush=True)
+        except OSError:
+            pass
         sys.exit(0)
 """
 

@@ -219,6 +219,36 @@ def test_cli_help_and_dry_run_with_ports_from_env(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "not found" in missing.stderr
 
 
+def test_make_serve_takes_ports_from_the_environment(tmp_path: Path) -> None:
+    """`ORCA_HTTP_PORT=... make serve` reaches tritonserver's (and orca-openai's) command line; a port given to
+    make wins over the environment. `-o venv` keeps make from running scripts/setup_venv.sh (serve: venv)."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    repo = make_smoke_repository(tmp_path)
+
+    def serve(*make_args: str, **env: str) -> str:
+        done = subprocess.run(
+            ["make", "-s", "-o", "venv", "serve", f"VPY={sys.executable}", f"MODEL_REPOSITORY={repo}",
+             f"SERVE_ARGS=--dry-run --backend-dir {tmp_path / 'b'}", *make_args],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("ORCA_") and not k.endswith("_PORT")},
+                 **env},
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    out = serve(ORCA_HTTP_PORT="18123", ORCA_GRPC_PORT="18124", ORCA_METRICS_PORT="18125", ORCA_OPENAI_PORT="18126")
+    triton = out.rstrip().splitlines()[-1]  # the dry run prints tritonserver's command last
+    for arg in ("--http-port=18123", "--grpc-port=18124", "--metrics-port=18125"):
+        assert arg in triton
+    assert "--port 18126 --triton-url 127.0.0.1:18124 --metrics-url http://127.0.0.1:18125/metrics" in out
+    out = serve("HTTP_PORT=18200", "OPENAI_PORT=0", ORCA_HTTP_PORT="18123", ORCA_OPENAI_PORT="18126")
+    assert "--http-port=18200" in out and "--grpc-port=8001" in out and "orca_openai" not in out
+    out = serve()
+    assert all(f"--{name}-port={port}" in out for name, port in (("http", 8000), ("grpc", 8001), ("metrics", 8002)))
+    assert "--port 9000" in out
+
+
 def test_startup_failure_raises_with_the_log_tail(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "broken" / "1").mkdir(parents=True)

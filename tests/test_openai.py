@@ -430,7 +430,7 @@ def test_make_serve_starts_orca_openai_beside_triton(tmp_path: Path) -> None:
     (repo / "smoke" / "1" / "model.py").write_text((smoke / "model.py").read_text())
     http, grpc_port, metrics, port = free_ports(4)
     dry = subprocess.run(
-        ["make", "-s", "serve", f"MODEL_REPOSITORY={repo}", f"HTTP_PORT={http}", f"GRPC_PORT={grpc_port}",
+        ["make", "-s", "-o", "venv", "serve", f"MODEL_REPOSITORY={repo}", f"HTTP_PORT={http}", f"GRPC_PORT={grpc_port}",
          f"METRICS_PORT={metrics}", f"OPENAI_PORT={port}", "SERVE_ARGS=--dry-run --address 127.0.0.1"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )
@@ -470,6 +470,40 @@ def test_make_serve_starts_orca_openai_beside_triton(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGINT, signal.SIGINT), (signal.SIGTERM,),
+                                     (signal.SIGINT, signal.SIGTERM)], ids=["int", "int-int", "term", "int-term"])
+def test_orca_openai_stops_quietly_on_sigint_and_sigterm(tmp_path: Path, signals: tuple[int, ...]) -> None:
+    """Ctrl-C under `make serve` reaches orca-openai twice (the terminal's process group, then the launcher's
+    forward): any mix of SIGINT/SIGTERM is one graceful stop, exit status 0, and no traceback on stderr."""
+    (port,) = free_ports(1)
+    err = tmp_path / "stderr.log"
+    with open(err, "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orca_openai", "--host", "127.0.0.1", "--port", str(port),
+             "--triton-url", "127.0.0.1:1"],  # nothing there: /health answers 503, the server runs all the same
+            cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
+        )
+    try:
+        def up() -> bool:
+            try:
+                return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
+            except requests.RequestException:
+                return False
+
+        wait_for(up, f"orca-openai on :{port}", timeout=60)
+        for sig in signals:
+            proc.send_signal(sig)
+            time.sleep(0.05)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = err.read_text()
+    assert "Traceback" not in log and "CancelledError" not in log and "KeyboardInterrupt" not in log, log
+    assert "Application shutdown complete" in log
 
 
 def test_serve_bench_hops_time_each_endpoint_beside_the_iterations(orca_server: Any, api: str) -> None:

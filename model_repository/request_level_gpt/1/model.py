@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from orca import EngineConfig, LLMEngine
 from orca.frontend.request_level import REQUEST_LEVEL_OPTIONS, RequestLevelBatcher
 from orca_triton.generate import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
-from orca_triton.lifecycle import log_to_stderr
+from orca_triton.lifecycle import log_to_stderr, start_reaper
 
 logger = logging.getLogger("request_level_gpt")
 
@@ -44,6 +44,7 @@ class TritonPythonModel:
         self.name = args["model_name"]
         self.batcher = RequestLevelBatcher(self.engine, id_prefix=f"{self.name}-")
         self.has_tokenizer = self.engine.tokenizer is not None
+        self._reaper = start_reaper()  # kills this stub should tritonserver die (killed, crashed), as orca_gpt's
         logger.info(
             "%s ready: %s, max_batch_size=%d, n_slots=%d",
             self.name, self.engine.checkpoint, max_batch_size, self.engine.n_slots,
@@ -81,7 +82,10 @@ class TritonPythonModel:
         return responses
 
     def finalize(self) -> None:
-        return None  # execute() finishes its batch before Triton unloads the model: nothing is in flight
+        # execute() finishes its batch before Triton unloads the model: nothing is in flight, only the reaper.
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait(timeout=10)
 
     def _parse(self, request: Any) -> GenerateRequest:
         inputs = {}
