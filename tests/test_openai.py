@@ -150,6 +150,25 @@ def test_empty_content_stays_valid_where_openai_takes_it() -> None:
     assert [m["content"] for m in req.prompt] == ["", "Hi", "", None, ""]
 
 
+def test_bad_bodies_are_400s_before_triton_is_asked() -> None:
+    # the ASGI app without its lifespan: it has no Triton connection, so a request that got that far
+    # would be a 500; each of these is answered before
+    from fastapi.testclient import TestClient
+
+    from orca_openai.app import Settings, create_app
+
+    app = TestClient(create_app(Settings()), raise_server_exceptions=False)
+    for body, message in [(b"{not json", "not valid JSON"), (b"[" * 100_000, "nested too deeply"),
+                          (b'{"prompt": ' + b"1" * 5000 + b"}", "could not be parsed as JSON"),
+                          (b"\xff", "not valid JSON")]:
+        r = app.post("/v1/completions", content=body)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body[:20], r.text)
+    r = app.post("/v1/completions", json={"model": MODEL, "prompt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = app.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": ""}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+
+
 def test_orca_gpts_logprobs_output_maps_to_openais_layouts() -> None:
     # vllm_backend's layout: per token {id: {logprob, rank, decoded_token}}, the drawn token among them
     chunk = Chunk(output_ids=[7, 9], text=" a b", final=True, logprobs=[
