@@ -111,6 +111,10 @@ def create_app(settings: Settings) -> FastAPI:
             return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply to parse") from None
+        except ValueError as exc:  # e.g. an integer past Python's digit bound: a client's error, not a 500
+            raise APIError(400, f"the request body could not be parsed as JSON: {exc}") from None
 
     @app.get("/health")
     async def health() -> Response:

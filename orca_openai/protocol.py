@@ -339,6 +339,10 @@ def completion_request(body: Any) -> Request:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
+    if prompt is None:
+        raise bad("prompt is required: a string or a list of token ids", "prompt")
+    if prompt in ("", []):  # "", [], [""], [[]]: nothing to continue (orca_gpt would refuse it as its input's)
+        raise bad(f"prompt is empty (got {_short(body['prompt'])}): give at least one character or token id", "prompt")
     if isinstance(prompt, str):
         pass
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -366,16 +370,20 @@ def completion_request(body: Any) -> Request:
 
 
 def _content(i: int, content: Any) -> str:
+    where = f"messages[{i}].content"
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        if not content:  # OpenAI's rule too: a list of parts holds at least one
+            raise bad(f"{where} is an empty list: give a string or at least one text part", where)
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+                raise bad(f"{where}: only text parts are supported", where)
             parts.append(part["text"])
         return "".join(parts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    got = "nothing" if content is None else _JSON_TYPES.get(type(content), type(content).__name__)
+    raise bad(f"{where} must be a string or a list of text parts, got {got}", where)
 
 
 def _message(i: int, message: Any) -> dict[str, Any]:
@@ -403,6 +411,9 @@ def _message(i: int, message: Any) -> dict[str, Any]:
     if role == "assistant" and content is None:
         return {"role": role, "content": ""}
     out = {"role": role, "content": _content(i, content)}
+    if role == "user" and not out["content"]:
+        raise bad(f"messages[{i}].content is empty: a user message needs at least one character",
+                  f"messages[{i}].content")
     if role == "tool":
         call = message.get("tool_call_id")
         if not isinstance(call, str):
@@ -447,6 +458,8 @@ def chat_request(body: Any) -> Request:
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
     converted = [_message(i, message) for i, message in enumerate(messages)]
+    if not any(m["content"] or m.get("tool_calls") for m in converted):
+        raise bad("every message's content is empty: give the model some text", "messages")
     tools, choice, parallel = _tools(body)
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:

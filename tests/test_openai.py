@@ -105,6 +105,70 @@ def test_requests_map_to_orca_gpts_prompt_and_sampling_parameters() -> None:
         protocol.chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 1})
 
 
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+def test_an_empty_prompt_is_a_400_naming_prompt(prompt: Any) -> None:
+    # answered in the request's own terms before anything reaches orca_gpt (whose text_input is not the
+    # client's word)
+    with pytest.raises(protocol.APIError, match="prompt is empty.*give at least one character or token id") as err:
+        protocol.completion_request({"model": "m", "prompt": prompt})
+    assert (err.value.status, err.value.param) == (400, "prompt")
+    with pytest.raises(protocol.APIError, match="prompt is required") as err:
+        protocol.completion_request({"model": "m"})
+    assert (err.value.status, err.value.param) == (400, "prompt")
+    # what is not empty stays valid: a blank string is text, a token id 0 is a token
+    assert protocol.completion_request({"model": "m", "prompt": " "}).prompt == " "
+    assert protocol.completion_request({"model": "m", "prompt": [[0]]}).prompt == [0]
+
+
+@pytest.mark.parametrize(("messages", "param", "match"), [
+    ([{"role": "user", "content": ""}], "messages[0].content",
+     r"messages\[0\].content is empty: a user message needs at least one character"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": ""}]}],
+     "messages[1].content", r"messages\[1\].content is empty"),
+    ([{"role": "user", "content": []}], "messages[0].content", r"messages\[0\].content is an empty list"),
+    ([{"role": "user", "content": None}], "messages[0].content",
+     r"messages\[0\].content must be a string or a list of text parts, got nothing"),
+    ([{"role": "user", "content": 7}], "messages[0].content", "got an integer"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content",
+     "only text parts"),
+    ([{"role": "system", "content": ""}, {"role": "assistant", "content": None}], "messages",
+     "every message's content is empty"),
+])
+def test_empty_chat_content_is_a_400_naming_the_message(messages: list, param: str, match: str) -> None:
+    with pytest.raises(protocol.APIError, match=match) as err:
+        protocol.chat_request({"model": "m", "messages": messages})
+    assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_empty_content_stays_valid_where_openai_takes_it() -> None:
+    # an empty system, assistant or tool message beside a user's text; an assistant's tool calls with null content
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    req = protocol.chat_request({"model": "m", "messages": [
+        {"role": "system", "content": ""}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": ""}]})
+    assert [m["content"] for m in req.prompt] == ["", "Hi", "", None, ""]
+
+
+def test_bad_bodies_are_400s_before_triton_is_asked() -> None:
+    # the ASGI app without its lifespan: it has no Triton connection, so a request that got that far
+    # would be a 500; each of these is answered before
+    from fastapi.testclient import TestClient
+
+    from orca_openai.app import Settings, create_app
+
+    app = TestClient(create_app(Settings()), raise_server_exceptions=False)
+    for body, message in [(b"{not json", "not valid JSON"), (b"[" * 100_000, "nested too deeply"),
+                          (b'{"prompt": ' + b"1" * 5000 + b"}", "could not be parsed as JSON"),
+                          (b"\xff", "not valid JSON")]:
+        r = app.post("/v1/completions", content=body)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body[:20], r.text)
+    r = app.post("/v1/completions", json={"model": MODEL, "prompt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = app.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": ""}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+
+
 def test_orca_gpts_logprobs_output_maps_to_openais_layouts() -> None:
     # vllm_backend's layout: per token {id: {logprob, rank, decoded_token}}, the drawn token among them
     chunk = Chunk(output_ids=[7, 9], text=" a b", final=True, logprobs=[

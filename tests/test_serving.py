@@ -68,6 +68,38 @@ def test_invalid_requests_say_what_is_wrong(inputs: dict, message: str) -> None:
         parse(inputs)
 
 
+USER = json.dumps([{"role": "user", "content": "q"}])
+
+
+@pytest.mark.parametrize(
+    ("inputs", "parameters", "name"),
+    [
+        ({"input_ids": np.array([1]), "sampling_parameters": s('{"max_tokens": ')}, {}, "sampling_parameters"),
+        ({"input_ids": np.array([1]), "sampling_parameters": s("[" * 100_000)}, {}, "sampling_parameters"),
+        ({"input_ids": np.array([1]), "sampling_parameters": s('{"seed": ' + "1" * 5000 + "}")}, {},
+         "sampling_parameters"),
+        ({"messages": s('[{"role": "user", "content": "q"')}, {}, "messages"),
+        ({"messages": s("[" * 100_000)}, {}, "messages"),
+        ({"messages": s(USER), "tools": s('[{"type": "function"')}, {}, "tools"),
+        ({"messages": s(USER), "tools": s("[" * 100_000)}, {}, "tools"),
+        ({"messages": s(json.dumps([{"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": '{"city": '}}]}]))}, {},
+         r"messages[0].tool_calls[0].function.arguments"),
+        ({"input_ids": np.array([1])}, {"stop": '["a", '}, "stop"),
+        ({"input_ids": np.array([1])}, {"stop_token_ids": "[7, "}, "stop_token_ids"),
+    ],
+    ids=["sampling_parameters", "sampling_parameters-deep", "sampling_parameters-bigint", "messages",
+         "messages-deep", "tools", "tools-deep", "tool_call-arguments", "stop-parameter", "stop_token_ids-parameter"],
+)
+def test_bad_json_in_an_input_is_a_value_error_naming_it(inputs: dict, parameters: dict, name: str) -> None:
+    # orca_gpt answers these INVALID_ARG (model.py: a ValueError while parsing); Triton's HTTP /generate
+    # reports that as a 400. (A body that is not JSON at all is Triton's own to parse: its 500.)
+    with pytest.raises(ValueError, match=r"^" + re.escape(name) + r"\b.*(not valid JSON|nested too deeply|"
+                       r"integer of more than)") as err:
+        parse(inputs, parameters)
+    assert type(err.value) is ValueError  # not JSONDecodeError's text or a RecursionError
+
+
 def test_sampling_keys_from_json_and_request_parameters() -> None:
     req = parse(
         {"input_ids": np.array([1]), "sampling_parameters": s('{"max_tokens": 5, "stop": ["a", "b"]}')},
