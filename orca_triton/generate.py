@@ -34,12 +34,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from orca.core.engine import MAX_CACHE_SALT_CHARS
+from orca.frontend.generation_config import with_sampling_defaults
 from orca.frontend.output_processor import Logprob, RequestOutput
 from orca.frontend.tokenizer import check_stop_strings
 from orca.sampling_params import SamplingParams, json_object, json_type, json_value
@@ -88,10 +90,13 @@ class GenerateRequest:
 
 
 def parse_generate_request(
-    inputs: dict[str, np.ndarray], parameters: dict[str, Any], codec: TextCodec, has_tokenizer: bool
+    inputs: dict[str, np.ndarray], parameters: dict[str, Any], codec: TextCodec, has_tokenizer: bool,
+    sampling_defaults: Mapping[str, Any] | None = None,
 ) -> GenerateRequest:
     """Raises ValueError with a message saying what is wrong and what is allowed (the prompt's ids are
-    checked against the model by the engine when the request is submitted)."""
+    checked against the model by the engine when the request is submitted). `sampling_defaults`: the
+    model's (orca.frontend.generation_config.read_sampling_defaults), for the sampling keys the request
+    leaves out."""
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if not given:
         raise ValueError("the request has no prompt: give input_ids, text_input or messages")
@@ -120,7 +125,7 @@ def parse_generate_request(
             prompt_ids = _with_codec("messages", codec.apply_chat_template, messages)
     parameters = dict(parameters)
     cache_salt = _cache_salt(inputs, parameters.pop("cache_salt", None))
-    params = _sampling_params(inputs, parameters)
+    params = _sampling_params(inputs, parameters, sampling_defaults)
     check_stop_strings(params, has_tokenizer)
     flags = {name: _bool_input(inputs, name) if name in inputs else None for name in RETURN_FLAGS}
     logprobs_asked = params.logprobs is not None
@@ -324,13 +329,15 @@ def _clip(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[:limit]}..."
 
 
-def _sampling_params(inputs: dict[str, np.ndarray], parameters: dict[str, Any]) -> SamplingParams:
+def _sampling_params(
+    inputs: dict[str, np.ndarray], parameters: dict[str, Any], defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     values: dict[str, Any] = {}
     if "sampling_parameters" in inputs:
         values = json_object(_string_input(inputs, "sampling_parameters"), "sampling_parameters")
     SamplingParams.check_keys(parameters, "request parameter")
     values = {**values, **{k: _parameter_value(k, v) for k, v in parameters.items()}}
-    return SamplingParams.from_dict(values)
+    return SamplingParams.from_dict(with_sampling_defaults(values, defaults))  # the request's keys win
 
 
 def _parameter_value(name: str, value: Any) -> Any:

@@ -224,3 +224,15 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def with_generation_config(source: Path, path: Path, **values: Any) -> Path:
+    """A copy of the checkpoint `source` whose generation_config.json also holds `values` (a model's
+    recommended sampling: temperature, top_p, top_k, ...), as published checkpoints ship it."""
+    import shutil
+
+    shutil.copytree(source, path)
+    gen_path = path / "generation_config.json"
+    config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    gen_path.write_text(json.dumps({**config, **values}, indent=2))
+    return path

@@ -7,6 +7,14 @@ import sys
 
 from orca_client.client import OrcaClient, OrcaError
 
+CHAT_TEMPERATURE = 0.2
+"""chat's default temperature: low, as SmolLM2's model card recommends (0.2) for the shipped 135M model, which
+at the engine's default of 1.0 soon wanders off; --temperature wins."""
+
+
+def _server_default(fallback: str) -> str:
+    return f"the server's: the model's generation_config.json, else {fallback}"
+
 
 def _sampling(args: argparse.Namespace) -> dict:
     return {
@@ -26,11 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="orca_gpt", help="model name (default: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp: argparse.ArgumentParser) -> None:
+    def common(sp: argparse.ArgumentParser, temperature: float | None, temperature_help: str) -> None:
         sp.add_argument("--max-tokens", type=int, default=64, help="maximum new tokens (default: %(default)s)")
-        sp.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default: 1.0)")
-        sp.add_argument("--top-k", type=int, default=None)
-        sp.add_argument("--top-p", type=float, default=None)
+        sp.add_argument("--temperature", type=float, default=temperature,
+                        help=f"0 = greedy (default: {temperature_help})")
+        sp.add_argument("--top-k", type=int, default=None, help=f"0 = off (default: {_server_default('off')})")
+        sp.add_argument("--top-p", type=float, default=None, help=f"1 = off (default: {_server_default('off')})")
         sp.add_argument("--seed", type=int, default=None)
         sp.add_argument("--stop", action="append", help="stop string (repeatable)")
         sp.add_argument("--ignore-eos", action="store_true")
@@ -40,12 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
     src.add_argument("--text", help="prompt text (needs a model with a tokenizer)")
     g.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    common(g)
+    common(g, None, _server_default("1.0"))
 
     c = sub.add_parser("chat", help="ask one question; the answer streams to the terminal")
     c.add_argument("message", help="the user message")
     c.add_argument("--system", help="an optional system message")
-    common(c)
+    common(c, CHAT_TEMPERATURE, f"{CHAT_TEMPERATURE}, which keeps a small model's answer on topic, rather than "
+              "the server's default: the model's generation_config.json, else 1.0")
     return p
 
 

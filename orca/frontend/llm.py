@@ -40,6 +40,13 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given no sampling_params (vLLM's name): SamplingParams' defaults
+        with the checkpoint's generation_config.json temperature, top_k and top_p where it gives them. A
+        SamplingParams you build keeps its own values (its fields all have values: none is "unset"); to
+        start from the model's, ``dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)``."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
@@ -47,13 +54,14 @@ class LLM:
         cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[CompletionOutput]:
         """Generates for every prompt (token-id lists, or strings when the model has a tokenizer);
-        outputs come back in input order. `cache_salt` (one for every prompt, or one per prompt; None =
+        outputs come back in input order. sampling_params None: get_default_sampling_params() (the
+        model's generation_config.json defaults). `cache_salt` (one for every prompt, or one per prompt; None =
         no salt): prompts with different salts never share cached keys and values (prefix caching).
         Raises ValueError for invalid arguments before any work."""
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("prompts must be a list of prompts (strings or lists of token ids)")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -9,16 +9,20 @@ core from its scheduler thread (orca/core/engine_loop.py) and runs the same fron
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from orca.config import EngineConfig
 from orca.core.engine import EngineCore, EngineStats, IterationStats
 from orca.executor import Executor
+from orca.frontend.generation_config import describe_sampling_defaults, read_sampling_defaults
 from orca.frontend.output_processor import OutputProcessor, RequestOutput
 from orca.frontend.structured_outputs import StructuredOutputCompiler
 from orca.frontend.tokenizer import Tokenizer, check_stop_strings
 from orca.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -26,12 +30,20 @@ class LLMEngine:
         """`executor` replaces the default worker(s) (EngineCore's)."""
         self.core = EngineCore(config, executor)
         self.text = Tokenizer.load(self.core.checkpoint)
+        # The model's recommended sampling (generation_config.json), for requests that give no SamplingParams.
+        self.sampling_defaults = read_sampling_defaults(self.core.checkpoint)
+        logger.info("%s", describe_sampling_defaults(self.sampling_defaults, self.core.checkpoint))
         self.output_processor = OutputProcessor(self.text)
         self.eos_token_ids = self.text.eos_token_ids(self.core.eos_token_ids)
         # Structured outputs compile on the caller's thread here (a synchronous caller waits anyway).
         self.structured_outputs = StructuredOutputCompiler(
             self.text.hf, self.core.model_config.vocab_size, self.eos_token_ids
         )
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams' defaults with the model's generation_config.json values (temperature, top_k,
+        top_p where it gives them) in their place: what a request without SamplingParams gets."""
+        return SamplingParams.from_dict(self.sampling_defaults)
 
     # -- what the core knows, for callers and benchmarks -------------------------------------------
     @property
@@ -122,7 +134,7 @@ class LLMEngine:
     ) -> None:
         """`cache_salt`: requests with different salts never share cached keys and values (prefix
         caching, EngineConfig.enable_prefix_caching); None = no salt."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         self.validate(prompt_token_ids, params, cache_salt)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         constraint = None

@@ -47,6 +47,7 @@ from orca import (
 )
 from orca.core.engine import IterationStats
 from orca.core.engine_loop import EngineLoop, fault_from_env
+from orca.frontend.generation_config import describe_sampling_defaults, read_sampling_defaults
 from orca.frontend.structured_outputs import StructuredOutputCompiler
 from orca.frontend.tokenizer import Tokenizer
 from orca_triton.generate import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
@@ -102,6 +103,9 @@ class TritonPythonModel:
         self.core = self.loop.core
         self.text = Tokenizer.load(self.core.checkpoint)
         self.has_tokenizer = self.text.available
+        # The model's recommended sampling (generation_config.json), for the keys a request leaves out.
+        self.sampling_defaults = read_sampling_defaults(self.core.checkpoint)
+        logger.info("%s", describe_sampling_defaults(self.sampling_defaults, self.core.checkpoint))
         self.eos_token_ids = self.text.eos_token_ids(self.core.eos_token_ids)
         self.outputs = OutputProcessor(self.text)  # on the response thread (add_request on execute's)
         # Structured outputs compile on a pool thread; their requests are submitted once compiled.
@@ -178,7 +182,9 @@ class TritonPythonModel:
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
             parameters = json.loads(request.parameters() or "{}")
-            parsed = parse_generate_request(inputs, parameters, self.text, self.has_tokenizer)
+            parsed = parse_generate_request(
+                inputs, parameters, self.text, self.has_tokenizer, sampling_defaults=self.sampling_defaults
+            )
             so = parsed.params.structured_outputs
             if so is None:
                 self._submit_parsed(sender, parsed, None)

@@ -99,7 +99,9 @@ class TritonPythonModel:
                 raise ValueError(f"{name} has {rows} batch rows: send one prompt per request (shape [1, ...])")
             inputs[name] = array[0]
         parameters = json.loads(request.parameters() or "{}")
-        parsed = parse_generate_request(inputs, parameters, self.engine.text, self.has_tokenizer)
+        parsed = parse_generate_request(
+            inputs, parameters, self.engine.text, self.has_tokenizer, sampling_defaults=self.engine.sampling_defaults
+        )
         if parsed.stream:
             raise ValueError(
                 f"{self.name} answers each request once, when its batch ends: it cannot stream "
