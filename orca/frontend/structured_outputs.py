@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -76,9 +76,7 @@ def check_json_schema(schema: Any, what: str = "structured_outputs.json") -> Non
     except (jsonschema.exceptions.UnknownType, RecursionError) as exc:
         raise ValueError(f"{what} is not a valid JSON Schema: {_clip(str(exc))}") from None
 
-    def walk(node: Any, path: str) -> None:
-        if not isinstance(node, dict):
-            return
+    for path, node in _schemas(schema):
         for key in UNSUPPORTED_SCHEMA_KEYWORDS:
             if key in node:
                 raise ValueError(f"{what}: the keyword {key!r} (at {path or '/'}) is not supported: structured "
@@ -88,17 +86,25 @@ def check_json_schema(schema: Any, what: str = "structured_outputs.json") -> Non
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             raise ValueError(f"{what}: allOf with more than one subschema (at {path or '/'}) is not supported: "
                              f"merge them into one schema")
-        for key in _SCHEMA_VALUED:
-            walk(node.get(key), f"{path}/{key}")
-        for key in _SCHEMA_LISTS:
-            for i, sub in enumerate(node.get(key) or () if isinstance(node.get(key), list) else ()):
-                walk(sub, f"{path}/{key}/{i}")
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                for name, sub in node[key].items():
-                    walk(sub, f"{path}/{key}/{name}")
 
-    walk(schema, "")
+
+def _schemas(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    """(path, schema) for `node` and every subschema under it (the keywords whose value is a schema, a list
+    of schemas or a map of name -> schema), depth first; what is not an object is skipped."""
+    if not isinstance(node, dict):
+        return
+    yield path, node
+    for key in (*_SCHEMA_VALUED, *_SCHEMA_LISTS):
+        value = node.get(key)
+        if isinstance(value, list):  # prefixItems, anyOf, ...; and the older drafts' items as a list
+            for i, sub in enumerate(value):
+                yield from _schemas(sub, f"{path}/{key}/{i}")
+        else:
+            yield from _schemas(value, f"{path}/{key}")
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield from _schemas(sub, f"{path}/{key}/{name}")
 
 
 def _clip(text: str, limit: int = 300) -> str:
@@ -123,32 +129,23 @@ def json_schema_grammar(schema: str, any_whitespace: bool, strict: bool = True) 
     return text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-def bounded_strings_as_patterns(node: Any) -> Any:
-    """The schema with each string's minLength/maxLength (without a pattern or format of its own) spelled
-    as the equivalent pattern ``^[^"\\\x00-\x1f]{min,max}$``: unescaped characters, as xgrammar's own bounded
-    strings allow. xgrammar 0.2.8 spells the bounds as a chain of one rule per character, whose masks it
-    cannot precompute: measured on SmolLM2's vocabulary, 0.7 ms per token on average (up to 6 ms) against
-    0.017 ms as a pattern, and 1.8 s to compile maxLength 120."""
-    if isinstance(node, list):
-        return [bounded_strings_as_patterns(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, value in node.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: bounded_strings_as_patterns(sub) for name, sub in value.items()}
-        elif key in _SCHEMA_VALUED or key in _SCHEMA_LISTS:
-            out[key] = bounded_strings_as_patterns(value)
-        else:
-            out[key] = value
-    bounds = ("minLength" in out or "maxLength" in out)
-    if bounds and out.get("type") == "string" and "pattern" not in out and "format" not in out:
-        low, high = out.pop("minLength", 0), out.pop("maxLength", None)
-        if isinstance(low, int) and (high is None or isinstance(high, int)):
-            out["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{"" if high is None else high}}}$'
-        else:  # not integers: left for the meta-schema check to refuse
-            out["minLength"], out["maxLength"] = low, high
-    return out
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`schema`, changed in place (give it a copy) and returned: each string's minLength/maxLength (without
+    a pattern or format of its own) spelled as the equivalent pattern: min to max characters other than ",
+    \\ and the control characters (unescaped, as xgrammar's own bounded strings allow). xgrammar 0.2.8
+    spells the bounds as a chain of one rule per character, whose masks it cannot precompute: measured on
+    SmolLM2's vocabulary, 0.7 ms per token on average (up to 6 ms) against 0.017 ms as a pattern, and 1.8 s
+    to compile maxLength 120."""
+    for _, node in _schemas(schema):
+        bounded = "minLength" in node or "maxLength" in node
+        if not bounded or node.get("type") != "string" or "pattern" in node or "format" in node:
+            continue
+        low, high = node.get("minLength", 0), node.get("maxLength")
+        if isinstance(low, int) and (high is None or isinstance(high, int)):  # else: the meta-schema check's
+            node.pop("minLength", None)
+            node.pop("maxLength", None)
+            node["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{"" if high is None else high}}}$'
+    return schema
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -218,12 +215,24 @@ class StructuredOutputCompiler:
             check_json_schema(json.loads(so.spec))
 
     def compile(self, so: StructuredOutputs) -> Any:
-        """The compiled grammar (cached); ValueError naming the field when it does not compile."""
+        """The compiled grammar (cached); ValueError naming the field when it is refused or does not
+        compile."""
+        compiled = self._lookup(so)
+        if compiled is None:
+            self.check(so)
+            compiled = self._compile(so)
+        return compiled
+
+    def _lookup(self, so: StructuredOutputs) -> Any:
+        """The cached grammar (now the most recently used), or None."""
         with self._lock:
-            if so in self._cache:
-                self._cache.move_to_end(so)
-                return self._cache[so]
-        self.check(so)
+            if so not in self._cache:
+                return None
+            self._cache.move_to_end(so)
+            return self._cache[so]
+
+    def _compile(self, so: StructuredOutputs) -> Any:
+        """Compiles a checked structured output and caches it; ValueError when it does not compile."""
         compiler = self._grammar_compiler()
         start = time.perf_counter()
         try:
@@ -256,22 +265,19 @@ class StructuredOutputCompiler:
         return GrammarConstraint(self.compile(so), self.vocab_size)
 
     def cached(self, so: StructuredOutputs) -> bool:
-        with self._lock:
-            return so in self._cache
+        return self._lookup(so) is not None
 
     def compile_async(self, so: StructuredOutputs,
                       done: Callable[[GrammarConstraint | None, str | None], None]) -> None:
         """Calls ``done(constraint, None)`` once the grammar is compiled, or ``done(None, message)`` when it
         does not compile or takes longer than ``timeout`` (exactly once, on a pool or timer thread; at once
-        on this thread when the grammar is cached)."""
-        if self.cached(so):
-            try:
-                constraint = self.constraint(so)
-            except ValueError as exc:
-                done(None, str(exc))
-                return
-            done(constraint, None)
+        on this thread when the grammar is cached). What ``check`` refuses raises its ValueError here, on
+        the caller's thread, before anything is queued."""
+        compiled = self._lookup(so)
+        if compiled is not None:
+            done(GrammarConstraint(compiled, self.vocab_size), None)
             return
+        self.check(so)
         once = threading.Lock()
         answered = False
 
@@ -285,7 +291,7 @@ class StructuredOutputCompiler:
 
         def run() -> None:
             try:
-                answer(self.constraint(so), None)
+                answer(GrammarConstraint(self._compile(so), self.vocab_size), None)
             except ValueError as exc:
                 answer(None, str(exc))
             except Exception as exc:  # noqa: BLE001 - the request gets the error, the server goes on

@@ -189,14 +189,13 @@ class TritonPythonModel:
             if so is None:
                 self._submit_parsed(sender, parsed, None)
                 return
-            # The engine's checks and the schema's now; the grammar compiles off this thread, and the
-            # request joins the engine when it is done (or gets its error then).
+            # The engine's checks and the schema's now (compile_async checks it before queueing); the grammar
+            # compiles off this thread, and the request joins the engine when it is done (or gets its error then).
             self.core.validate(parsed.prompt_token_ids, parsed.params, parsed.cache_salt)
-            self.structured_outputs.check(so)
-            self.metrics.constrained.increment(1)
             self.structured_outputs.compile_async(
                 so, lambda constraint, error: self._compiled(sender, parsed, constraint, error)
             )
+            self.metrics.constrained.increment(1)
         except Exception as exc:  # noqa: BLE001 - answer the request whatever went wrong
             _answer_failure(sender, exc)
 
