@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,37 +208,27 @@ class AutoParser:
             self.mode = "content"
 
     def _mistral(self, delta: Delta, final: bool) -> None:
-        if not final:
-            return  # the array (or the name[ARGS]{...} list) is parsed whole, at the end
-        text = self.buffer.strip()
-        self.buffer = ""
-        calls = _mistral_calls(text, None)
-        if calls is None:
-            delta.content += MISTRAL_START + text
-            return
-        for call in calls:
-            self._emit(delta, call)
-        self.mode = "content"
+        # the array (or the name[ARGS]{...} list) is parsed whole, at the end
+        self._whole(delta, final, MISTRAL_START, _mistral_calls, None)
 
     def _llama(self, delta: Delta, final: bool) -> None:
-        if not final:
-            return
-        text, self.buffer = self.buffer.strip(), ""
-        calls = _llama_calls(text, None)
-        if calls is None:
-            delta.content += LLAMA_START + text
-            return
-        for call in calls:
-            self._emit(delta, call)
-        self.mode = "content"
+        self._whole(delta, final, LLAMA_START, _llama_calls, None)
 
     def _bare(self, delta: Delta, final: bool) -> None:
+        parse = _mistral_calls if self.buffer.lstrip().startswith("[") else _llama_calls
+        self._whole(delta, final, self.leading, parse, self.names)
+
+    def _whole(self, delta: Delta, final: bool, prefix: str,
+               parse: Callable[[str, frozenset[str] | None], list[Call] | None],
+               names: frozenset[str] | None) -> None:
+        """A format read whole at the end of the answer: its calls, or (not calls after all) `prefix` and the
+        text as content."""
         if not final:
             return
         text, self.buffer = self.buffer.strip(), ""
-        calls = (_mistral_calls if text.startswith("[") else _llama_calls)(text, self.names)
+        calls = parse(text, names)
         if calls is None:
-            delta.content += self.leading + text
+            delta.content += prefix + text
         else:
             for call in calls:
                 self._emit(delta, call)
