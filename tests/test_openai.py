@@ -35,11 +35,16 @@ PARIS = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _healthy(url: str) -> bool:
+def _health_status(url: str) -> int | None:
+    """orca-openai's /health status, or None while nothing answers."""
     try:
-        return requests.get(f"{url}/health", timeout=5).status_code == 200
+        return requests.get(f"{url}/health", timeout=5).status_code
     except requests.RequestException:
-        return False
+        return None
+
+
+def _healthy(url: str) -> bool:
+    return _health_status(url) == 200
 
 
 @pytest.fixture(scope="module")
@@ -550,13 +555,7 @@ def test_orca_openai_stops_quietly_on_sigint_and_sigterm(tmp_path: Path, signals
             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
         )
     try:
-        def up() -> bool:
-            try:
-                return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
-            except requests.RequestException:
-                return False
-
-        wait_for(up, f"orca-openai on :{port}", timeout=60)
+        wait_for(lambda: _health_status(f"http://127.0.0.1:{port}") == 503, f"orca-openai on :{port}", timeout=60)
         for sig in signals:
             proc.send_signal(sig)
             time.sleep(0.05)
@@ -597,13 +596,8 @@ def test_triton_unreachable_is_503_not_500(tmp_path: Path) -> None:
                                  "--triton-url", f"127.0.0.1:{dead}"], stdout=out, stderr=subprocess.STDOUT,
                                 cwd=REPO_ROOT)
     try:
-        def up() -> bool:
-            try:
-                return requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 503
-            except requests.RequestException:
-                return False
-
-        wait_for(up, f"orca-openai on :{port}\n{log.read_text()}", timeout=120)
+        wait_for(lambda: _health_status(f"http://127.0.0.1:{port}") == 503,
+                 f"orca-openai on :{port}\n{log.read_text()}", timeout=120)
         for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": CHAT}),
                            ("/v1/completions", {"model": MODEL, "prompt": PARIS}), ("/v1/models", None)):
             r = (requests.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=30) if body
