@@ -8,15 +8,18 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from _fixtures import drain, tiny_checkpoint, tiny_engine
 from _server import REQUEST_LEVEL_TINY
 from orca_client import bench as orca_bench
-from orca_client.timeline import request_tracks, to_perfetto
+from orca_client.timeline import _queue, _waiting_spans, request_tracks, summarize, to_perfetto
+from tritonclient.utils import InferenceServerException
 
 from orca import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from orca.core.timeline import Timeline, read_timeline, rotated_paths
@@ -237,6 +240,36 @@ def test_request_level_batches_are_recorded_with_their_thrown_away_tokens(tmp_pa
         "rl-0-0": 7, "rl-0-1": 0, "rl-0-2": 4, "rl-1-0": 7, "rl-1-1": 0}
 
 
+def test_request_level_members_wait_from_their_arrival(tmp_path: Path) -> None:
+    """A member that reached the server before its batch started (it waited in Triton's batcher) arrives
+    then: the timeline records the arrival and when it joined, and the drawing shows the wait."""
+    trace = tmp_path / "rl.jsonl"
+    engine = tiny_engine("gpt2", trace=str(trace), max_bs=4, **REQUEST_LEVEL_OPTIONS)
+    batcher = RequestLevelBatcher(engine, id_prefix="rl-")
+    batch = [([1, 2, 3, 4], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for n in (2, 3, 4)]
+    now = time.monotonic()
+    outputs = batcher.run(batch, arrival_times=[now - 2.0, now - 0.5, None])
+    with pytest.raises(ValueError, match="2 arrival times for a batch of 3"):
+        batcher.run(batch, arrival_times=[now, now])
+    engine.shutdown()
+    assert [round(o.arrival_time - now, 3) for o in outputs[:2]] == [-2.0, -0.5]
+    assert outputs[2].arrival_time >= now
+    timeline = read_timeline(trace)
+    arrivals = {r["id"]: r for r in timeline.events_of("arrival")}
+    assert arrivals["rl-0-0"]["joined"] - arrivals["rl-0-0"]["t"] == pytest.approx(2.0, abs=0.05)
+    assert arrivals["rl-0-1"]["joined"] - arrivals["rl-0-1"]["t"] == pytest.approx(0.5, abs=0.05)
+    assert "joined" not in arrivals["rl-0-2"]  # it reached the engine as it arrived
+    summary = summarize(timeline)
+    assert summary["max_wait_seconds"] == pytest.approx(2.0, abs=0.05)
+    assert summary["mean_wait_seconds"] == pytest.approx(2.5 / 3, abs=0.05)
+    first = timeline.iterations[0]["start"]
+    tracks = {tr.id: tr for tr in request_tracks(timeline)}
+    assert _waiting_spans(tracks["rl-0-0"], timeline.iterations) == [(arrivals["rl-0-0"]["t"], first)]
+    # The queue drawn for request-level scheduling is the members still waiting, not the engine's (empty).
+    assert [it["waiting"] for it in timeline.iterations] == [0] * 4
+    assert _queue(timeline, list(tracks.values())) == [0] * 4
+
+
 def test_perfetto_json_and_png_from_the_cli(busy: Any, tmp_path: Path) -> None:
     timeline, final, _, trace = busy
     perfetto, png, summary = tmp_path / "t.perfetto.json", tmp_path / "t.png", tmp_path / "s.json"
@@ -328,6 +361,36 @@ def test_orca_bench_trace_records_a_timeline_for_each_model(orca_server: Any, tm
         assert tr.sampled == tr.finish_tokens and (tr.preempted_at or tr.increments + 1 == tr.sampled)
     baseline = read_timeline(directory / f"{REQUEST_LEVEL_TINY}.jsonl")
     assert baseline.header["scheduling"] == "request-level"
+    # orca-bench sent each request's send time: a request that waited in Triton's batcher for a running
+    # batch arrived before it joined the engine, and the wait is drawn from its arrival.
+    its = baseline.iterations
+    waits = [its[tr.memberships[0].index]["start"] - tr.arrival for tr in request_tracks(baseline)]
+    assert min(waits) >= 0 and max(waits) > 0.01, waits
+    assert any("joined" in r for r in baseline.events_of("arrival"))
     members = [m for r in baseline.events_of("batch") for m in r["members"]]
     assert sorted((tr.prompt_tokens, m["kept_tokens"]) for m in members
                   for tr in request_tracks(baseline) if tr.id == m["id"]) == sent[REQUEST_LEVEL_TINY]
+
+
+def test_request_level_client_send_time_is_checked(orca_server: Any) -> None:
+    """client_send_time dates a request-level request's arrival; a value that is no Unix time is refused
+    with a message naming it, and a good one answers as before."""
+    client = grpcclient.InferenceServerClient(orca_server.grpc_url)
+    values = {
+        "input_ids": ("INT32", np.asarray([[1, 2, 3]], dtype=np.int32)),
+        "sampling_parameters": ("BYTES", np.asarray([[b'{"max_tokens": 2, "temperature": 0}']], dtype=np.object_)),
+    }
+    inputs = []
+    for name, (dtype, value) in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    try:
+        with pytest.raises(InferenceServerException, match="client_send_time must be Unix time in seconds"):
+            client.infer(REQUEST_LEVEL_TINY, inputs, parameters={"client_send_time": "soon"})
+        with pytest.raises(InferenceServerException, match=r"client_send_time .*\(> 0\)"):
+            client.infer(REQUEST_LEVEL_TINY, inputs, parameters={"client_send_time": -1.0})
+        result = client.infer(REQUEST_LEVEL_TINY, inputs, parameters={"client_send_time": time.time() - 1.0})
+        assert result.as_numpy("output_ids").shape[-1] == 2
+    finally:
+        client.close()

@@ -133,6 +133,8 @@ def summarize(timeline: Any) -> dict[str, Any]:
         for m in tr.memberships:
             phases[m.phase] = phases.get(m.phase, 0) + 1
     span = (its[-1]["start"] + its[-1]["duration"] - its[0]["start"]) if its else 0.0
+    waits = [_first_wait(tr, its) for tr in tracks]
+    waits = [w for w in waits if w is not None]
     return {
         "scheduling": header.get("scheduling"),
         "iterations": len(its),
@@ -145,6 +147,8 @@ def summarize(timeline: Any) -> dict[str, Any]:
         "tokens_generated": sum(tr.sampled for tr in tracks),
         "discarded_tokens": phases.get("discarded", 0),
         "member_iterations": phases,
+        "mean_wait_seconds": sum(waits) / len(waits) if waits else 0.0,  # arrival to first iteration
+        "max_wait_seconds": max(waits, default=0.0),
         "seconds": span,
         "busy_seconds": sum(it["duration"] for it in its),
     }
@@ -170,7 +174,8 @@ def to_perfetto(timeline: Any) -> dict[str, Any]:
         name = "iterations" if n_workers == 1 else f"iterations (in flight {slot})"
         events.append({"ph": "M", "pid": _ITERATIONS_PID, "tid": slot + 1, "name": "thread_name",
                        "args": {"name": name}})
-    for it in its:
+    queue = _queue(timeline, request_tracks(timeline))
+    for k, it in enumerate(its):
         ts = it["start"] * us
         events.append({
             "ph": "X", "pid": _ITERATIONS_PID, "tid": it["id"] % n_workers + 1, "name": f"iteration {it['id']}",
@@ -185,7 +190,7 @@ def to_perfetto(timeline: Any) -> dict[str, Any]:
         events.append({"ph": "C", "pid": _ITERATIONS_PID, "name": "batch size", "ts": ts,
                        "args": {"requests": len(it["requests"]), "tokens": it["num_tokens"]}})
         events.append({"ph": "C", "pid": _ITERATIONS_PID, "name": "queue", "ts": ts,
-                       "args": {"waiting": it["waiting"]}})
+                       "args": {"waiting": queue[k]}})
         events.append({"ph": "C", "pid": _ITERATIONS_PID, "name": "K/V blocks", "ts": ts,
                        "args": {"allocated": it["kv_blocks"]}})
     for tid, tr in enumerate(request_tracks(timeline), start=1):
@@ -218,6 +223,24 @@ def to_perfetto(timeline: Any) -> dict[str, Any]:
                                     "kept_tokens": tr.kept_tokens}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {k: v for k, v in header.items() if k != "type"}}
+
+
+def _first_wait(tr: RequestTrack, its: Sequence[dict[str, Any]]) -> float | None:
+    """Seconds from the request's arrival to its first iteration (None: either is not in the trace)."""
+    if tr.arrival is None or not tr.memberships:
+        return None
+    return max(0.0, its[tr.memberships[0].index]["start"] - tr.arrival)
+
+
+def _queue(timeline: Any, tracks: Sequence[RequestTrack]) -> list[int]:
+    """Per iteration, the requests waiting: the engine's queue (``waiting``), or for request-level
+    scheduling, whose queue is Triton's batcher (the engine's own is empty there), the requests whose
+    waiting span (from their arrival) holds the iteration's start."""
+    its = timeline.iterations
+    if timeline.header.get("scheduling") != "request-level":
+        return [it["waiting"] for it in its]
+    spans = [span for tr in tracks for span in _waiting_spans(tr, its)]
+    return [sum(1 for a, b in spans if a <= it["start"] < b) for it in its]
 
 
 def _waiting_spans(tr: RequestTrack, its: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -312,8 +335,11 @@ def plot(timeline: Any, path: str | Path, title: str | None = None, x: str = "it
 
     sizes = [len(it["requests"]) for it in its]
     ax_bs.bar(left, sizes, width=width, align="edge", color="#7a9cc6", label="batch size")
-    ax_bs.plot([left[k] + width[k] / 2 for k in range(len(its))], [it["waiting"] for it in its],
-               color="#d35400", linewidth=1.2, label="queue (waiting)")
+    queue = _queue(timeline, request_tracks(timeline))  # every request, also those max_requests leaves out
+    queue_label = "queue (waiting in Triton's batcher)" if header.get("scheduling") == "request-level" else (
+        "queue (waiting)")
+    ax_bs.plot([left[k] + width[k] / 2 for k in range(len(its))], queue,
+               color="#d35400", linewidth=1.2, label=queue_label)
     if header.get("max_bs"):
         ax_bs.axhline(header["max_bs"], color="grey", linestyle="--", linewidth=1, label=f"max_bs {header['max_bs']}")
     ax_bs.set_ylabel("requests")

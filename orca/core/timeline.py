@@ -14,8 +14,11 @@ that origin. Request ids are the engine's.
   seconds at t = 0), ``pid``, ``scheduling`` ("iteration-level", or "request-level" for the baseline of
   orca/frontend/request_level.py), ``model`` (the checkpoint), ``max_bs``, ``block_size``, ``kv_total_blocks``,
   ``kv_admission``, ``max_num_batched_tokens`` (null = no budget), ``n_workers``, ``prefix_caching``.
-- ``arrival``: a request joined the engine: ``t``, ``id``, ``prompt_tokens``, ``max_tokens`` (new tokens),
-  ``constrained`` (a structured output masks its tokens; only when true).
+- ``arrival``: a request joined the engine: ``t`` (when it reached the server: its arrival time as the
+  front end gave it, which is when it joined unless it waited in front of the engine, e.g. in Triton's
+  dynamic batcher for ``request_level_gpt``), ``id``, ``prompt_tokens``, ``max_tokens`` (new tokens),
+  ``joined`` (when it joined the engine; only when more than a millisecond after ``t``), ``constrained``
+  (a structured output masks its tokens; only when true).
 - ``iteration``: one iteration, written when its result has been processed, in batch id order:
   ``id`` (the batch id: increasing), ``start`` (plan submitted), ``duration`` (submit to collect),
   ``waiting`` (queue length: requests not admitted once this iteration was selected), ``running``
@@ -193,10 +196,13 @@ class TimelineRecorder:
             self._writer.write({"type": "info", **fields})
 
     def arrival(self, req: Request, now: float) -> None:
+        arrived = min(req.arrival_time, now)
         record = {
-            "type": "arrival", "t": self._t(now), "id": req.request_id, "prompt_tokens": req.num_prompt_tokens,
+            "type": "arrival", "t": self._t(arrived), "id": req.request_id, "prompt_tokens": req.num_prompt_tokens,
             "max_tokens": req.params.max_tokens,
         }
+        if now - arrived > 1e-3:
+            record["joined"] = self._t(now)
         if req.constraint is not None:
             record["constrained"] = True
         self._writer.write(record)

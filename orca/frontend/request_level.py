@@ -98,10 +98,14 @@ class RequestLevelBatcher:
             subs.append(self._sub_batch(batch, group))
         return subs
 
-    def run(self, batch: Sequence[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
+    def run(
+        self, batch: Sequence[tuple[list[int], SamplingParams]], arrival_times: Sequence[float | None] | None = None
+    ) -> list[RequestOutput]:
         """Runs the batch to its end and returns every member's final output, in order. Raises ValueError
         (naming the member) before any work if a member is invalid. A member whose iteration failed gets
-        finish_reason "error"."""
+        finish_reason "error". `arrival_times`: when each member reached the server (time.monotonic();
+        None: now), earlier than now when it waited for the batch to start: its arrival time, so its
+        latency and its timeline's wait count from then."""
         for i, (prompt, params) in enumerate(batch):
             try:
                 self.validate(prompt, params)
@@ -112,9 +116,12 @@ class RequestLevelBatcher:
         batch_id = self._next_batch
         self._next_batch += 1
         self.last_plan = self.plan(batch)
+        arrivals = list(arrival_times) if arrival_times is not None else [None] * len(batch)
+        if len(arrivals) != len(batch):
+            raise ValueError(f"{len(arrivals)} arrival times for a batch of {len(batch)}")
         finals: dict[int, RequestOutput] = {}
         for sub in self.last_plan:
-            finals.update(self._run_sub_batch(batch, sub, batch_id))
+            finals.update(self._run_sub_batch(batch, sub, batch_id, arrivals))
         end = time.monotonic()  # nobody is answered before the last sub-batch ends
         outputs = []
         for i, (_, params) in enumerate(batch):
@@ -147,7 +154,8 @@ class RequestLevelBatcher:
         return SubBatch(tuple(members), tuple(self._run_tokens(batch, members)))
 
     def _run_sub_batch(
-        self, batch: Sequence[tuple[list[int], SamplingParams]], sub: SubBatch, batch_id: int
+        self, batch: Sequence[tuple[list[int], SamplingParams]], sub: SubBatch, batch_id: int,
+        arrivals: Sequence[float | None],
     ) -> dict[int, RequestOutput]:
         engine = self.engine
         index_of: dict[str, int] = {}
@@ -157,7 +165,7 @@ class RequestLevelBatcher:
             index_of[request_id] = i
             # Every member runs the batch's length: its own stop conditions are applied afterwards.
             padded = replace(params, max_tokens=n, ignore_eos=True, stop=(), stop_token_ids=())
-            engine.add_request(request_id, prompt, padded)
+            engine.add_request(request_id, prompt, padded, arrival_time=arrivals[i])
         finals: dict[int, RequestOutput] = {}
         first = True
         while engine.has_unfinished():

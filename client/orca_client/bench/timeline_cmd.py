@@ -32,7 +32,9 @@ def draw_timeline(trace: str, perfetto: str | None, png: str | None, title: str 
           f"({summary['finished']} finished), {summary['iterations']} iterations in {summary['seconds']:.3f} s, "
           f"mean batch size {summary['mean_batch_size']:.2f} (max {summary['max_batch_size']}, max_bs "
           f"{summary['max_bs']}), {summary['tokens_generated']} tokens generated, "
-          f"{summary['preemptions']} preemptions, {summary['discarded_tokens']} tokens thrown away")
+          f"{summary['preemptions']} preemptions, {summary['discarded_tokens']} tokens thrown away, "
+          f"wait before the first iteration mean {summary['mean_wait_seconds']:.3f} s "
+          f"(max {summary['max_wait_seconds']:.3f} s)")
     if perfetto:
         tl.write_perfetto(timeline, perfetto)
         print(f"wrote {perfetto}")

@@ -183,7 +183,9 @@ class StreamingDriver(Driver):
 
 class BatchingDriver(Driver):
     """Models with Triton's dynamic batcher (request_level_gpt): one async infer per request, the batch
-    dimension in front; the single response carries every token, so TTFT equals the end-to-end latency."""
+    dimension in front; the single response carries every token, so TTFT equals the end-to-end latency.
+    Each request carries its send time (the ``client_send_time`` parameter), from which the model dates its
+    arrival: the wait in Triton's queue before its batch starts shows in the model's timeline."""
 
     def __init__(self, url: str, model: str) -> None:
         super().__init__(url, model)
@@ -208,7 +210,9 @@ class BatchingDriver(Driver):
                 done()
 
         try:
-            self._client.async_infer(self.model, batch_member_inputs(req), on_result)
+            # The send time lets the model count the wait in Triton's queue (its timeline's "waiting").
+            self._client.async_infer(self.model, batch_member_inputs(req), on_result,
+                                     parameters={"client_send_time": time.time()})
         except Exception as exc:  # noqa: BLE001
             record.error = f"{type(exc).__name__}: {exc}"
             done()
@@ -621,8 +625,10 @@ def _f(value: float | None, width: int, digits: int) -> str:
 
 
 def plot_trace(result: dict[str, Any], path: str) -> None:
-    """Figure 10 of the paper (median normalized latency against throughput, a curve per model) beside
-    each model's throughput within the SLO."""
+    """Figure 10 of the paper (median normalized latency, a curve per model) beside each model's throughput
+    within the SLO. The curves are drawn against the rate offered, each point annotated with the
+    throughput achieved: past saturation the achieved throughput stalls or falls back, and drawn against
+    it a curve would double back on itself."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -630,17 +636,21 @@ def plot_trace(result: dict[str, Any], path: str) -> None:
     from matplotlib.ticker import FuncFormatter
 
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
-    for model in result["models"]:
-        pts = [(r["summary"]["throughput_rps"], r["summary"]["normalized"]["p50"])
-               for r in result["runs"] if r["model"] == model]
-        pts = [(x, y * 1000) for x, y in pts if x is not None and y is not None]
+    for i, model in enumerate(result["models"]):
+        pts = sorted((r["rate"], r["summary"]["normalized"]["p50"], r["summary"]["throughput_rps"])
+                     for r in result["runs"] if r["model"] == model)
+        pts = [(x, y * 1000, tput) for x, y, tput in pts if y is not None]
         if pts:
-            xs, ys = zip(*pts)
-            curve.plot(xs, ys, marker="o", label=model)
+            xs, ys, tputs = zip(*pts)
+            curve.plot(xs, ys, marker="o", label=model, color=f"C{i}")
+            for x, y, tput in pts:
+                if tput is not None:
+                    curve.annotate(f"{tput:.2f}", (x, y), textcoords="offset points", xytext=(4, -10),
+                                   fontsize=7, color=f"C{i}")
     slo = result["slo"]["slo"]
     if slo is not None:
         curve.axhline(slo * 1000, color="grey", linestyle="--", label=f"SLO ({result['slo']['multiple']:g}x unloaded)")
-    curve.set_xlabel("throughput (req/s)")
+    curve.set_xlabel("request rate offered (req/s); beside each point: the throughput achieved (req/s)")
     curve.set_ylabel("median normalized latency (ms/token)")
     curve.set_yscale("log")
     plain = FuncFormatter(lambda v, _: f"{v:g}")
@@ -655,7 +665,7 @@ def plot_trace(result: dict[str, Any], path: str) -> None:
     bars.bar(names, values, color=[f"C{i}" for i in range(len(names))])
     for i, v in enumerate(values):
         bars.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom")
-    bars.set_ylabel("throughput within SLO (req/s)")
+    bars.set_ylabel("throughput within SLO (req/s achieved)")
     bars.set_title(f"throughput within SLO ({slo * 1000:.0f} ms/token)" if slo is not None else "throughput within SLO")
     bars.tick_params(axis="x", labelrotation=15)
     fig.suptitle(f"orca-bench trace ({result['machine']['cpu']}, {result['machine']['cores']} cores)")

@@ -6,12 +6,20 @@ batch with orca.frontend.request_level.RequestLevelBatcher on the same engine mo
 one response per request only when the longest member is done; requests arriving meanwhile queue in
 Triton until the next batch. Request meaning (inputs, sampling parameters, outputs) is orca_triton.generate's,
 exactly as for orca_gpt, with Triton's batch dimension in front of every tensor.
+
+Triton hands a request to execute() only when its batch starts, so the time it waited in the batcher's
+queue is invisible here. A client that wants it counted (orca-bench trace does, for the timeline's
+"waiting") sends the request parameter ``client_send_time``: the Unix time, in seconds, at which it sent
+the request. The request's arrival is then that moment (never later than execute(); by the client's
+clock, so a client on another host shifts it by the clocks' difference): its latency and its wait in the
+iteration timeline count from there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -54,17 +62,21 @@ class TritonPythonModel:
         """One Triton batch: every valid request runs in it; one response per request, in order."""
         responses: list[Any] = [None] * len(requests)
         members: list[tuple[int, GenerateRequest]] = []
+        arrivals: list[float | None] = []
         for i, request in enumerate(requests):
             try:
-                parsed = self._parse(request)
+                parameters = json.loads(request.parameters() or "{}")
+                arrival = _arrival_time(parameters.pop(SEND_TIME_PARAMETER, None))
+                parsed = self._parse(request, parameters)
                 self.batcher.validate(parsed.prompt_token_ids, parsed.params, parsed.cache_salt)
                 members.append((i, parsed))
+                arrivals.append(arrival)
             except ValueError as exc:
                 responses[i] = _error(str(exc), pb_utils.TritonError.INVALID_ARG)
         if not members:
             return responses
         try:
-            outputs = self.batcher.run([(p.prompt_token_ids, p.params) for _, p in members])
+            outputs = self.batcher.run([(p.prompt_token_ids, p.params) for _, p in members], arrivals)
         except Exception as exc:  # noqa: BLE001 - answer every request whatever went wrong
             logger.exception("a batch of %d requests failed", len(members))
             for i, _ in members:
@@ -87,7 +99,7 @@ class TritonPythonModel:
             self._reaper.kill()
             self._reaper.wait(timeout=10)
 
-    def _parse(self, request: Any) -> GenerateRequest:
+    def _parse(self, request: Any, parameters: dict[str, Any]) -> GenerateRequest:
         inputs = {}
         for name in INPUT_NAMES:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -98,7 +110,6 @@ class TritonPythonModel:
                 rows = "no" if array.ndim == 0 else array.shape[0]
                 raise ValueError(f"{name} has {rows} batch rows: send one prompt per request (shape [1, ...])")
             inputs[name] = array[0]
-        parameters = json.loads(request.parameters() or "{}")
         parsed = parse_generate_request(
             inputs, parameters, self.engine.text, self.has_tokenizer, sampling_defaults=self.engine.sampling_defaults
         )
@@ -108,6 +119,25 @@ class TritonPythonModel:
                 "(send stream=false, or use orca_gpt)"
             )
         return parsed
+
+
+SEND_TIME_PARAMETER = "client_send_time"
+
+
+def _arrival_time(sent: Any) -> float | None:
+    """The request's arrival on the monotonic clock from the client's send time (Unix seconds), never
+    later than now; None when the client sent none."""
+    if sent is None:
+        return None
+    if isinstance(sent, bool) or not isinstance(sent, (int, float, str)):
+        raise ValueError(f"{SEND_TIME_PARAMETER} must be Unix time in seconds (a number), got {sent!r}")
+    try:
+        sent = float(sent)
+    except ValueError:
+        raise ValueError(f"{SEND_TIME_PARAMETER} must be Unix time in seconds (a number), got {sent!r}") from None
+    if sent != sent or sent <= 0:
+        raise ValueError(f"{SEND_TIME_PARAMETER} must be Unix time in seconds (> 0), got {sent!r}")
+    return time.monotonic() - max(0.0, time.time() - sent)
 
 
 def _error(message: str, code: Any) -> Any:
