@@ -111,16 +111,19 @@ def test_offline_llm_uses_the_defaults_when_given_no_sampling_params(recommended
 
 
 def test_orca_client_chat_defaults_to_a_low_temperature(capsys: pytest.CaptureFixture) -> None:
-    from orca_client.cli import CHAT_TEMPERATURE, _sampling, build_parser
+    from orca_client.cli import CHAT_TEMPERATURE, CHAT_TOP_P, _sampling, build_parser
 
     parser = build_parser()
     chat = parser.parse_args(["chat", "hello"])
     assert chat.temperature == CHAT_TEMPERATURE == 0.2 and _sampling(chat)["temperature"] == 0.2
+    assert chat.top_p == CHAT_TOP_P == 0.9 and _sampling(chat)["top_p"] == 0.9
     assert parser.parse_args(["chat", "hello", "--temperature", "1.0"]).temperature == 1.0  # explicit wins
     assert parser.parse_args(["chat", "hello", "--temperature", "0"]).temperature == 0
-    # generate leaves it to the server (the model's generation config); top_k/top_p stay unset for both
+    assert parser.parse_args(["chat", "hello", "--top-p", "1"]).top_p == 1
+    # generate leaves it to the server (the model's generation config); top_k stays unset for both
     generate = parser.parse_args(["generate", "--text", "hi"])
-    assert generate.temperature is None and chat.top_p is None and chat.top_k is None
+    assert generate.temperature is None and generate.top_p is None and chat.top_k is None
     with pytest.raises(SystemExit):
         parser.parse_args(["chat", "--help"])
-    assert "default: 0.2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "default: 0.2" in out and "default: 0.9" in out

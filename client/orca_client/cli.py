@@ -10,6 +10,9 @@ from orca_client.client import OrcaClient, OrcaError
 CHAT_TEMPERATURE = 0.2
 """chat's default temperature: low, as SmolLM2's model card recommends (0.2) for the shipped 135M model, which
 at the engine's default of 1.0 soon wanders off; --temperature wins."""
+CHAT_TOP_P = 0.9
+"""chat's default nucleus: the model card's 0.9, which cuts the unlikely tail a small model's answer can
+stray into at temperature 0.2; --top-p wins (1 = off)."""
 
 
 def _server_default(fallback: str) -> str:
@@ -34,12 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="orca_gpt", help="model name (default: %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp: argparse.ArgumentParser, temperature: float | None, temperature_help: str) -> None:
+    def common(sp: argparse.ArgumentParser, temperature: float | None, temperature_help: str,
+               top_p: float | None = None, top_p_help: str = _server_default("off")) -> None:
         sp.add_argument("--max-tokens", type=int, default=64, help="maximum new tokens (default: %(default)s)")
         sp.add_argument("--temperature", type=float, default=temperature,
                         help=f"0 = greedy (default: {temperature_help})")
         sp.add_argument("--top-k", type=int, default=None, help=f"0 = off (default: {_server_default('off')})")
-        sp.add_argument("--top-p", type=float, default=None, help=f"1 = off (default: {_server_default('off')})")
+        sp.add_argument("--top-p", type=float, default=top_p, help=f"1 = off (default: {top_p_help})")
         sp.add_argument("--seed", type=int, default=None)
         sp.add_argument("--stop", action="append", help="stop string (repeatable)")
         sp.add_argument("--ignore-eos", action="store_true")
@@ -55,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("message", help="the user message")
     c.add_argument("--system", help="an optional system message")
     common(c, CHAT_TEMPERATURE, f"{CHAT_TEMPERATURE}, which keeps a small model's answer on topic, rather than "
-              "the server's default: the model's generation_config.json, else 1.0")
+              "the server's default: the model's generation_config.json, else 1.0",
+           CHAT_TOP_P, f"{CHAT_TOP_P}, as SmolLM2's model card, rather than the server's default")
     return p
 
 
