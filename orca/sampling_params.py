@@ -129,9 +129,12 @@ class SamplingParams:
                 raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
             values["structured_outputs"] = values.pop("guided_decoding")
         cls.check_keys(values)
+        own = cls.field_names()
         for key, value in values.items():
             if isinstance(value, str) and key in VLLM_SCALAR_TYPES:
-                values[key] = _from_string(key, value, VLLM_SCALAR_TYPES[key])
+                # a string that does not convert stays one: the constructor refuses it stating the field's
+                # range (a field orca lacks gets _from_string's error)
+                values[key] = _from_string(key, value, VLLM_SCALAR_TYPES[key], keep=key in own)
         for key in ("stop", "stop_token_ids"):
             if key in values and values[key] is None:
                 del values[key]
@@ -212,15 +215,18 @@ VLLM_FIELDS = (*SamplingParams.field_names(), *UNSUPPORTED_VLLM_FIELDS)
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean (true or false)"}
 
 
-def _from_string(key: str, value: str, kind: type) -> Any:
+def _from_string(key: str, value: str, kind: type, keep: bool) -> Any:
     """A string value converted to the field's vLLM type (vllm_backend's conversion; a boolean from "true",
-    "false", "1" or "0", where vllm_backend's bool() makes every non-empty string true)."""
+    "false", "1" or "0", where vllm_backend's bool() makes every non-empty string true). One that does not
+    convert is returned as is with `keep`, else refused."""
     text = value.strip()
     try:
         if kind is bool:
             return {"true": True, "false": False, "1": True, "0": False}[text.lower()]
         return kind(text)
     except (KeyError, ValueError):
+        if keep:
+            return value
         raise ValueError(f"{key} must be {_TYPE_NAMES[kind]}, got string {_num(value)} (a string value is converted "
                          f"to the type vLLM declares for {key}, as vllm_backend does)") from None
 

@@ -46,10 +46,14 @@ def test_every_vllm_backend_ci_sampling_object_parses() -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"temperature": "hot"}, "temperature must be a number, got string 'hot'"),
-    ({"max_tokens": "5.0"}, "max_tokens must be an integer, got string '5.0'"),
-    ({"seed": ""}, "seed must be an integer, got string ''"),
+    # orca's own fields: the field's usual message, with its range
+    ({"temperature": "hot"}, r"temperature must be a number >= 0 \(0 = greedy\), got string 'hot'"),
+    ({"max_tokens": "5.0"}, "max_tokens must be an integer >= 1 .*, got string '5.0'"),
+    ({"seed": ""}, "seed must be an integer >= 0 and <= 9223372036854775807 .*, got string ''"),
     ({"ignore_eos": "yes"}, r"ignore_eos must be a boolean \(true or false\), got string 'yes'"),
+    # a vLLM field orca lacks: the type vLLM declares
+    ({"min_p": "x"}, "min_p must be a number, got string 'x' .*vllm_backend"),
+    ({"presence_penalty": "high"}, "presence_penalty must be a number, got string 'high'"),
     ({"temperature": "-1"}, r"temperature must be >= 0"),  # converted, then checked as any number
     ({"top_p": "nan"}, "top_p must be a finite number"),
 ])
