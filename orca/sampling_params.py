@@ -104,17 +104,23 @@ class SamplingParams:
 
     @classmethod
     def check_keys(cls, keys: Any, what: str = "sampling parameter") -> None:
-        """Unknown keys are an error naming them and the allowed ones, never silently ignored."""
-        unknown = sorted(set(keys) - set(cls.field_names()))
+        """Keys that are neither a field here nor one of vLLM's SamplingParams (VLLM_FIELDS) are an error
+        naming them and the allowed ones, never silently ignored."""
+        unknown = sorted(set(keys) - set(cls.field_names()) - set(VLLM_FIELDS) - {"guided_decoding"})
         if unknown:
             shown = ", ".join(_key(k) for k in unknown[:5])
             if len(unknown) > 5:
                 shown += f" (and {len(unknown) - 5} more)"
-            raise ValueError(f"unknown {what}(s) {shown}; allowed: {', '.join(cls.field_names())}")
+            raise ValueError(f"unknown {what}(s) {shown}; allowed: {', '.join(cls.field_names())} (and vLLM's other "
+                             f"SamplingParams fields at their defaults: {', '.join(UNSUPPORTED_VLLM_FIELDS)})")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
-        """Builds from a JSON-like dict."""
+        """Builds from a JSON-like dict with vLLM's SamplingParams keys, as triton-inference-server/
+        vllm_backend reads its `sampling_parameters`: a string value of a scalar field is converted to the
+        type vLLM declares for it ({"temperature": "0", "max_tokens": "5"}); null stop and stop_token_ids
+        and top_k -1 mean off, as in vLLM; the vLLM fields orca does not implement (UNSUPPORTED_VLLM_FIELDS)
+        are accepted at their defaults and otherwise refused by name. The constructor takes no strings."""
         if not isinstance(values, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {json_type(values)}")
         values = dict(values)
@@ -123,6 +129,19 @@ class SamplingParams:
                 raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
             values["structured_outputs"] = values.pop("guided_decoding")
         cls.check_keys(values)
+        own = cls.field_names()
+        for key, value in values.items():
+            if isinstance(value, str) and key in VLLM_SCALAR_TYPES:
+                # a string that does not convert stays one: the constructor refuses it stating the field's
+                # range (a field orca lacks gets _from_string's error)
+                values[key] = _from_string(key, value, VLLM_SCALAR_TYPES[key], keep=key in own)
+        for key in ("stop", "stop_token_ids"):
+            if key in values and values[key] is None:
+                del values[key]
+        if values.get("top_k") == -1 and not isinstance(values["top_k"], bool):
+            values["top_k"] = 0  # vLLM's other spelling of "off"
+        for key in [k for k in values if k in UNSUPPORTED_VLLM_FIELDS]:
+            _check_unsupported(key, values.pop(key))
         return cls(**values)
 
     @classmethod
@@ -135,6 +154,94 @@ class SamplingParams:
         if self.structured_outputs is not None:
             d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
+
+
+VLLM_SAMPLING_PARAMS_COMMIT = "00388f6573ccfcffad607b8c9ecdf341a4669ceb"
+"""The vllm-project/vllm commit whose vllm/sampling_params.py the tables below follow."""
+
+VLLM_SCALAR_TYPES: dict[str, type] = {
+    "n": int, "best_of": int, "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float,
+    "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": int, "ignore_eos": bool,
+    "max_tokens": int, "min_tokens": int, "logprobs": int, "prompt_logprobs": int, "prompt_logprob_start": int,
+    "flat_logprobs": bool, "detokenize": bool, "skip_special_tokens": bool, "spaces_between_special_tokens": bool,
+    "include_stop_str_in_output": bool, "stream_interval": int, "skip_clone": bool,
+    "output_text_buffer_length": int, "skip_reading_prefix_cache": bool, "thinking_token_budget": int,
+    "routed_experts_prompt_start": int,
+}
+"""The scalar type vLLM's SamplingParams declares for each field (int | None as int): what a string value
+converts to, as vllm_backend's TritonSamplingParams.from_dict converts one."""
+
+UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "orca generates one sequence per request"),
+    "best_of": ((None, 1), "orca generates one sequence per request (vLLM V1 has no best_of either)"),
+    "presence_penalty": ((0,), "orca's sampler applies no penalties"),
+    "frequency_penalty": ((0,), "orca's sampler applies no penalties"),
+    "repetition_penalty": ((1,), "orca's sampler applies no penalties"),
+    "min_p": ((0,), "orca's sampler has no min-p filter (top_k and top_p are served)"),
+    "min_tokens": ((0,), "orca does not hold EOS and stop tokens back"),
+    "prompt_logprobs": ((None,), "orca computes no log-probabilities of prompt tokens"),
+    "prompt_logprob_token_ids": ((None, []), "orca computes no log-probabilities of prompt tokens"),
+    "prompt_logprob_start": ((None,), "orca computes no log-probabilities of prompt tokens"),
+    "logprob_token_ids": ((None, []), "orca returns the drawn token's and the top logprobs tokens' only"),
+    "flat_logprobs": ((False,), "the logprobs output has one format"),
+    "detokenize": ((True,), "orca detokenizes whenever the model has a tokenizer"),
+    "skip_special_tokens": ((True,), "orca's text always leaves special tokens out"),
+    "spaces_between_special_tokens": ((True,), "orca's text always leaves special tokens out"),
+    "include_stop_str_in_output": ((False,), "orca's text always leaves the stop string out"),
+    "output_kind": ((None, 0, "CUMULATIVE"), "orca's responses are vllm_backend's: deltas when streaming, else "
+                    "the whole text once"),
+    "stream_interval": ((None, 1), "orca streams every token the iteration it is generated"),
+    "skip_clone": ((False,), "it is vLLM-internal"),
+    "output_text_buffer_length": ((0,), "it is vLLM-internal"),
+    "logit_bias": ((None, {}), "orca's sampler has no logits processors"),
+    "allowed_token_ids": ((None, []), "orca's sampler has no logits processors (structured_outputs can constrain "
+                          "the output)"),
+    "bad_words": ((None, []), "orca's sampler has no logits processors"),
+    "extra_args": ((None, {}), "orca has no sampling plugins"),
+    "skip_reading_prefix_cache": ((None, False), "orca's prefix cache is per model (send a cache_salt to keep "
+                                  "requests apart)"),
+    "thinking_token_budget": ((None, -1), "orca has no reasoning budget"),
+    "repetition_detection": ((None,), "orca does not detect repetitions"),
+    "routed_experts_prompt_start": ((0,), "orca serves no mixture-of-experts routing data"),
+    "trace_decode_token_ids": ((None, []), "orca does not force decoded tokens"),
+    "lora_name": ((None,), "orca serves no LoRA adapters"),  # vllm_backend's TritonSamplingParams adds it
+}
+"""vLLM's SamplingParams fields orca does not implement: each is accepted at the values listed (its
+default, or another spelling of it), which change nothing, and otherwise refused naming the field and why."""
+
+VLLM_FIELDS = (*SamplingParams.field_names(), *UNSUPPORTED_VLLM_FIELDS)
+"""Every key a sampling_parameters object may hold (guided_decoding, structured_outputs' older name, too)."""
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean (true or false)"}
+
+
+def _from_string(key: str, value: str, kind: type, keep: bool) -> Any:
+    """A string value converted to the field's vLLM type (vllm_backend's conversion; a boolean from "true",
+    "false", "1" or "0", where vllm_backend's bool() makes every non-empty string true). One that does not
+    convert is returned as is with `keep`, else refused."""
+    text = value.strip()
+    try:
+        if kind is bool:
+            return {"true": True, "false": False, "1": True, "0": False}[text.lower()]
+        return kind(text)
+    except (KeyError, ValueError):
+        if keep:
+            return value
+        raise ValueError(f"{key} must be {_TYPE_NAMES[kind]}, got string {_num(value)} (a string value is converted "
+                         f"to the type vLLM declares for {key}, as vllm_backend does)") from None
+
+
+def _check_unsupported(key: str, value: Any) -> None:
+    allowed, why = UNSUPPORTED_VLLM_FIELDS[key]
+    if any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
+        return
+    if key == "n" and isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        raise ValueError(f"n > 1 is not supported: {why} (n=1 only), got n={_num(value)}")
+    if key == "n":
+        raise ValueError(f"n must be 1: {why}, got {_show(value)}")
+    shown = " or ".join(json.dumps(a) for a in allowed)
+    raise ValueError(f"{key} is not supported: {why}; it is accepted only as {shown} (vLLM's default), "
+                     f"got {_show(value)}")
 
 
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -324,4 +431,5 @@ def _check_number(name: str, value: Any, allowed: str) -> None:
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "MAX_STRUCTURED_OUTPUT_CHARS",
-           "STRUCTURED_OUTPUT_KINDS", "SamplingParams", "StructuredOutputs", "json_object", "json_type", "json_value"]
+           "STRUCTURED_OUTPUT_KINDS", "UNSUPPORTED_VLLM_FIELDS", "VLLM_FIELDS", "VLLM_SAMPLING_PARAMS_COMMIT",
+           "VLLM_SCALAR_TYPES", "SamplingParams", "StructuredOutputs", "json_object", "json_type", "json_value"]

@@ -264,7 +264,7 @@ def _full_response(
     return {
         "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
         "model": req.model, "choices": [choice], "system_fingerprint": None,
-        "usage": protocol.chunk_usage(last),
+        "usage": protocol.chunk_usage(chunks),
     }
 
 
@@ -313,6 +313,7 @@ async def _events(
         return out
 
     last: Chunk | None = None
+    generated = 0  # the completion's tokens: the sum of each response's num_output_tokens
     offset = len(req.echo)
     try:
         if chat:
@@ -322,6 +323,7 @@ async def _events(
         chunk = first
         while chunk is not None:
             last = chunk
+            generated += chunk.num_output_tokens or 0
             logprobs = _choice_logprobs(req, chat, chunk, offset)
             offset += len(chunk.text or "")
             if parser is not None:
@@ -337,7 +339,7 @@ async def _events(
             for data in parsed(Chunk([], None, True), None):
                 yield data
         if req.include_usage and last is not None:
-            yield event([], usage=protocol.chunk_usage(last))
+            yield event([], usage=protocol.usage(last.num_input_tokens or 0, generated, last.num_cached_tokens))
     except APIError as err:  # after the 200: OpenAI's clients raise on an event with an "error" key
         yield f"data: {json.dumps(err.body())}\n\n".encode()
     finally:

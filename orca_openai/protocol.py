@@ -495,9 +495,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return out
 
 
-def chunk_usage(last: Chunk) -> dict[str, Any]:
-    """The usage of a request from its final response."""
-    return usage(last.num_input_tokens or 0, last.num_output_tokens or 0, last.num_cached_tokens)
+def chunk_usage(chunks: list[Chunk]) -> dict[str, Any]:
+    """The usage of a request from its responses: the prompt's tokens and the cached ones from the final
+    one, the completion's the sum of every response's num_output_tokens (vllm_backend's: each response
+    counts its own tokens)."""
+    last = chunks[-1] if chunks else Chunk([], None, True)
+    generated = sum(c.num_output_tokens or 0 for c in chunks)
+    return usage(last.num_input_tokens or 0, generated, last.num_cached_tokens)
 
 
 def _token_entries(chunk: Chunk, n: int) -> list[tuple[str, float, list[tuple[str, float]]]]:

@@ -79,7 +79,8 @@ def build_inputs(
     cache_salt: str | None = None, tools: list[dict[str, Any]] | None = None,
 ) -> list[grpcclient.InferInput]:
     """orca_gpt's request tensors (orca_client's): text, token ids or chat messages; always streaming,
-    completion only; the cache_salt input when a salt is given, the tools input when tools are."""
+    completion only, with finish_reason and the token counts (each response's: chunk_usage sums them); the
+    cache_salt input when a salt is given, the tools input when tools are."""
     if isinstance(prompt, str):
         source: dict[str, Any] = {"text": prompt}
     elif prompt and isinstance(prompt[0], dict):
@@ -88,6 +89,7 @@ def build_inputs(
         source = {"input_ids": prompt}
     return orca_client.build_inputs(
         **source, stream=True, exclude_input_in_output=True, return_logprobs=True if return_logprobs else None,
+        return_finish_reason=True, return_num_input_tokens=True, return_num_output_tokens=True,
         cache_salt=cache_salt, tools=tools or None, **sampling,
     )
 

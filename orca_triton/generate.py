@@ -13,20 +13,22 @@ sampling_parameters STRING [1] (JSON object), exclude_input_in_output BOOL [1], 
 (prefix caching: requests with different salts never share cached keys and values; a UTF-8 string of 1
 to 1024 characters, the engine core's MAX_CACHE_SALT_CHARS; left out = no salt), and
 triton-inference-server/vllm_backend's BOOL [1] flags return_finish_reason, return_num_input_tokens,
-return_num_output_tokens, return_logprobs, return_cumulative_logprob. The sampling keys and cache_salt may
-also come as request parameters (what the HTTP /generate endpoint makes of extra JSON keys).
+return_num_output_tokens, return_logprobs, return_cumulative_logprob. The sampling keys may also come as
+request parameters (what the HTTP /generate endpoint makes of extra JSON keys), read only when the request
+has no sampling_parameters input (as vllm_backend reads them); cache_salt may come as a request parameter
+either way. Sampling values follow vLLM's SamplingParams (orca.sampling_params.SamplingParams.from_dict):
+strings convert to the field's type ("temperature": "0"), as vllm_backend converts them.
 Outputs: output_ids INT32 [-1], text_output STRING [1], finish_reason STRING [1], num_input_tokens
 UINT32 [1], num_output_tokens UINT32 [1], logprobs STRING [1] (JSON), cumulative_logprob FP32 [1],
 num_cached_tokens UINT32 [1] (on the final response only: the prompt tokens whose keys and values came
 from the prefix cache when the request was first admitted, so were not computed for it; 0 with
 EngineConfig.enable_prefix_caching off).
 
-The flags: vllm_backend returns an additional output only when its flag is true, and then on every
-response. orca_gpt always returned finish_reason (final response), num_input_tokens and
-num_output_tokens (the total so far), so a flag left out keeps that; a flag set to true gives
-vllm_backend's semantics (finish_reason on every response, "None" until the last; num_output_tokens
-this response's count); false drops the output. logprobs and cumulative_logprob are new: only when
-asked for.
+The flags, as vllm_backend's: an additional output comes only when its flag is true, and then on every
+response (finish_reason "None" until the last; num_output_tokens this response's count; logprobs this
+response's tokens'; cumulative_logprob the sum so far); left out or false, it does not come.
+stream true with exclude_input_in_output false is refused as vllm_backend refuses it (a stream carries the
+completion only); left out, a stream excludes the prompt and a single response starts with it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ RETURN_FLAGS = (
 INPUT_NAMES = (
     *PROMPT_INPUTS, "tools", "stream", "sampling_parameters", "exclude_input_in_output", "cache_salt", *RETURN_FLAGS,
 )
+STREAM_WITH_INPUT_ERROR = (
+    "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+)
+"""vllm_backend's answer, word for word (its CI compares the message), to stream true with
+exclude_input_in_output false: a stream carries the completion only."""
 
 
 class TextCodec(Protocol):
@@ -77,10 +84,10 @@ class GenerateRequest:
     # (None for `messages`: a chat answer is the completion alone; for input_ids see echo_ids)
     echo_ids: bool = False  # the prompt came as input_ids: echo their decoded text (decoded only when a
     # response needs it, after the engine has checked the ids: a tokenizer may raise on ids out of range)
-    # The vllm_backend flags: None = not given (orca_gpt's defaults), else the client's value.
-    return_finish_reason: bool | None = None
-    return_num_input_tokens: bool | None = None
-    return_num_output_tokens: bool | None = None
+    # The vllm_backend flags (left out = false): which additional outputs each response carries.
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
     return_logprobs: bool = False
     return_cumulative_logprob: bool = False
     logprobs_asked: bool = False  # sampling parameter logprobs given (params.logprobs may be 0 just so that
@@ -123,26 +130,25 @@ def parse_generate_request(
             prompt_ids = _with_codec("messages", lambda m: codec.apply_chat_template(m, tools=tools), messages)
         else:  # a codec of its own (tests, the offline LLM's) need not know tools
             prompt_ids = _with_codec("messages", codec.apply_chat_template, messages)
+    stream = _bool_input(inputs, "stream")
+    if stream and "exclude_input_in_output" in inputs and not _bool_input(inputs, "exclude_input_in_output"):
+        raise ValueError(STREAM_WITH_INPUT_ERROR)
     parameters = dict(parameters)
     cache_salt = _cache_salt(inputs, parameters.pop("cache_salt", None))
     params = _sampling_params(inputs, parameters, sampling_defaults)
     check_stop_strings(params, has_tokenizer)
-    flags = {name: _bool_input(inputs, name) if name in inputs else None for name in RETURN_FLAGS}
+    flags = {name: _bool_input(inputs, name) for name in RETURN_FLAGS}
     logprobs_asked = params.logprobs is not None
     if flags["return_cumulative_logprob"] and not logprobs_asked:
         params = dataclasses.replace(params, logprobs=0)  # the drawn tokens' log-probabilities, nothing more
     return GenerateRequest(
         prompt_token_ids=prompt_ids,
         params=params,
-        stream=_bool_input(inputs, "stream"),
-        exclude_input_in_output=_bool_input(inputs, "exclude_input_in_output"),
+        stream=stream,
+        exclude_input_in_output=stream or _bool_input(inputs, "exclude_input_in_output"),
         prompt_text=prompt_text,
         echo_ids="input_ids" in inputs,
-        return_finish_reason=flags["return_finish_reason"],
-        return_num_input_tokens=flags["return_num_input_tokens"],
-        return_num_output_tokens=flags["return_num_output_tokens"],
-        return_logprobs=bool(flags["return_logprobs"]),
-        return_cumulative_logprob=bool(flags["return_cumulative_logprob"]),
+        **flags,
         logprobs_asked=logprobs_asked,
         cache_salt=cache_salt,
         codec=codec if has_tokenizer else None,
@@ -332,11 +338,14 @@ def _clip(value: Any, limit: int = 40) -> str:
 def _sampling_params(
     inputs: dict[str, np.ndarray], parameters: dict[str, Any], defaults: Mapping[str, Any] | None = None
 ) -> SamplingParams:
-    values: dict[str, Any] = {}
+    """The sampling values of the sampling_parameters input when it is given (the request parameters are
+    then not read, as vllm_backend reads none: a client may send both, or Triton parameters of its own),
+    else of the request parameters (the HTTP /generate endpoint's extra JSON keys)."""
     if "sampling_parameters" in inputs:
         values = json_object(_string_input(inputs, "sampling_parameters"), "sampling_parameters")
-    SamplingParams.check_keys(parameters, "request parameter")
-    values = {**values, **{k: _parameter_value(k, v) for k, v in parameters.items()}}
+    else:
+        SamplingParams.check_keys(parameters, "request parameter")
+        values = {k: _parameter_value(k, v) for k, v in parameters.items()}
     return SamplingParams.from_dict(with_sampling_defaults(values, defaults))  # the request's keys win
 
 
@@ -367,15 +376,13 @@ def response_tensors(
         if not request.exclude_input_in_output:
             text = _prompt_text(request) + text
     tensors = {"output_ids": np.asarray(ids, dtype=np.int32)}
-    if request.return_num_input_tokens is not False:
+    if request.return_num_input_tokens:
         tensors["num_input_tokens"] = np.asarray([out.num_prompt_tokens], dtype=np.uint32)
-    if request.return_num_output_tokens is not False:
-        # vllm_backend's (flag true): this response's tokens; orca_gpt's (no flag): all so far.
-        n = len(ids) if request.return_num_output_tokens else out.num_output_tokens
-        tensors["num_output_tokens"] = np.asarray([n], dtype=np.uint32)
+    if request.return_num_output_tokens:  # this response's tokens (all of them on a single response)
+        tensors["num_output_tokens"] = np.asarray([len(ids)], dtype=np.uint32)
     if has_tokenizer:
         tensors["text_output"] = np.asarray([text.encode("utf-8")], dtype=np.object_)
-    if request.return_finish_reason or (request.return_finish_reason is None and out.finished):
+    if request.return_finish_reason:
         reason = (out.finish_reason or "") if out.finished else str(None)  # vllm_backend: "None" until the end
         tensors["finish_reason"] = np.asarray([reason.encode()], dtype=np.object_)
     if request.return_logprobs:

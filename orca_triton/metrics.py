@@ -1,7 +1,9 @@
 """orca_gpt's Triton custom metrics (served on Triton's metrics port beside its own): counters and
 histograms the response thread updates from RequestOutputs, gauges the scheduler thread publishes from
 EngineStats (only those that changed). Names and labels are part of the interface: docs in README.md,
-"Metrics"."""
+"Metrics". Beside the orca_* series, the vllm:* series of triton-inference-server/vllm_backend (and of
+vLLM's own server, for the gauges it adds) under the same names, labels and buckets, so that dashboards and
+autoscaling rules written for vllm_backend read orca_gpt unchanged (VllmMetrics)."""
 
 from __future__ import annotations
 
@@ -20,12 +22,31 @@ _GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_u
 # The counters published from EngineStats' cumulative fields, each named by its field: incremented by
 # what the field grew since the last publish.
 _COUNTERS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits")
+# vllm_backend's buckets (src/utils/metrics.py), which are vLLM's.
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+VLLM_E2E_BUCKETS = [1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+VLLM_N_BUCKETS = [1, 2, 5, 10, 20]
+# vLLM's finish reasons (vllm:request_success_total's finished_reason label) for orca's.
+VLLM_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+
+
+def build_1_2_5_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's buckets of token counts, bounded by max_model_len)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
     """Triton custom metrics (served on the metrics port with Triton's own)."""
 
     def __init__(self, labels: dict[str, str]) -> None:
+        self.vllm = VllmMetrics(labels)
         C, G, H = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
         fam = pb_utils.MetricFamily
         self._families = {
@@ -85,11 +106,90 @@ class Metrics:
         for key, counter in self._counters.items():
             value = getattr(stats, key)
             if value > self._counted[key]:
-                counter.increment(value - self._counted[key])
+                grown = value - self._counted[key]
+                counter.increment(grown)
+                self.vllm.counters[key].increment(grown)
             self._counted[key] = value
+        self.vllm.publish(stats)
 
     def finished(self, reason: str) -> Any:
         if reason not in self._finished:
             labels = {**self._finished_labels, "reason": reason}
             self._finished[reason] = self._families["finished"].Metric(labels=labels)
         return self._finished[reason]
+
+
+class VllmMetrics:
+    """vllm_backend's vllm:* series, labelled {model, version} as it labels them, with the same meanings and
+    buckets; plus vLLM's own server's gauges of the scheduler and the K/V cache and its counters of
+    preemptions and prefix-cache look-ups (vllm_backend reports none of those). The request-size histograms
+    (bucketed up to the model's context) exist from engine_loaded on."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        C, G, H = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
+        fam = pb_utils.MetricFamily
+        self._labels = labels
+        self._families = {
+            "prompt": fam("vllm:prompt_tokens_total", "Number of prefill tokens processed.", C),
+            "generation": fam("vllm:generation_tokens_total", "Number of generation tokens processed.", C),
+            "ttft": fam("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", H),
+            "tpot": fam("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.", H),
+            "e2e": fam("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", H),
+            "request_prompt": fam("vllm:request_prompt_tokens", "Number of prefill tokens processed.", H),
+            "request_generation": fam("vllm:request_generation_tokens", "Number of generation tokens processed.", H),
+            "n": fam("vllm:request_params_n", "Histogram of the n request parameter.", H),
+            "max_tokens": fam("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", H),
+            "success": fam("vllm:request_success_total", "Count of successfully processed requests.", C),
+            "running": fam("vllm:num_requests_running", "Number of requests in model execution batches.", G),
+            "waiting": fam("vllm:num_requests_waiting", "Number of requests waiting to be processed.", G),
+            "kv_usage": fam("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", G),
+            "gpu_usage": fam("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (the older "
+                             "name of vllm:kv_cache_usage_perc).", G),
+            "preemptions": fam("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", C),
+            "prefix_cache_queries": fam("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of "
+                                        "number of queried tokens.", C),
+            "prefix_cache_hits": fam("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of "
+                                     "cached tokens.", C),
+        }
+        f = self._families
+        self.prompt = f["prompt"].Metric(labels=labels)
+        self.generation = f["generation"].Metric(labels=labels)
+        self.ttft = f["ttft"].Metric(labels=labels, buckets=VLLM_TTFT_BUCKETS)
+        self.tpot = f["tpot"].Metric(labels=labels, buckets=VLLM_TPOT_BUCKETS)
+        self.e2e = f["e2e"].Metric(labels=labels, buckets=VLLM_E2E_BUCKETS)
+        self.n = f["n"].Metric(labels=labels, buckets=VLLM_N_BUCKETS)
+        self.request_prompt: Any = None
+        self.request_generation: Any = None
+        self.max_tokens: Any = None
+        self._success: dict[str, Any] = {}
+        self._gauges = {key: f[key].Metric(labels=labels) for key in ("running", "waiting", "kv_usage", "gpu_usage")}
+        self.counters = {key: f[key].Metric(labels=labels) for key in _COUNTERS}
+        self._shown: dict[str, float] = {}
+
+    def engine_loaded(self, max_model_len: int) -> None:
+        """The histograms of request sizes, bucketed 1, 2, 5, 10, ... up to the context (vLLM's)."""
+        buckets = build_1_2_5_buckets(max_model_len)
+        f = self._families
+        self.request_prompt = f["request_prompt"].Metric(labels=self._labels, buckets=buckets)
+        self.request_generation = f["request_generation"].Metric(labels=self._labels, buckets=buckets)
+        self.max_tokens = f["max_tokens"].Metric(labels=self._labels, buckets=buckets)
+
+    def publish(self, stats: EngineStats) -> None:
+        usage = stats.kv_allocated_blocks / stats.kv_total_blocks if stats.kv_total_blocks else 0.0
+        values = {"running": stats.running, "waiting": stats.waiting, "kv_usage": usage, "gpu_usage": usage}
+        for key, value in values.items():
+            if self._shown.get(key) != value:
+                self._gauges[key].set(value)
+                self._shown[key] = value
+
+    def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int) -> None:
+        """A request ended (any reason): its size histograms, n (always 1 here) and success count."""
+        if self.request_prompt is not None:
+            self.request_prompt.observe(num_prompt_tokens)
+            self.request_generation.observe(num_output_tokens)
+            self.max_tokens.observe(max_tokens)
+        self.n.observe(1)
+        label = VLLM_FINISH_REASONS.get(reason or "", reason or "unknown")
+        if label not in self._success:
+            self._success[label] = self._families["success"].Metric(labels={**self._labels, "finished_reason": label})
+        self._success[label].increment(1)

@@ -202,6 +202,9 @@ def triton_inputs(request: dict[str, Any], batched: bool) -> list[grpcclient.Inf
         "input_ids": ("INT32", np.asarray(request["input_ids"], dtype=np.int32)),
         "stream": ("BOOL", np.asarray([request.get("stream", False)])),
         "sampling_parameters": ("BYTES", np.asarray([json.dumps(sampling).encode()], dtype=np.object_)),
+        # the outputs compared below come only when asked for (vllm_backend's flags)
+        **{flag: ("BOOL", np.asarray([True])) for flag in
+           ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")},
     }
     inputs = []
     for name, (dtype, value) in values.items():

@@ -216,12 +216,14 @@ def test_cache_salt_is_validated_and_sent_as_orca_gpts_input() -> None:
 
 
 def test_usage_reports_cached_prompt_tokens_as_openai_does() -> None:
-    final = Chunk([], None, True, num_input_tokens=40, num_output_tokens=2, num_cached_tokens=32)
-    assert protocol.chunk_usage(final) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
-                                           "prompt_tokens_details": {"cached_tokens": 32}}
+    first = Chunk([7], None, False, num_input_tokens=40, num_output_tokens=1)
+    final = Chunk([8], None, True, num_input_tokens=40, num_output_tokens=1, num_cached_tokens=32)
+    # num_output_tokens is each response's own count (vllm_backend's): the completion is their sum
+    assert protocol.chunk_usage([first, final]) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+                                                    "prompt_tokens_details": {"cached_tokens": 32}}
     # a model without the num_cached_tokens output: no details rather than a made-up 0
-    older = Chunk([], None, True, num_input_tokens=40, num_output_tokens=2)
-    assert protocol.chunk_usage(older) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+    older = Chunk([7, 8], None, True, num_input_tokens=40, num_output_tokens=2)
+    assert protocol.chunk_usage([older]) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
 
 
 def test_error_messages_map_to_http_statuses() -> None:

@@ -110,7 +110,8 @@ def hf_smollm2() -> Any:
 
 # -- text in, text out (the default model) -----------------------------------------------------------
 def test_capital_of_france_over_http_generate(orca_server: Any) -> None:
-    status, body = generate(orca_server, "orca_gpt", {"text_input": PARIS_PROMPT, "max_tokens": 12, "temperature": 0})
+    status, body = generate(orca_server, "orca_gpt", {"text_input": PARIS_PROMPT, "max_tokens": 12, "temperature": 0,
+                                                      "return_finish_reason": True, "return_num_output_tokens": True})
     assert status == 200, body
     assert body["text_output"].startswith(PARIS_PROMPT)  # non-streaming: prompt + completion
     assert "Paris" in body["text_output"][len(PARIS_PROMPT) :]
@@ -123,7 +124,8 @@ def test_chat_question_answers_paris(orca_server: Any) -> None:
     status, body = generate(
         orca_server,
         "orca_gpt",
-        {"messages": json.dumps(messages), "max_tokens": 24, "temperature": 0, "exclude_input_in_output": True},
+        {"messages": json.dumps(messages), "max_tokens": 24, "temperature": 0, "exclude_input_in_output": True,
+         "return_finish_reason": True},
     )
     assert status == 200, body
     assert "Paris" in body["text_output"]
@@ -147,7 +149,8 @@ def test_greedy_text_equals_transformers_on_the_same_gguf(orca_server: Any, hf_s
 
 
 def test_streamed_deltas_concatenate_to_the_non_streaming_completion(orca_server: Any) -> None:
-    request = {"text_input": JAPANESE_PROMPT, "max_tokens": 24, "temperature": 0, "exclude_input_in_output": True}
+    request = {"text_input": JAPANESE_PROMPT, "max_tokens": 24, "temperature": 0, "exclude_input_in_output": True,
+               "return_num_output_tokens": True}
     status, whole = generate(orca_server, "orca_gpt", request)
     assert status == 200, whole
     completion = whole["text_output"]
@@ -169,7 +172,7 @@ def test_stop_string_ends_generation_and_is_not_returned(orca_server: Any) -> No
         status, body = generate(
             orca_server, "orca_gpt",
             {"text_input": PARIS_PROMPT, "max_tokens": 12, "temperature": 0, "stop": stop,
-             "exclude_input_in_output": True},
+             "exclude_input_in_output": True, "return_finish_reason": True},
         )
         assert status == 200, body
         assert body["finish_reason"] == "stop"
@@ -214,7 +217,7 @@ def test_short_request_joins_and_returns_before_a_running_long_one(orca_server: 
     long_chunks = [first]
     for chunk in long_stream:  # the long one is still going: its FINAL comes later
         long_chunks.append(chunk)
-    assert long_chunks[-1].final and long_chunks[-1].num_output_tokens == 1900
+    assert long_chunks[-1].final and sum(c.num_output_tokens for c in long_chunks) == 1900  # each response's count
     assert sum(len(c.output_ids) for c in long_chunks) == 1900
 
 
@@ -278,7 +281,7 @@ BAD_REQUESTS = [
     ({"input_ids": [1, 2], "temperature": -0.5}, "temperature must be >= 0"),
     ({"input_ids": [1, 2], "top_p": 0}, "top_p must be in (0, 1]"),
     ({"input_ids": [1, 2], "top_p": 1.5}, "top_p must be in (0, 1]"),
-    ({"input_ids": [1, 2], "top_k": -1}, "top_k must be >= 0"),
+    ({"input_ids": [1, 2], "top_k": -2}, "top_k must be >= 0"),  # -1 is vLLM's "off"
     ({"input_ids": [1, 2], "cache_salt": "x" * 1025}, "cache_salt must be a string of 1 to 1024 characters, got 1025"),
     ({"input_ids": [1, 2], "cache_salt": ""}, "cache_salt must be a string of 1 to 1024 characters"),
 ]
@@ -377,7 +380,7 @@ def test_a_tiny_pool_preempts_under_a_burst_and_every_request_completes(orca_ser
     ])
     for chunks in results:
         assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
-        assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 100
+        assert chunks[-1].finish_reason == "length" and sum(c.num_output_tokens for c in chunks) == 100
     after = metrics(orca_server, model)
     assert after["orca_preemptions_total"] > before.get("orca_preemptions_total", 0)
     assert_idle(after)
@@ -430,7 +433,8 @@ def test_the_request_level_baseline_caches_no_prefix(orca_server: Any) -> None:
               "Pantheon and the Tiber; Berlin has the Brandenburg Gate and the Spree. The capital of France is")
     for _ in range(2):
         status, body = generate(orca_server, "request_level_gpt",
-                                {"text_input": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": "tenant-a"})
+                                {"text_input": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": "tenant-a",
+                                 "return_num_input_tokens": True})
         assert status == 200, body
         assert body["num_input_tokens"] > 32 and body["num_cached_tokens"] == 0
     status, body = generate(orca_server, "request_level_gpt", {"text_input": prompt, "max_tokens": 2, "cache_salt": ""})

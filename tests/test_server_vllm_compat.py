@@ -1,10 +1,13 @@
 """triton-inference-server/vllm_backend's tensors through the real tritonserver: the return_* flags, the
-logprobs JSON and cumulative_logprob, over gRPC streaming (tritonclient) and HTTP /generate."""
+logprobs JSON and cumulative_logprob, over gRPC streaming (tritonclient) and HTTP /generate; and what its
+own CI sends: sampling values as strings, Triton request parameters beside the sampling_parameters input,
+vLLM's other SamplingParams fields, stream with exclude_input_in_output false, and the vllm:* metrics."""
 
 from __future__ import annotations
 
 import json
 import queue
+import re
 from typing import Any
 
 import numpy as np
@@ -30,8 +33,11 @@ def generate(server: Any, model: str, body: dict[str, Any], stream: bool = False
     return r.status_code, [json.loads(e) for e in events]
 
 
-def grpc_stream(server: Any, model: str, tensors: dict[str, np.ndarray]) -> list[Any]:
-    """One request on a gRPC stream with tritonclient itself; the results in order (raises on an error)."""
+def grpc_stream(server: Any, model: str, tensors: dict[str, np.ndarray], parameters: dict[str, Any] | None = None
+                ) -> list[Any]:
+    """One request on a gRPC stream with tritonclient itself (with Triton request `parameters`, as
+    vllm_backend's CI sends its sampling values beside the input); the results in order (raises on an
+    error)."""
     types = {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL", np.dtype(object): "BYTES"}
     inputs = []
     for name, value in tensors.items():
@@ -41,7 +47,7 @@ def grpc_stream(server: Any, model: str, tensors: dict[str, np.ndarray]) -> list
     results: queue.Queue[Any] = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put(error or result))
-    client.async_stream_infer(model, inputs, request_id="vllm-compat")
+    client.async_stream_infer(model, inputs, request_id="vllm-compat", parameters=parameters)
     out = []
     try:
         while True:
@@ -100,21 +106,16 @@ def test_grpc_streaming_with_every_flag_gives_vllm_backend_outputs(orca_server: 
     assert total == pytest.approx(offline.cumulative_logprob, abs=1e-4)
 
 
-def test_grpc_flags_false_drop_outputs_and_left_out_keep_them(orca_server: Any) -> None:
+def test_grpc_flags_false_or_left_out_drop_outputs(orca_server: Any) -> None:
     base = {"input_ids": np.array(PROMPT, dtype=np.int32), "stream": np.array([True]),
             "sampling_parameters": np.array([b'{"max_tokens": 3, "logprobs": 1, "ignore_eos": true}'], dtype=object)}
     # (ignore_eos: a sampled EOS would end the stream before its third response)
-    results = grpc_stream(orca_server, "orca_tiny", {**base, **flags(False)})
-    assert len(results) == 3
-    for i, r in enumerate(results):  # num_cached_tokens has no flag: the final response always has it
-        final = {"num_cached_tokens"} if i == 2 else set()
-        assert {o.name for o in r.get_response().outputs} == {"output_ids"} | final
-    results = grpc_stream(orca_server, "orca_tiny", base)  # orca_gpt's outputs as before the flags existed
-    for i, r in enumerate(results):
-        names = {o.name for o in r.get_response().outputs}
-        final = {"finish_reason", "num_cached_tokens"} if i == 2 else set()
-        assert names == {"output_ids", "num_input_tokens", "num_output_tokens"} | final
-        assert r.as_numpy("num_output_tokens").tolist() == [i + 1]  # all so far
+    for extra in (flags(False), {}):  # as vllm_backend: an additional output only when its flag is true
+        results = grpc_stream(orca_server, "orca_tiny", {**base, **extra})
+        assert len(results) == 3
+        for i, r in enumerate(results):  # num_cached_tokens has no flag: the final response always has it
+            final = {"num_cached_tokens"} if i == 2 else set()
+            assert {o.name for o in r.get_response().outputs} == {"output_ids"} | final
 
 
 def test_orca_client_parses_logprobs_and_cumulative_logprob(orca_server: Any, offline: Any) -> None:
@@ -145,7 +146,7 @@ def test_http_generate_with_logprobs_on_the_text_model(orca_server: Any) -> None
         drawn.append(entry[str(token)])
     assert "".join(d["decoded_token"] for d in drawn) == body["text_output"]
     assert body["cumulative_logprob"] == pytest.approx(sum(d["logprob"] for d in drawn), abs=1e-4)
-    assert "finish_reason" in body and "num_input_tokens" in body  # flags left out: as before
+    assert "finish_reason" not in body and "num_input_tokens" not in body  # flags left out: not sent
 
 
 def test_http_generate_stream_gives_each_events_tokens(orca_server: Any, offline: Any) -> None:
@@ -165,7 +166,7 @@ BAD = [
     ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
     ({"logprobs": -1}, "logprobs must be an integer in [0, 20]"),
     ({"logprobs": 2.5}, "logprobs must be an integer in [0, 20]"),
-    ({"sampling_parameters": '{"logprobs": "3"}'}, "logprobs must be an integer in [0, 20]"),
+    ({"sampling_parameters": '{"logprobs": "30"}'}, "logprobs must be an integer in [0, 20]"),  # "30" converts
 ]
 
 
@@ -183,3 +184,94 @@ def test_bad_values_over_grpc(orca_server: Any) -> None:
     with pytest.raises(Exception, match="'return_logprobs' data-type is 'BYTES', but model 'orca_tiny' expects 'BOOL'"):
         grpc_stream(orca_server, "orca_tiny", {"input_ids": np.array(PROMPT, dtype=np.int32),
                                                "return_logprobs": np.array([b"yes"], dtype=object)})
+
+
+# -- what vllm_backend's own CI sends (ci/L0_backend_vllm, ci/L0_additional_outputs_vllm) ----------------
+def text_request(prompt: str, sampling: dict[str, Any], stream: bool, **extra: np.ndarray) -> dict[str, np.ndarray]:
+    """vllm_backend's CI request (ci/common/test_util.py create_vllm_request): text_input, stream and the
+    sampling_parameters input, values as strings."""
+    return {"text_input": np.array([prompt.encode()], dtype=object), "stream": np.array([stream]),
+            "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=object), **extra}
+
+
+def test_string_sampling_values_with_the_same_request_parameters(orca_server: Any, offline: Any) -> None:
+    """Every vllm_backend CI request: {"temperature": "0", "top_p": "1"} as strings, sent both as the input
+    and as Triton request parameters (which are then not read: max_tokens 2 and foo change nothing)."""
+    sampling = {"temperature": "0", "top_p": "1", "max_tokens": "5", "ignore_eos": "true", "n": "1"}
+    tensors = {"input_ids": np.array(PROMPT, dtype=np.int32), "stream": np.array([False]),
+               "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=object)}
+    [r] = grpc_stream(orca_server, "orca_tiny", tensors, parameters={**sampling, "max_tokens": "2", "foo": 1})
+    assert r.as_numpy("output_ids").tolist() == offline.token_ids  # greedy, 5 tokens
+    # HTTP /generate without the input: its JSON keys are the sampling values, strings converted the same
+    status, body = generate(orca_server, "orca_tiny", {"input_ids": PROMPT, **sampling})
+    assert status == 200 and body["output_ids"] == offline.token_ids, body
+
+
+@pytest.mark.parametrize(("sampling", "message"), [
+    ({"n": "2"}, "n > 1 is not supported: orca generates one sequence per request (n=1 only), got n=2"),
+    ({"presence_penalty": "0.5"}, "presence_penalty is not supported: orca's sampler applies no penalties"),
+    ({"lora_name": "sql-lora"}, "lora_name is not supported: orca serves no LoRA adapters"),
+    ({"temperature": "warm"}, "temperature must be a number >= 0 (0 = greedy), got string 'warm'"),
+])
+def test_vllm_fields_orca_lacks_and_bad_strings_are_refused_by_name(
+    orca_server: Any, sampling: dict[str, Any], message: str
+) -> None:
+    tensors = {"input_ids": np.array(PROMPT, dtype=np.int32), "stream": np.array([False]),
+               "sampling_parameters": np.array([json.dumps({"temperature": "0", **sampling}).encode()], dtype=object)}
+    with pytest.raises(Exception, match=re.escape(message)) as err:
+        grpc_stream(orca_server, "orca_tiny", tensors)
+    assert "unknown" not in str(err.value)
+
+
+def test_stream_with_the_prompt_in_the_output_gets_vllm_backends_error(orca_server: Any) -> None:
+    message = "Error generating stream: When streaming, `exclude_input_in_output` = False is not allowed."
+    request = text_request("The capital of France is", {"temperature": "0"}, True,
+                           exclude_input_in_output=np.array([False]))
+    with pytest.raises(Exception) as err:
+        grpc_stream(orca_server, "orca_gpt", request)
+    assert getattr(err.value, "message", lambda: str(err.value))() == message
+    # left out, a stream carries the completion only, and a single response starts with the prompt
+    streamed = grpc_stream(orca_server, "orca_gpt", text_request("The capital of France is",
+                                                                 {"temperature": "0", "max_tokens": "3"}, True))
+    whole = grpc_stream(orca_server, "orca_gpt", text_request("The capital of France is",
+                                                              {"temperature": "0", "max_tokens": "3"}, False))
+    text = "".join(r.as_numpy("text_output")[0].decode() for r in streamed)
+    assert whole[0].as_numpy("text_output")[0].decode() == "The capital of France is" + text
+
+
+def vllm_samples(server: Any, model: str) -> dict[str, float]:
+    """vllm:* samples of one model (labels model and version, as vllm_backend's), keyed by name plus any
+    other labels."""
+    out: dict[str, float] = {}
+    for line in requests.get(server.metrics_url, timeout=30).text.splitlines():
+        m = re.match(r'^(vllm:\w+)\{([^}]*)\} (\S+)$', line)
+        if not m or f'model="{model}"' not in m.group(2) or 'version="1"' not in m.group(2):
+            continue
+        labels = [kv for kv in m.group(2).split(",") if not kv.startswith(("model=", "version="))]
+        out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
+    return out
+
+
+def test_vllm_metrics_count_a_request_as_vllm_backend_does(orca_server: Any) -> None:
+    model = "orca_tiny_preempt"  # no other test of this session sends it requests that finish normally here
+    before = vllm_samples(orca_server, model)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prompt_tokens_total"):
+        assert name in before, name
+    grpc_stream(orca_server, model, {"input_ids": np.array(PROMPT, dtype=np.int32), "stream": np.array([True]),
+                                     "sampling_parameters": np.array([b'{"max_tokens": "6", "ignore_eos": "true"}'],
+                                                                     dtype=object)})
+    after = vllm_samples(orca_server, model)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("vllm:prompt_tokens_total") == len(PROMPT) and grew("vllm:generation_tokens_total") == 6
+    assert grew("vllm:time_to_first_token_seconds_count") == 1
+    assert grew("vllm:time_per_output_token_seconds_count") == 5  # one per token after the first
+    assert grew("vllm:e2e_request_latency_seconds_count") == 1
+    assert grew("vllm:request_prompt_tokens_sum") == len(PROMPT) and grew("vllm:request_prompt_tokens_count") == 1
+    assert grew("vllm:request_generation_tokens_sum") == 6
+    assert grew("vllm:request_params_n_sum") == 1 and grew("vllm:request_params_max_tokens_sum") == 6
+    assert grew('vllm:request_success_total{finished_reason="length"}') == 1
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0

@@ -101,11 +101,9 @@ def test_bad_json_in_an_input_is_a_value_error_naming_it(inputs: dict, parameter
 
 
 def test_sampling_keys_from_json_and_request_parameters() -> None:
-    req = parse(
-        {"input_ids": np.array([1]), "sampling_parameters": s('{"max_tokens": 5, "stop": ["a", "b"]}')},
-        {"temperature": 0.5},
-    )
-    assert (req.params.max_tokens, req.params.temperature, req.params.stop) == (5, 0.5, ("a", "b"))
+    req = parse({"input_ids": np.array([1]), "sampling_parameters": s('{"max_tokens": 5, "stop": ["a", "b"]}')})
+    assert (req.params.max_tokens, req.params.temperature, req.params.stop) == (5, 1.0, ("a", "b"))
+    assert parse({"input_ids": np.array([1])}, {"temperature": 0.5, "max_tokens": 3}).params.temperature == 0.5
     # Triton's HTTP parameters are scalars: one stop string, or a JSON list inside a string.
     assert parse({"input_ids": np.array([1])}, {"stop": "."}).params.stop == (".",)
     assert parse({"input_ids": np.array([1])}, {"stop": '[".", "!"]'}).params.stop == (".", "!")
@@ -117,10 +115,12 @@ def test_sampling_keys_from_json_and_request_parameters() -> None:
 def test_response_tensors_streaming_and_not() -> None:
     out = RequestOutput("r", new_token_ids=[9], token_ids=[8, 9], num_prompt_tokens=2, finished=True,
                        finish_reason="length", text_delta="b", text="ab")
-    req = parse({"text_input": s("hi")})
+    asked = {"return_finish_reason": np.array([True]), "return_num_output_tokens": np.array([True])}
+    req = parse({"text_input": s("hi"), **asked})
     t = response_tensors(out, req, has_tokenizer=True)
     assert t["output_ids"].tolist() == [8, 9] and t["text_output"][0] == b"hiab"
     assert t["finish_reason"][0] == b"length" and t["num_output_tokens"].tolist() == [2]
+    assert "finish_reason" not in response_tensors(out, parse({"text_input": s("hi")}), True)  # not asked
     streamed = response_tensors(out, parse({"text_input": s("hi"), "stream": np.array([True])}), True)
     assert streamed["output_ids"].tolist() == [9] and streamed["text_output"][0] == b"b"
     no_text = response_tensors(out, parse({"input_ids": np.array([1])}, has_tokenizer=False), False)

@@ -30,6 +30,9 @@ class Chunk:
     output_ids: list[int]
     text: str | None
     final: bool
+    # The vllm_backend outputs, each present when its return_* flag was true (OrcaClient.generate asks for
+    # these three): finish_reason on the final response (None before it), the prompt's tokens, and this
+    # response's tokens (len(output_ids))
     finish_reason: str | None = None
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
@@ -57,10 +60,12 @@ def build_inputs(
     **sampling: Any,
 ) -> list[grpcclient.InferInput]:
     """The request tensors for orca_gpt; `sampling` holds SamplingParams keys (max_tokens, logprobs, ...).
-    The return_* flags (vllm_backend's) are sent when not None; `logprobs=n` with `return_logprobs=True`
-    gets each token's log-probability and the top n. `cache_salt` (sent when not None): requests with
-    different salts never share the prefix cache's keys and values. `tools` (with `messages`; sent when
-    not None): OpenAI's tool objects, rendered by the model's chat template."""
+    The return_* flags (vllm_backend's) are sent when not None (the server sends an additional output only
+    when its flag is true); `logprobs=n` with `return_logprobs=True` gets each token's log-probability and
+    the top n. `exclude_input_in_output` must stay true when streaming (the server refuses false).
+    `cache_salt` (sent when not None): requests with different salts never share the prefix cache's keys
+    and values. `tools` (with `messages`; sent when not None): OpenAI's tool objects, rendered by the
+    model's chat template."""
     inputs = []
 
     def add(name: str, dtype: str, value: np.ndarray) -> None:
@@ -149,8 +154,12 @@ class OrcaClient:
 
     def generate(self, timeout: float | None = 600, **request: Any) -> Iterator[Chunk]:
         """Streams one request's responses (stream=True: one per iteration that produced a token;
-        stream=False: one). Raises OrcaError for an error response."""
+        stream=False: one). `request`: build_inputs' arguments; return_finish_reason,
+        return_num_input_tokens and return_num_output_tokens are true unless given, so each Chunk has
+        them. Raises OrcaError for an error response."""
         model = request.pop("model", self.model)
+        for flag in ASKED_BY_DEFAULT:
+            request.setdefault(flag, True)
         results: queue.Queue[Chunk | OrcaError] = queue.Queue()
 
         def on_result(result: Any, error: InferenceServerException | None) -> None:
@@ -180,3 +189,5 @@ class OrcaClient:
 
 
 _IDS = itertools.count()
+ASKED_BY_DEFAULT = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+"""The additional outputs OrcaClient.generate asks for unless told otherwise."""

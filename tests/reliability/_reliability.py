@@ -73,11 +73,12 @@ class Spec:
 
     def grpc_inputs(self, stream: bool) -> list[Any]:
         prompt = {"input_ids": list(self.input_ids)} if self.input_ids is not None else {"text": self.text}
-        return build_inputs(**prompt, stream=stream, **self.sampling())
+        return build_inputs(**prompt, stream=stream, return_finish_reason=True, **self.sampling())
 
     def http_body(self) -> dict[str, Any]:
         prompt = {"input_ids": list(self.input_ids)} if self.input_ids is not None else {"text_input": self.text}
-        return {**prompt, **self.sampling(), "stream": True, "exclude_input_in_output": True}
+        return {**prompt, **self.sampling(), "stream": True, "exclude_input_in_output": True,
+                "return_finish_reason": True}
 
 
 def _final_flag(response: Any) -> bool:

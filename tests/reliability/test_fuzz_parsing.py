@@ -34,7 +34,7 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.extra import numpy as hnp
 
 from orca import LLMEngine, Logprob, RequestOutput
-from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, SamplingParams, StructuredOutputs
+from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, VLLM_SCALAR_TYPES, SamplingParams, StructuredOutputs
 from orca_triton.generate import (
     INPUT_NAMES,
     PROMPT_INPUTS,
@@ -187,6 +187,19 @@ def valid_value(field: str) -> st.SearchStrategy[Any]:
     }[field]
 
 
+def vllm_value(field: str, sent: Any) -> Any:
+    """What SamplingParams.from_dict makes of a value it accepts: a string of a scalar field converted to
+    the type vLLM declares; null stop and stop_token_ids, and top_k -1, off."""
+    if isinstance(sent, str) and field in VLLM_SCALAR_TYPES:
+        kind, text = VLLM_SCALAR_TYPES[field], sent.strip()
+        sent = {"true": True, "false": False, "1": True, "0": False}[text.lower()] if kind is bool else kind(text)
+    if field in ("stop", "stop_token_ids") and sent is None:
+        return []
+    if field == "top_k" and sent == -1 and not isinstance(sent, bool):
+        return 0
+    return sent
+
+
 def field_value(field: str) -> st.SearchStrategy[Any]:
     """Mostly wild values, some valid ones, and each numeric field's edges."""
     return JSON_VALUES | valid_value(field) | st.sampled_from(EDGE_INTS + EDGE_FLOATS)
@@ -222,13 +235,14 @@ def test_every_sampling_field_fuzzed(engine: LLMEngine, data: st.DataObject) -> 
     if isinstance(result, str):
         assert_blames(result, {field}, field in NUMERIC_FIELDS)
         return
-    # Accepted: the field holds exactly the value sent.
+    # Accepted: the field holds exactly the value sent (a string as vllm_backend converts it).
     got = getattr(result.params, field)
     sent = parameters.get(field, value)
     if isinstance(sent, str) and field in ("stop", "stop_token_ids") and channel != "sampling_parameters":
         sent = [sent] if field == "stop" and not sent.startswith("[") else json.loads(sent)
     if field == "stop" and isinstance(sent, str):
         sent = [sent]
+    sent = vllm_value(field, sent)
     if field == "structured_outputs":
         assert got == (None if sent is None else StructuredOutputs.parse(sent)), (got, sent)
         return
@@ -325,6 +339,8 @@ def test_any_input_tensor_fuzzed(engine: LLMEngine, data: st.DataObject) -> None
     inputs = {prompt: valid[prompt]}
     for flag in data.draw(st.lists(st.sampled_from(BOOL_INPUTS), max_size=3, unique=True)):
         inputs[flag] = np.array([data.draw(st.booleans())])
+    if "stream" in inputs and inputs["stream"][0] and "exclude_input_in_output" in inputs:
+        inputs["exclude_input_in_output"] = np.array([True])  # stream with the prompt: refused (vllm_backend's)
     name = data.draw(st.sampled_from(INPUT_NAMES))
     action = data.draw(st.sampled_from(["replace", "replace", "replace", "drop_prompt"]))
     if action == "drop_prompt":
@@ -409,10 +425,10 @@ FOUND = [
     ("no_tokenizer", {"sampling_parameters": '{"max_tokens": ' + "9" * 5000 + "}"}, {},
      r"sampling_parameters holds an integer of more than 4300 digits"),
     # Messages without the range: type errors said only "must be an integer".
-    ("no_tokenizer", {}, {"max_tokens": "1"}, r"max_tokens must be an integer >= 1 .*, got string '1'"),
+    ("no_tokenizer", {}, {"max_tokens": "1.5"}, r"max_tokens must be an integer >= 1 .*, got string '1.5'"),
     ("no_tokenizer", {}, {"top_k": 2.5}, r"top_k must be an integer >= 0 and <= 9223372036854775807"),
     ("no_tokenizer", {}, {"temperature": math.nan}, r"temperature must be a finite number >= 0"),
-    ("no_tokenizer", {}, {"top_p": "0.9"}, r"top_p must be a number in \(0, 1\]"),
+    ("no_tokenizer", {}, {"top_p": "0.9x"}, r"top_p must be a number in \(0, 1\]"),
     ("no_tokenizer", {}, {"seed": -1}, r"seed must be >= 0 and <= 9223372036854775807"),
     ("no_tokenizer", {}, {"stop_token_ids": "[1, -2]"}, r"stop_token_ids\[1\] must be >= 0, got -2"),
     ("no_tokenizer", {}, {"stop": '["a", 3]'}, r"stop\[1\] must be a non-empty string, got integer 3"),

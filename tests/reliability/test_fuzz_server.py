@@ -106,8 +106,8 @@ BAD = [
     Bad({"input_ids": IDS, "top_p": 0}, r"top_p must be in \(0, 1\], got 0", True),
     Bad({"input_ids": IDS, "top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5", True),
     Bad({"input_ids": IDS, "top_p": -1}, r"top_p must be in \(0, 1\], got -1", True),
-    Bad({"input_ids": IDS, "top_p": "0.9"}, r"top_p must be a number in \(0, 1\]", True),
-    Bad({"input_ids": IDS, "top_k": -1}, r"top_k must be >= 0 and <= " + MAX_INT64, True),
+    Bad({"input_ids": IDS, "top_p": "most"}, r"top_p must be a number in \(0, 1\]", True),  # "0.9" converts
+    Bad({"input_ids": IDS, "top_k": -2}, r"top_k must be >= 0 and <= " + MAX_INT64, True),  # -1 is vLLM's "off"
     Bad({"input_ids": IDS, "top_k": 2.5}, r"top_k must be an integer >= 0 and <= " + MAX_INT64, True),
     Bad({"input_ids": IDS, "top_k": 1e30}, r"top_k must be an integer >= 0 and <= " + MAX_INT64, True),
     Bad({"input_ids": IDS, "seed": -1}, r"seed must be >= 0 and <= " + MAX_INT64, True),
@@ -130,7 +130,8 @@ BAD = [
     Bad({"input_ids": IDS, "logprobs": -1}, r"logprobs must be an integer in \[0, 20\]", True),
     Bad({"input_ids": IDS, "logprobs": 2.5}, r"logprobs must be an integer in \[0, 20\]", True),
     Bad({"input_ids": IDS, "nonsense": 3}, r"unknown request parameter\(s\) nonsense; allowed: max_tokens"),
-    Bad({"input_ids": IDS, "frequency_penalty": 0.5}, r"unknown request parameter\(s\) frequency_penalty"),
+    Bad({"input_ids": IDS, "frequency_penalty": 0.5}, r"frequency_penalty is not supported: orca's sampler applies "
+                                                      r"no penalties; it is accepted only as 0"),
     Bad({"input_ids": IDS, "temp\u00e9rature": 1}, r"unknown request parameter\(s\) temp\u00e9rature"),
     Bad({"input_ids": IDS, "max_tokens": 4, "x" * 300: 1}, r"unknown request parameter\(s\) x{40}\.\.\. \(300 char"),
     # -- the sampling_parameters JSON ------------------------------------------------------------------
@@ -173,10 +174,10 @@ BAD = [
         r"stop_token_ids\[1\] must be an integer >= 0, got array", True),
     Bad({"input_ids": IDS, "sampling_parameters": '{"stop_token_ids": "1, 2"}'},
         r"stop_token_ids must be a list of integers >= 0, got string '1, 2'", True),
-    Bad({"input_ids": IDS, "sampling_parameters": '{"ignore_eos": "true"}'}, r"ignore_eos must be a boolean"),
+    Bad({"input_ids": IDS, "sampling_parameters": '{"ignore_eos": "maybe"}'}, r"ignore_eos must be a boolean"),
     Bad({"input_ids": IDS, "sampling_parameters": '{"logprobs": true}'}, r"logprobs must be an integer in \[0, 20\]",
         True),
-    Bad({"input_ids": IDS, "sampling_parameters": '{"logprobs": "3"}'}, r"logprobs must be an integer in \[0, 20\]",
+    Bad({"input_ids": IDS, "sampling_parameters": '{"logprobs": "30"}'}, r"logprobs must be an integer in \[0, 20\]",
         True),
     Bad({"input_ids": IDS, "sampling_parameters": "[" * 100_000}, r"sampling_parameters is nested too deeply"),
     Bad({"input_ids": IDS, "sampling_parameters": '{"ignore_eos": "' + "x" * 1_000_000 + '"}'},

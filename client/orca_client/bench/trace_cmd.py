@@ -227,6 +227,7 @@ def batch_member_inputs(req: TraceRequest) -> list[grpcclient.InferInput]:
         "input_ids": ("INT32", np.asarray([req.prompt_token_ids], dtype=np.int32)),
         "stream": ("BOOL", np.asarray([[False]])),
         "exclude_input_in_output": ("BOOL", np.asarray([[True]])),
+        "return_finish_reason": ("BOOL", np.asarray([[True]])),  # RequestRecord.finish_reason
         "sampling_parameters": (
             "BYTES", np.asarray([[json.dumps(sampling_parameters(req)).encode()]], dtype=np.object_)
         ),

@@ -78,6 +78,7 @@ class _Active:
     request: GenerateRequest
     cancelled: bool = False  # the client cancelled and the engine was asked to abort it
     asked_at: float = 0.0  # when the response thread last asked the sender about cancellation
+    last_token_at: float | None = None  # when its latest token was generated (vllm:time_per_output_token_seconds)
 
 
 class TritonPythonModel:
@@ -101,6 +102,7 @@ class TritonPythonModel:
             fault=fault_from_env(args["model_name"]),
         )
         self.core = self.loop.core
+        self.metrics.vllm.engine_loaded(self.core.max_model_len)
         self.text = Tokenizer.load(self.core.checkpoint)
         self.has_tokenizer = self.text.available
         # The model's recommended sampling (generation_config.json), for the keys a request leaves out.
@@ -301,6 +303,7 @@ class TritonPythonModel:
             active.asked_at = time.monotonic()
             if active.sender.is_cancelled():
                 active.cancelled = True
+                logger.info("[vllm] Cancelling the request %s", request_id)  # vllm_backend's log line
                 self.loop.abort(request_id)
 
     def _process(self, delta: EngineCoreOutput) -> None:
@@ -314,28 +317,28 @@ class TritonPythonModel:
             self.loop.abort(request_id)
         for out in processed.outputs:
             try:
-                self._respond(out)
+                self._respond(out, delta.time)
             except Exception:  # noqa: BLE001
                 logger.exception("sending a response for %s failed", out.request_id)
 
-    def _respond(self, out: RequestOutput) -> None:
+    def _respond(self, out: RequestOutput, at: float) -> None:
+        """`at`: when the core produced this output (its delta's time)."""
         with self._active_lock:
             active = self._active.pop(out.request_id, None) if out.finished else self._active.get(out.request_id)
         if active is None:
             return
         if not out.finished:
             self._ask_cancelled(out.request_id, active)
-        if out.first_token_time is not None and out.num_output_tokens == len(out.new_token_ids) == 1:
-            self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
-            self.metrics.prompt.increment(out.num_prompt_tokens)
-        self.metrics.generated.increment(len(out.new_token_ids))
+        self._observe_tokens(out, active, at)
         if out.finished:
-            self._observe_finished(out)
+            self._observe_finished(out, active)
             if out.finish_reason == "error":
                 _send_error(active.sender, f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
                 return
             if out.finish_reason == "cancelled" and (active.cancelled or active.sender.is_cancelled()):
                 _send_error(active.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+                # vllm_backend's log line, word for word: log-based tooling (and its CI) looks for it
+                logger.info("[vllm] Successfully cancelled the request %s", out.request_id)
                 return
         elif active.cancelled or not active.request.stream or not out.new_token_ids:
             return  # non-streaming requests answer once, at the end; a cancelled one only with its FINAL
@@ -343,11 +346,31 @@ class TritonPythonModel:
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
         active.sender.send(response, flags=_FINAL if out.finished else 0)
 
-    def _observe_finished(self, out: RequestOutput) -> None:
+    def _observe_tokens(self, out: RequestOutput, active: _Active, at: float) -> None:
+        """The token metrics of one output: time to first token and the prompt on the first token; the
+        tokens; vLLM's per-token gap (vllm:time_per_output_token_seconds: one observation per output after
+        the first, the time since the request's previous one)."""
+        m, n = self.metrics, len(out.new_token_ids)
+        if out.first_token_time is not None and out.num_output_tokens == n == 1:
+            m.ttft.observe(out.first_token_time - out.arrival_time)
+            m.prompt.increment(out.num_prompt_tokens)
+            m.vllm.ttft.observe(out.first_token_time - out.arrival_time)
+            m.vllm.prompt.increment(out.num_prompt_tokens)
+        elif n and active.last_token_at is not None:
+            m.vllm.tpot.observe(at - active.last_token_at)
+        if n:
+            active.last_token_at = at
+            m.generated.increment(n)
+            m.vllm.generation.increment(n)
+
+    def _observe_finished(self, out: RequestOutput, active: _Active) -> None:
         m = self.metrics
         m.finished(out.finish_reason or "unknown").increment(1)
+        m.vllm.finished(out.finish_reason, out.num_prompt_tokens, out.num_output_tokens,
+                        active.request.params.max_tokens)
         if out.finish_time is not None:
             m.e2e.observe(out.finish_time - out.arrival_time)
+            m.vllm.e2e.observe(out.finish_time - out.arrival_time)
             if out.first_token_time is not None and out.num_output_tokens > 1:
                 m.tpot.observe((out.finish_time - out.first_token_time) / (out.num_output_tokens - 1))
 
