@@ -3,7 +3,8 @@ histograms the response thread updates from RequestOutputs, gauges the scheduler
 EngineStats (only those that changed). Names and labels are part of the interface: docs in README.md,
 "Metrics". Beside the orca_* series, the vllm:* series of triton-inference-server/vllm_backend (and of
 vLLM's own server, for the gauges it adds) under the same names, labels and buckets, so that dashboards and
-autoscaling rules written for vllm_backend read orca_gpt unchanged (VllmMetrics)."""
+autoscaling rules written for vllm_backend read orca_gpt unchanged (VllmMetrics), when the model's
+REPORT_CUSTOM_METRICS parameter is "true" (vllm_backend's switch; orca_gpt's config.pbtxt sets it)."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def build_1_2_5_buckets(limit: int) -> list[int]:
 class Metrics:
     """Triton custom metrics (served on the metrics port with Triton's own)."""
 
-    def __init__(self, labels: dict[str, str]) -> None:
-        self.vllm = VllmMetrics(labels)
+    def __init__(self, labels: dict[str, str], report_vllm: bool = True) -> None:
+        """`report_vllm`: also the vllm:* series (else none of them exists: NoVllmMetrics)."""
+        self.vllm: VllmMetrics | NoVllmMetrics = VllmMetrics(labels) if report_vllm else NoVllmMetrics()
         C, G, H = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.HISTOGRAM
         fam = pb_utils.MetricFamily
         self._families = {
@@ -193,3 +195,33 @@ class VllmMetrics:
         if label not in self._success:
             self._success[label] = self._families["success"].Metric(labels={**self._labels, "finished_reason": label})
         self._success[label].increment(1)
+
+
+class _NoMetric:
+    def increment(self, value: float) -> None:
+        return None
+
+    def set(self, value: float) -> None:
+        return None
+
+    def observe(self, value: float) -> None:
+        return None
+
+
+class NoVllmMetrics:
+    """VllmMetrics' interface with no series behind it: REPORT_CUSTOM_METRICS off, as in vllm_backend,
+    where the model then reports no vllm:* series at all."""
+
+    def __init__(self) -> None:
+        nothing = _NoMetric()
+        self.prompt = self.generation = self.ttft = self.tpot = self.e2e = self.n = nothing
+        self.counters: dict[str, _NoMetric] = {key: nothing for key in _COUNTERS}
+
+    def engine_loaded(self, max_model_len: int) -> None:
+        return None
+
+    def publish(self, stats: EngineStats) -> None:
+        return None
+
+    def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int) -> None:
+        return None

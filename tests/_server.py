@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "orca_gpt"
 SHIPPED_BASELINE = REPO_ROOT / "model_repository" / "request_level_gpt"
 
-# name -> engine parameters overriding the shipped config.pbtxt
+# name -> parameters overriding the shipped config.pbtxt (the engine's, and REPORT_CUSTOM_METRICS)
 TINY_MODELS = {
     # A long context so a request can run for seconds: room to act while it is in flight.
     "orca_tiny": {"max_bs": "8", "n_slots": "8192"},
@@ -39,8 +39,10 @@ TINY_MODELS = {
     # tests/reliability soak: few running and a short waiting queue, so a burst saturates it and is refused.
     "orca_tiny_soak": {"max_bs": "4", "max_queue": "24", "n_slots": "4096"},
     # tests/test_timeline.py: orca-bench trace --timeline reloads it with its trace parameter set, then as
-    # configured. Four requests per iteration and a budget of 32 tokens: prompts run in chunks.
-    "orca_tiny_timeline": {"max_bs": "4", "n_slots": "1024", "max_num_batched_tokens": "32"},
+    # configured. Four requests per iteration and a budget of 32 tokens: prompts run in chunks. Its vllm:*
+    # metrics are off (REPORT_CUSTOM_METRICS, a model parameter): tests/test_server_vllm_compat.py.
+    "orca_tiny_timeline": {"max_bs": "4", "n_slots": "1024", "max_num_batched_tokens": "32",
+                           "REPORT_CUSTOM_METRICS": "false"},
 }
 # Models the failure tests make fail (they unload themselves): no other test may rely on them.
 FAILING_MODELS = ("orca_tiny_tp2", "orca_tiny_hang", "orca_tiny_crash")

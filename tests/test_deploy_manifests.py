@@ -547,6 +547,7 @@ def test_engine_config_accepts_the_parameters(kdir: Path, monkeypatch: pytest.Mo
     if "tensor_parallel_size" not in {f.name for f in fields(EngineConfig)}:  # distributed execution not there yet
         pytest.skip("orca.EngineConfig has no tensor_parallel_size yet")
     params = parameters(model_config(kdir))
+    assert params.pop("REPORT_CUSTOM_METRICS") == "true"  # a model parameter (the vllm:* metrics), not the engine's
     monkeypatch.delenv("ORCA_MODEL", raising=False)
     config = EngineConfig.from_parameters(params)
     tp, pp, local = world(params)

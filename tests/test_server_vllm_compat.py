@@ -275,3 +275,15 @@ def test_vllm_metrics_count_a_request_as_vllm_backend_does(orca_server: Any) -> 
     assert grew("vllm:request_params_n_sum") == 1 and grew("vllm:request_params_max_tokens_sum") == 6
     assert grew('vllm:request_success_total{finished_reason="length"}') == 1
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_report_custom_metrics_false_leaves_out_every_vllm_series(orca_server: Any) -> None:
+    """REPORT_CUSTOM_METRICS "false" (as absent), vllm_backend's switch: the model reports no vllm:* series
+    at all, while its orca_* series stay; the shipped config's "true" reports them (the test above)."""
+    model = "orca_tiny_timeline"  # configured with REPORT_CUSTOM_METRICS false (tests/_server.py)
+    grpc_stream(orca_server, model, {"input_ids": np.array(PROMPT, dtype=np.int32), "stream": np.array([True]),
+                                     "sampling_parameters": np.array([b'{"max_tokens": 2}'], dtype=object)})
+    assert vllm_samples(orca_server, model) == {}
+    assert vllm_samples(orca_server, "orca_tiny_preempt")  # another model's, in the same server
+    text = requests.get(orca_server.metrics_url, timeout=30).text
+    assert re.search(rf'^orca_generated_tokens_total\{{[^}}]*model="{model}"[^}}]*\}} [1-9]', text, re.M)

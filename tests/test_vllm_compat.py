@@ -218,3 +218,18 @@ def test_vllm_series_beside_orca_series_with_vllm_backend_labels(metrics_module:
     assert made["vllm:request_params_n"].metrics[0].observed == [1]
     [success] = made["vllm:request_success_total"].metrics
     assert success.labels == {**labels, "finished_reason": "abort"} and success.value == 1
+
+
+def test_report_vllm_off_makes_no_vllm_series(metrics_module: Any) -> None:
+    """REPORT_CUSTOM_METRICS off: no vllm:* family is made; the calls the model makes still work."""
+    from orca.core.engine import EngineStats
+
+    m = metrics_module.Metrics({"model": "m", "version": "1"}, report_vllm=False)
+    m.vllm.engine_loaded(2048)
+    m.publish(EngineStats(running=1, waiting=0, kv_total_blocks=10, kv_allocated_blocks=1, block_size=16,
+                          preemptions=2))
+    m.vllm.ttft.observe(0.1)
+    m.vllm.counters["preemptions"].increment(1)
+    m.vllm.finished("stop", 3, 2, 8)
+    assert not [name for name in FakeFamily.made if name.startswith("vllm:")]
+    assert FakeFamily.made["orca_preemptions_total"].metrics[0].value == 2

@@ -88,7 +88,8 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("orca_gpt must be decoupled (model_transaction_policy)")
         config = _engine_config(model_config)
-        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]})
+        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
+                               report_vllm=_report_custom_metrics(model_config))
         self._ids = itertools.count()
         self._id_prefix = f"{args['model_name']}-{args['model_instance_name']}-"
         self._active: dict[str, _Active] = {}
@@ -391,9 +392,23 @@ def _send_error(sender: Any, message: str, code: Any) -> None:
     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)), flags=_FINAL)
 
 
+# vllm_backend's switch for its vllm:* metrics: a model parameter, not an engine option.
+REPORT_CUSTOM_METRICS = "REPORT_CUSTOM_METRICS"
+
+
+def _report_custom_metrics(model_config: dict[str, Any]) -> bool:
+    """The REPORT_CUSTOM_METRICS parameter, read as vllm_backend reads it: "true" (any case) reports the
+    vllm:* series; absent or "false", none."""
+    raw = model_config.get("parameters", {}).get(REPORT_CUSTOM_METRICS, {}).get("string_value", "")
+    if raw.strip().lower() not in ("", "true", "false"):
+        raise pb_utils.TritonModelException(f"parameter {REPORT_CUSTOM_METRICS} must be true or false, got {raw!r}")
+    return raw.strip().lower() == "true"
+
+
 def _engine_config(model_config: dict[str, Any]) -> EngineConfig:
     """EngineConfig from the config.pbtxt parameters (strings; empty = default)."""
-    raw = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+    raw = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()
+           if k != REPORT_CUSTOM_METRICS}
     try:
         return EngineConfig.from_parameters(raw)
     except ValueError as exc:
