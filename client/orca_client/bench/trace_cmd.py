@@ -664,8 +664,9 @@ def plot_trace(result: dict[str, Any], path: str) -> None:
     names = list(result["throughput_within_slo"])
     values = [result["throughput_within_slo"][m] or 0.0 for m in names]
     bars.bar(names, values, color=[f"C{i}" for i in range(len(names))])
-    for i, v in enumerate(values):
-        bars.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom")
+    never = result.get("slo_never_crossed", {})
+    for i, v in enumerate(values):  # ">=": within the SLO at every rate of the sweep (a lower bound)
+        bars.annotate(f"{'>= ' if never.get(names[i]) else ''}{v:.2f}", (i, v), ha="center", va="bottom")
     bars.set_ylabel("throughput within SLO (req/s achieved)")
     bars.set_title(f"throughput within SLO ({slo * 1000:.0f} ms/token)" if slo is not None else "throughput within SLO")
     bars.tick_params(axis="x", labelrotation=15)
