@@ -58,6 +58,8 @@ def test_orca_gpt_ships_every_settable_option_at_its_default(monkeypatch: pytest
     and the dataclass tell the same story."""
     monkeypatch.delenv("ORCA_MODEL", raising=False)
     raw = shipped_parameters("orca_gpt")
+    # a model parameter (vllm_backend's switch for the vllm:* metrics), which orca_gpt reads, not the engine
+    assert raw.pop("REPORT_CUSTOM_METRICS") == "true"
     assert EngineConfig.from_parameters(raw) == EngineConfig()
     not_shipped = {"seed"}  # sampling seeds are per request
     assert set(raw) == {f.name for f in fields(EngineConfig)} - not_shipped

@@ -71,11 +71,15 @@ def _parse(defaults: dict, sampling: dict | None = None, parameters: dict | None
 def test_generate_requests_get_the_model_defaults_and_their_own_values_win() -> None:
     params = _parse(RECOMMENDED)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 20, 16)
-    # a key the request gives wins, in sampling_parameters or as a request parameter (orca-openai sends
-    # only the keys its client gave, so its requests get the same)
-    params = _parse(RECOMMENDED, {"temperature": 0, "max_tokens": 4}, {"top_k": 0})
-    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0, 0.9, 0, 4)
+    # a key the request gives wins, in sampling_parameters or, without that input, as a request parameter
+    # (orca-openai sends only the keys its client gave, so its requests get the same)
+    params = _parse(RECOMMENDED, {"temperature": 0, "max_tokens": 4})
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0, 0.9, 20, 4)
+    params = _parse(RECOMMENDED, parameters={"top_k": 0, "max_tokens": 4})
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.9, 0, 4)
     assert _parse(RECOMMENDED, parameters={"top_p": 1.0}).top_p == 1.0
+    # with the input sent, request parameters are not read (as vllm_backend): the defaults fill the rest
+    assert _parse(RECOMMENDED, {"max_tokens": 4}, {"top_k": 0}).top_k == 20
     # no defaults: SamplingParams' own
     params = _parse({})
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)
