@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from checkpoints import make_gpt2, make_llama
 from transformers import AutoModelForCausalLM
@@ -31,6 +32,28 @@ from orca import (
 )
 
 FAMILIES = ("gpt2", "llama")
+
+
+class FakeCodec:
+    """A stand-in tokenizer for the serving layer's tests, with an obvious mapping: one id per character."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def __init__(self) -> None:
+        self.seen: tuple[list, list | None] | None = None  # the last apply_chat_template's (messages, tools)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        self.seen = (messages, tools)
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(i) for i in token_ids)
+
+
+def s(value: str) -> np.ndarray:
+    """A one-element BYTES input tensor, as Triton hands a string input to the model."""
+    return np.array([value.encode()], dtype=object)
 _BUILDERS: dict[str, Callable[[Path], Path]] = {"gpt2": make_gpt2, "llama": make_llama}
 
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from _fixtures import FAMILIES, drain, tiny_checkpoint, tiny_engine, tiny_reference
+from _fixtures import FAMILIES, FakeCodec, drain, s, tiny_checkpoint, tiny_engine, tiny_reference
 
 from orca import LLM, LLMEngine, Logprob, RequestOutput, SamplingParams
 from orca.core.plan import SamplingSpec, TokenLogprobs
@@ -139,19 +139,6 @@ def test_logprobs_outside_0_20_is_refused(value: object) -> None:
 
 
 # -- the serving layer: vllm_backend's flags and outputs -------------------------------------------------
-class Codec:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return []
-
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(i) for i in token_ids)
-
-
-def s(value: str) -> np.ndarray:
-    return np.array([value.encode()], dtype=object)
 
 
 def b(value: bool) -> np.ndarray:
@@ -171,7 +158,7 @@ def out_after(n: int, finished: bool, logprobs: bool = True) -> RequestOutput:
 
 
 def parse(inputs: dict, parameters: dict | None = None) -> object:
-    return parse_generate_request({"text_input": s("hi"), **inputs}, parameters or {}, Codec(), True)
+    return parse_generate_request({"text_input": s("hi"), **inputs}, parameters or {}, FakeCodec(), True)
 
 
 def test_flags_left_out_give_no_additional_outputs() -> None:

@@ -7,34 +7,14 @@ import re
 
 import numpy as np
 import pytest
+from _fixtures import FakeCodec, s
 
 from orca import RequestOutput
 from orca_triton.generate import GenerateRequest, parse_generate_request, response_tensors
 
 
-class FakeCodec:
-    """A stand-in tokenizer with an obvious mapping: one id per character."""
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def __init__(self) -> None:
-        self.seen: tuple[list, list | None] | None = None  # the last apply_chat_template's (messages, tools)
-
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        self.seen = (messages, tools)
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
-
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(i) for i in token_ids)
-
-
 def parse(inputs: dict, parameters: dict | None = None, has_tokenizer: bool = True) -> GenerateRequest:
     return parse_generate_request(inputs, parameters or {}, FakeCodec(), has_tokenizer)
-
-
-def s(value: str) -> np.ndarray:
-    return np.array([value.encode()], dtype=object)
 
 
 def test_each_prompt_input() -> None:

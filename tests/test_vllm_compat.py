@@ -11,29 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _fixtures import FakeCodec, s
 
 from orca.frontend.output_processor import RequestOutput
 from orca.sampling_params import UNSUPPORTED_VLLM_FIELDS, VLLM_FIELDS, SamplingParams
 from orca_triton.generate import STREAM_WITH_INPUT_ERROR, parse_generate_request, response_tensors
 
 
-class Codec:
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return []
-
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(chr(i) for i in token_ids)
-
-
-def s(value: str) -> np.ndarray:
-    return np.array([value.encode()], dtype=object)
-
-
 def parse(inputs: dict[str, Any], parameters: dict[str, Any] | None = None) -> Any:
-    return parse_generate_request({"text_input": s("hi"), **inputs}, parameters or {}, Codec(), True)
+    return parse_generate_request({"text_input": s("hi"), **inputs}, parameters or {}, FakeCodec(), True)
 
 
 # -- 1. strings convert to the type vLLM declares --------------------------------------------------------
