@@ -43,6 +43,27 @@ def build_1_2_5_buckets(limit: int) -> list[int]:
         scale *= 10
 
 
+def _set_changed(gauges: dict[str, Any], shown: dict[str, Any], values: dict[str, Any]) -> None:
+    """Sets each gauge whose value changed since it was last set (shown: the values last set)."""
+    for key, value in values.items():
+        if shown.get(key) != value:
+            gauges[key].set(value)
+            shown[key] = value
+
+
+class _PerLabel:
+    """One metric of a family per value of one extra label, made when that value first comes."""
+
+    def __init__(self, family: Any, labels: dict[str, str], label: str) -> None:
+        self._family, self._labels, self._label = family, labels, label
+        self._metrics: dict[str, Any] = {}
+
+    def __getitem__(self, value: str) -> Any:
+        if value not in self._metrics:
+            self._metrics[value] = self._family.Metric(labels={**self._labels, self._label: value})
+        return self._metrics[value]
+
+
 class Metrics:
     """Triton custom metrics (served on the metrics port with Triton's own)."""
 
@@ -83,8 +104,7 @@ class Metrics:
         f = self._families
         self.prompt = f["prompt"].Metric(labels=labels)
         self.generated = f["generated"].Metric(labels=labels)
-        self._finished_labels = labels
-        self._finished: dict[str, Any] = {}
+        self._finished = _PerLabel(f["finished"], labels, "reason")
         self.ttft = f["ttft"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
         self.tpot = f["tpot"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
         self.e2e = f["e2e"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
@@ -100,11 +120,7 @@ class Metrics:
     def publish(self, stats: EngineStats) -> None:
         """Sets the gauges that changed and counts what the cumulative fields (preemptions, prefix cache
         look-ups and hits) grew by (scheduler thread only)."""
-        for key, gauge in self._gauges.items():
-            value = getattr(stats, key)
-            if self._shown.get(key) != value:
-                gauge.set(value)
-                self._shown[key] = value
+        _set_changed(self._gauges, self._shown, {key: getattr(stats, key) for key in self._gauges})
         for key, counter in self._counters.items():
             value = getattr(stats, key)
             if value > self._counted[key]:
@@ -115,9 +131,6 @@ class Metrics:
         self.vllm.publish(stats)
 
     def finished(self, reason: str) -> Any:
-        if reason not in self._finished:
-            labels = {**self._finished_labels, "reason": reason}
-            self._finished[reason] = self._families["finished"].Metric(labels=labels)
         return self._finished[reason]
 
 
@@ -163,7 +176,7 @@ class VllmMetrics:
         self.request_prompt: Any = None
         self.request_generation: Any = None
         self.max_tokens: Any = None
-        self._success: dict[str, Any] = {}
+        self._success = _PerLabel(f["success"], labels, "finished_reason")
         self._gauges = {key: f[key].Metric(labels=labels) for key in ("running", "waiting", "kv_usage", "gpu_usage")}
         self.counters = {key: f[key].Metric(labels=labels) for key in _COUNTERS}
         self._shown: dict[str, float] = {}
@@ -179,10 +192,7 @@ class VllmMetrics:
     def publish(self, stats: EngineStats) -> None:
         usage = stats.kv_allocated_blocks / stats.kv_total_blocks if stats.kv_total_blocks else 0.0
         values = {"running": stats.running, "waiting": stats.waiting, "kv_usage": usage, "gpu_usage": usage}
-        for key, value in values.items():
-            if self._shown.get(key) != value:
-                self._gauges[key].set(value)
-                self._shown[key] = value
+        _set_changed(self._gauges, self._shown, values)
 
     def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int) -> None:
         """A request ended (any reason): its size histograms, n (always 1 here) and success count."""
@@ -192,8 +202,6 @@ class VllmMetrics:
             self.max_tokens.observe(max_tokens)
         self.n.observe(1)
         label = VLLM_FINISH_REASONS.get(reason or "", reason or "unknown")
-        if label not in self._success:
-            self._success[label] = self._families["success"].Metric(labels={**self._labels, "finished_reason": label})
         self._success[label].increment(1)
 
 

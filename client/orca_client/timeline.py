@@ -174,7 +174,8 @@ def to_perfetto(timeline: Any) -> dict[str, Any]:
         name = "iterations" if n_workers == 1 else f"iterations (in flight {slot})"
         events.append({"ph": "M", "pid": _ITERATIONS_PID, "tid": slot + 1, "name": "thread_name",
                        "args": {"name": name}})
-    queue = _queue(timeline, request_tracks(timeline))
+    tracks = request_tracks(timeline)
+    queue = _queue(timeline, tracks)
     for k, it in enumerate(its):
         ts = it["start"] * us
         events.append({
@@ -193,7 +194,7 @@ def to_perfetto(timeline: Any) -> dict[str, Any]:
                        "args": {"waiting": queue[k]}})
         events.append({"ph": "C", "pid": _ITERATIONS_PID, "name": "K/V blocks", "ts": ts,
                        "args": {"allocated": it["kv_blocks"]}})
-    for tid, tr in enumerate(request_tracks(timeline), start=1):
+    for tid, tr in enumerate(tracks, start=1):
         events.append({"ph": "M", "pid": _REQUESTS_PID, "tid": tid, "name": "thread_name", "args": {"name": tr.id}})
         events.append({"ph": "M", "pid": _REQUESTS_PID, "tid": tid, "name": "thread_sort_index",
                        "args": {"sort_index": tid}})
@@ -277,9 +278,8 @@ def plot(timeline: Any, path: str | Path, title: str | None = None, x: str = "it
     if not its:
         raise ValueError("the trace has no iteration")
     header = timeline.header
-    tracks = request_tracks(timeline)
-    if max_requests is not None:
-        tracks = tracks[:max_requests]
+    all_tracks = request_tracks(timeline)
+    tracks = all_tracks if max_requests is None else all_tracks[:max_requests]
     by_time = x == "time"
     left = [it["start"] for it in its] if by_time else list(range(len(its)))
     width = [it["duration"] for it in its] if by_time else [1.0] * len(its)
@@ -335,7 +335,7 @@ def plot(timeline: Any, path: str | Path, title: str | None = None, x: str = "it
 
     sizes = [len(it["requests"]) for it in its]
     ax_bs.bar(left, sizes, width=width, align="edge", color="#7a9cc6", label="batch size")
-    queue = _queue(timeline, request_tracks(timeline))  # every request, also those max_requests leaves out
+    queue = _queue(timeline, all_tracks)  # every request, also those max_requests leaves out
     queue_label = "queue (waiting in Triton's batcher)" if header.get("scheduling") == "request-level" else (
         "queue (waiting)")
     ax_bs.plot([left[k] + width[k] / 2 for k in range(len(its))], queue,
