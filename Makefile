@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 
 VPY := $(VENV)/bin/python
 
-.PHONY: venv serve test test-gpu test-stress lint
+.PHONY: venv serve test test-gpu gpu-check test-stress lint
 
 venv:
 	PYTHON="$(PYTHON)" VENV_DIR="$(VENV)" bash scripts/setup_venv.sh
@@ -43,6 +43,12 @@ test: venv
 # The engine on CUDA (tests/test_gpu.py); every test is skipped where torch sees no GPU.
 test-gpu: venv
 	$(VPY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+
+# The whole GPU verification in one run (scripts/gpu_check.py): environment and ceilings, test-gpu, the
+# decode sweep against transformers and the roofline, the offline engine. Installs nothing (a bare GPU
+# machine has no registry): $PYTHON, else .venv's python, else python3. OUT=dir (default gpu_check_out).
+gpu-check:
+	bash scripts/gpu_check.sh $(OUT)
 
 # The reliability suite at full size (tests/reliability, docs/RELIABILITY.md) against the shipped SmolLM2
 # orca_gpt; `make test` runs the same tests at CI size on tiny models and skips these. Sizes:

@@ -28,7 +28,8 @@ description (its docstring, which --help shows), its options (add_parser) and it
 
 Shared: common (the machine record, the JSON output, transformers' continuous batching; no tritonclient)
 and options (the argparse types and the workload options of trace and offline). This module imports no
-subcommand until build_parser runs, so orca_client.bench.decode imports without tritonclient.
+subcommand until build_parser runs, so offline, decode and core run without tritonclient (the GPU machine
+has none): ``python -m orca_client.bench.offline`` (decode, core).
 
 Benchmarks print numbers; they do not pass or fail.
 """
@@ -38,37 +39,37 @@ from __future__ import annotations
 import argparse
 import sys
 
+COMMANDS = ("trace_cmd", "timeline_cmd", "offline", "linears", "decode", "distributed", "serve", "core", "prefix",
+            "perplexity", "structured")  # the modules, in the order of orca-bench --help
+# What runs where only torch and transformers are installed (the GPU machine): python -m orca_client.bench.X
+NO_TRITONCLIENT = ("offline", "decode", "core")
 
-def build_parser() -> argparse.ArgumentParser:
-    from orca_client.bench import (
-        core,
-        decode,
-        distributed,
-        linears,
-        offline,
-        perplexity,
-        prefix,
-        serve,
-        structured,
-        timeline_cmd,
-        trace_cmd,
-    )
+
+def build_parser(commands: tuple[str, ...] = COMMANDS) -> argparse.ArgumentParser:
+    import importlib
 
     p = argparse.ArgumentParser(prog="orca-bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for command in (trace_cmd, timeline_cmd, offline, linears, decode, distributed, serve, core, prefix,
-                    perplexity, structured):
-        command.add_parser(sub)
+    for name in commands:
+        importlib.import_module(f"orca_client.bench.{name}").add_parser(sub)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tritonclient.utils import InferenceServerException
+def main(argv: list[str] | None = None, only: str | None = None) -> int:
+    """orca-bench; with `only`, that one subcommand (its module's ``python -m``), importing no other."""
+    errors: tuple[type[Exception], ...] = (ValueError, OSError)
+    try:
+        from tritonclient.utils import InferenceServerException
 
-    args = build_parser().parse_args(argv)
+        errors += (InferenceServerException,)
+    except ImportError:  # a host with torch and transformers only (the GPU machine): offline, decode, core run
+        pass
+    if only is not None:
+        argv = [only, *(sys.argv[1:] if argv is None else argv)]
+    args = build_parser(COMMANDS if only is None else (only,)).parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError, InferenceServerException) as exc:
+    except errors as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -37,16 +37,28 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def write_json(path: str, result: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=1, allow_nan=False, default=_json_default) + "\n")
-    print(f"wrote {path}")
+def write_json(path: str, result: dict[str, Any], quiet: bool = False) -> None:
+    """`result` as JSON at `path`, replaced whole (written beside it, then renamed: a reader never sees half)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    partial.write_text(json.dumps(result, indent=1, allow_nan=False, default=_json_default) + "\n")
+    partial.replace(target)
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def _json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def cb_page_size(config: Any) -> int:
+    """Tokens per K/V page of transformers' continuous batching: ``page_size`` since transformers 5.17's
+    successors, ``block_size`` in 5.17 itself (the GPU machine's)."""
+    size = getattr(config, "page_size", None)
+    return int(size if size is not None else config.block_size)
 
 
 def cb_generate(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -176,3 +177,9 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
     return values
+
+
+if __name__ == "__main__":  # without tritonclient (the GPU machine): python -m orca_client.bench.core
+    from orca_client.bench import main
+
+    sys.exit(main(only="core"))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import math
 import statistics
@@ -39,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from orca_client.bench.common import cb_generate, machine_info, write_json
+from orca_client.bench.common import cb_generate, cb_page_size, machine_info, write_json
 
 SHAPES: dict[str, dict[str, int]] = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -123,7 +124,8 @@ def decode_rate(generate: Callable[[int], list[list[int]]], new_tokens: int, rep
 
 
 def run_orca(system: str, checkpoint: Path, args: argparse.Namespace, prompts: list[list[int]],
-             batches: Sequence[int], device: Any) -> dict[int, dict[str, Any]]:
+             batches: Sequence[int], device: Any, runs: dict[int, dict[str, Any]],
+             progress: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
     from orca import EngineConfig, LLMEngine
 
     block = 16
@@ -134,7 +136,6 @@ def run_orca(system: str, checkpoint: Path, args: argparse.Namespace, prompts: l
     ))
     worker = getattr(engine.executor, "worker", None)
     graphs = getattr(worker, "decode_graphs", None)
-    runs: dict[int, dict[str, Any]] = {}
     counter = iter(range(1 << 62))
     try:
         for b in batches:
@@ -142,10 +143,10 @@ def run_orca(system: str, checkpoint: Path, args: argparse.Namespace, prompts: l
                 return _orca_generate(engine, prompts[:b], n, [f"r{next(counter)}" for _ in range(b)])
 
             runs[b] = decode_rate(generate, args.new_tokens, args.repeats, b, device)
+            runs[b]["attention_backend"] = getattr(worker, "attention_backend", None)
+            runs[b]["cuda_graph_sizes"] = list(graphs.sizes) if graphs is not None and graphs.captured else None
             print(f"  {system} B={b}: {runs[b]['decode_tokens_per_second'] or 0:.1f} decode tok/s", flush=True)
-        for run in runs.values():
-            run["attention_backend"] = getattr(worker, "attention_backend", None)
-            run["cuda_graph_sizes"] = list(graphs.sizes) if graphs is not None and graphs.captured else None
+            progress()
     finally:
         engine.shutdown()
     return runs
@@ -163,7 +164,8 @@ def _orca_generate(engine: Any, prompts: list[list[int]], n: int, ids: list[str]
 
 
 def run_transformers(checkpoint: Path, args: argparse.Namespace, prompts: list[list[int]],
-                     batches: Sequence[int], device: Any, dtype: Any) -> dict[int, dict[str, Any]]:
+                     batches: Sequence[int], device: Any, dtype: Any, runs: dict[int, dict[str, Any]],
+                     progress: Callable[[], None] = lambda: None) -> dict[int, dict[str, Any]]:
     """transformers' continuous batching (its paged-attention manager), sized for the largest batch."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -172,13 +174,12 @@ def run_transformers(checkpoint: Path, args: argparse.Namespace, prompts: list[l
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     gen = GenerationConfig(do_sample=False, max_new_tokens=args.new_tokens, eos_token_id=-1, pad_token_id=0)
     top = max(batches)
-    page = ContinuousBatchingConfig().page_size
+    page = cb_page_size(ContinuousBatchingConfig())
     cb_config = ContinuousBatchingConfig(
         num_blocks=top * math.ceil((args.prompt_len + args.new_tokens) / page), max_batch_tokens=top * args.prompt_len,
     )
     hints = WorkloadHints(args.prompt_len, args.new_tokens, top)
     counter = iter(range(1 << 62))
-    runs: dict[int, dict[str, Any]] = {}
     with model.continuous_batching_context_manager(
         generation_config=gen, continuous_batching_config=cb_config, workload_hints=hints, timeout=600
     ) as cb:
@@ -188,6 +189,7 @@ def run_transformers(checkpoint: Path, args: argparse.Namespace, prompts: list[l
 
             runs[b] = decode_rate(generate, args.new_tokens, args.repeats, b, device)
             print(f"  transformers B={b}: {runs[b]['decode_tokens_per_second'] or 0:.1f} decode tok/s", flush=True)
+            progress()
     return runs
 
 
@@ -263,42 +265,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(args.prompt_len)] for _ in range(max(batches))]
         bandwidth = copy_bandwidth(device)
         results: dict[str, dict[int, dict[str, Any]]] = {}
+        head = {
+            "benchmark": "decode", "command": sys.argv, "machine": _machine(device),
+            "torch": torch.__version__, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "model": str(args.model or f"random {args.shape}"), "shape": shape, "quantization": args.quantization,
+            "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": kv_bytes, "copy_bandwidth_bytes_per_second": bandwidth,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "systems": systems,
+        }
+
+        def progress() -> None:  # the JSON so far, rewritten after every batch size: a run cut short keeps it
+            if args.json:
+                write_json(args.json, {**head, "complete": False, "runs": _rows(results, batches, head)}, quiet=True)
+
         for system in systems:
             print(f"{system} ...", flush=True)
+            results[system] = {}
             if system == "transformers":
-                results[system] = run_transformers(checkpoint, args, prompts, batches, device, dtype)
+                run_transformers(checkpoint, args, prompts, batches, device, dtype, results[system], progress)
             else:
-                results[system] = run_orca(system, checkpoint, args, prompts, batches, device)
+                run_orca(system, checkpoint, args, prompts, batches, device, results[system], progress)
             _free(device)  # the system's engine or model is gone: its cached GPU memory too
-    context = args.prompt_len + args.new_tokens / 2
+    return {**head, "complete": True, "runs": _rows(results, batches, head)}
+
+
+def token_digest(tokens: Sequence[int]) -> str:
+    """A short digest of one request's generated tokens: runs in separate processes compare by it."""
+    return hashlib.sha1(json.dumps(list(tokens)).encode()).hexdigest()[:12]
+
+
+def _rows(results: dict[str, dict[int, dict[str, Any]]], batches: Sequence[int], head: dict[str, Any]
+          ) -> list[dict[str, Any]]:
+    """One row per batch size: the roofline and, for every system that ran it, its rate, the fraction of the
+    roofline, the timings and the digests of its tokens (and how many requests match transformers')."""
+    context = head["prompt_len"] + head["new_tokens"] / 2
     rows = []
     for b in batches:
-        bound = roofline(weight_bytes, kv_bytes, b, context, bandwidth)
+        bound = roofline(head["weight_bytes"], head["kv_bytes_per_token"], b, context,
+                         head["copy_bandwidth_bytes_per_second"])
         row: dict[str, Any] = {"batch": b, "roofline_tokens_per_second": bound}
         for system, runs in results.items():
-            r = runs[b]
+            r = runs.get(b)
+            if r is None:
+                continue
             rate = r["decode_tokens_per_second"]
             row[system] = {"decode_tokens_per_second": rate, "fraction_of_roofline": rate / bound if rate else None,
-                           "seconds": r["seconds"], "first_token_seconds": r["first_token_seconds"]}
+                           "seconds": r["seconds"], "first_token_seconds": r["first_token_seconds"],
+                           "token_digests": [token_digest(t) for t in r["tokens"]]}
             for key in ("attention_backend", "cuda_graph_sizes"):
                 if key in r:
                     row[system][key] = r[key]
-        if "transformers" in results:
-            hf_tokens = results["transformers"][b]["tokens"]
+        hf = row.get("transformers")
+        if hf is not None:
             for system in results:
-                if system != "transformers":
+                if system != "transformers" and system in row:
                     row[system]["same_tokens_as_transformers"] = sum(
-                        a == h for a, h in zip(results[system][b]["tokens"], hf_tokens))
+                        a == h for a, h in zip(row[system]["token_digests"], hf["token_digests"]))
         rows.append(row)
-    return {
-        "benchmark": "decode", "command": sys.argv, "machine": _machine(device),
-        "torch": torch.__version__, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-        "model": str(args.model or f"random {args.shape}"), "shape": shape, "quantization": args.quantization,
-        "weight_bytes": weight_bytes,
-        "kv_bytes_per_token": kv_bytes, "copy_bandwidth_bytes_per_second": bandwidth,
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "systems": systems, "runs": rows,
-    }
+    return rows
 
 
 def _machine(device: Any) -> dict[str, Any]:
@@ -323,7 +348,8 @@ def print_result(result: dict[str, Any]) -> None:
     for row in result["runs"]:
         cells = []
         for s in systems:
-            rate, frac = row[s]["decode_tokens_per_second"], row[s]["fraction_of_roofline"]
+            cell = row.get(s) or {}
+            rate, frac = cell.get("decode_tokens_per_second"), cell.get("fraction_of_roofline")
             cells.append(f"{rate:>13.1f} ({frac:>5.1%})" if rate else f"{'-':>22}")
         print(f"{row['batch']:>5} {row['roofline_tokens_per_second']:>10.1f} " + " ".join(f"{c:>22}" for c in cells))
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from orca_client.bench.common import cb_generate, machine_info, write_json
+from orca_client.bench.common import cb_generate, cb_page_size, machine_info, write_json
 from orca_client.bench.options import (
     add_workload_options,
     doc_description,
@@ -316,7 +316,7 @@ def run_transformers_offline(
     # Sized like orca's engine for this workload: room for every request at once (orca admits them all in
     # its first iteration) within orca's K/V budget, and every prompt in one step. The defaults would size
     # the cache, and its attention masks, from the free memory: on a CPU most of the machine's RAM.
-    page = ContinuousBatchingConfig().page_size
+    page = cb_page_size(ContinuousBatchingConfig())
     pages = sum(math.ceil((len(p) + n) / page) for p, n in zip(prompts, max_new))
     cb_config = ContinuousBatchingConfig(
         num_blocks=max(1, min(pages, n_slots // page)),
@@ -600,3 +600,9 @@ def add_parser(sub: Any) -> None:
     o.add_argument("--peak-seconds", type=float, default=4.0, help="time spent measuring the matmul peak")
     add_workload_options(o, "offline")
     o.set_defaults(func=cmd_offline)
+
+
+if __name__ == "__main__":  # without tritonclient (the GPU machine): python -m orca_client.bench.offline
+    from orca_client.bench import main
+
+    sys.exit(main(only="offline"))

@@ -1,0 +1,433 @@
+"""The whole GPU verification in one run: ``scripts/gpu_check.sh [OUT_DIR]`` (``make gpu-check``).
+
+Made for a bare GPU machine with torch, transformers and triton but no package registry and no install of
+this repository: everything runs from the tree (PYTHONPATH), with that machine's python. The stages, in
+order, each in its own process under its own time limit, inside one overall budget (--budget seconds):
+
+1. env: nvidia-smi; torch, CUDA, cuDNN, triton and transformers versions; the device's properties; a
+   large device-to-device copy's bandwidth and a bf16 matrix product's rate (the two ceilings); which of
+   PyTorch's SDPA kernels (flash, efficient, cuDNN, math) run in bf16 here.
+2. tests: ``pytest -m gpu tests/test_gpu.py`` (the engine on CUDA against transformers), with a JUnit XML.
+3. checkpoint: the random-weight ~1B Llama of ``orca-bench decode`` (--shape llama-1b), built once.
+4. decode: ``orca-bench decode`` on it, one process per system (orca's attention backends with and
+   without CUDA graphs, transformers' continuous batching), bf16, batch 1-256, against the bandwidth
+   roofline; merged into decode.json (a system cut off by its time limit keeps the batch sizes it ran).
+5. offline: ``orca-bench offline`` on the same model with the fastest orca system of the decode sweep at
+   batch 64, against transformers; its iteration breakdown is the host's share of an iteration (input
+   preparation and scheduling) beside the device's.
+
+Where torch sees no GPU the same stages run on the CPU as a smoke check of the script (a tiny model, small
+batches; the tests skip): its figures mean nothing, and the summary says the GPU parts were skipped.
+Written under OUT_DIR (default $OUT, else ./gpu_check_out): gpu_check.log (everything printed),
+gpu_check.json (the summary: each stage's status, seconds and results), tests.xml, decode.json,
+offline.json. The last lines printed are a short table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DECODE_SYSTEMS_CUDA = ("orca-flex-graphs", "orca-flex", "orca-batched", "transformers", "orca-reference")
+DECODE_SYSTEMS_CPU = ("orca-batched", "transformers")
+ORCA_OPTIONS = {  # orca-bench decode's systems as orca-bench offline options
+    "orca-reference": ["--attention-backend", "reference", "--cuda-graphs", "off"],
+    "orca-batched": ["--attention-backend", "batched", "--cuda-graphs", "off"],
+    "orca-flex": ["--attention-backend", "flex", "--cuda-graphs", "off"],
+    "orca-flex-graphs": ["--attention-backend", "flex", "--cuda-graphs", "auto"],
+}
+
+
+class Check:
+    def __init__(self, out: Path, budget: float, python: str) -> None:
+        self.out, self.python = out, python
+        self.start = time.monotonic()
+        self.deadline = self.start + budget
+        self.log = (out / "gpu_check.log").open("a", buffering=1)
+        self.summary: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget_seconds": budget,
+                                        "python": python, "stages": {}}
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "client"), env.get("PYTHONPATH")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.env = env
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        self.summary["elapsed_seconds"] = round(time.monotonic() - self.start, 1)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.summary, indent=1, default=str) + "\n")
+
+    def run(self, name: str, argv: list[str], limit: float) -> dict[str, Any]:
+        """`argv` in a subprocess (its output into the log, as it comes), stopped after `limit` seconds."""
+        limit = max(1.0, min(limit, self.left()))
+        self.say(f"\n=== {name} (limit {limit:.0f} s): {' '.join(argv)}")
+        started = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", start_new_session=True)
+        tail: list[str] = []
+        timed_out = False
+
+        def kill() -> None:
+            nonlocal timed_out
+            timed_out = True
+            import signal
+
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        import threading
+
+        timer = threading.Timer(limit, kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                self.log.write(line)
+                sys.stdout.write(line)
+                tail = (tail + [line.rstrip()])[-25:]
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+        seconds = time.monotonic() - started
+        status = "timeout" if timed_out else ("ok" if rc == 0 else "failed")
+        self.say(f"=== {name}: {status} (rc {rc}, {seconds:.0f} s)")
+        return {"status": status, "rc": rc, "seconds": round(seconds, 1), "tail": tail if status != "ok" else []}
+
+
+# -- the stages ------------------------------------------------------------------------------------------------
+def stage_env(check: Check) -> dict[str, Any]:
+    smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True) if _which("nvidia-smi") else None
+    check.say(smi.stdout if smi else "nvidia-smi: not found")
+    report = check.out / ".env.json"
+    record = check.run("env", [check.python, __file__, "_env", str(report)], 120)
+    if report.is_file():
+        record["report"] = json.loads(report.read_text())
+        report.unlink()
+    return record
+
+
+def env_report(path: str) -> None:
+    """The machine's software and the two ceilings, as JSON at `path` (run in its own process)."""
+    import platform
+
+    import torch
+    import transformers
+
+    report: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "transformers": transformers.__version__, "cuda_available": torch.cuda.is_available(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    if torch.cuda.is_available():
+        from orca_client.bench.decode import copy_bandwidth
+
+        props = torch.cuda.get_device_properties(0)
+        report.update({
+            "gpu": props.name, "capability": list(torch.cuda.get_device_capability()),
+            "multiprocessors": props.multi_processor_count, "memory_bytes": props.total_memory,
+            "l2_bytes": getattr(props, "L2_cache_size", None), "cudnn": torch.backends.cudnn.version(),
+        })
+        device = torch.device("cuda")
+        report["copy_bandwidth_bytes_per_second"] = copy_bandwidth(device)
+        report["bf16_matmul_flops"] = _matmul_rate(torch, device)
+        report["sdpa_kernels_bf16"] = _sdpa_kernels(torch, device)
+        free, total = torch.cuda.mem_get_info()
+        report["free_memory_bytes"] = free
+    Path(path).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+def _matmul_rate(torch: Any, device: Any, n: int = 8192) -> float:
+    """FLOP/s of an n x n x n bf16 product on random data: the median of 10 after 3 warm-ups, CUDA events."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
+def _sdpa_kernels(torch: Any, device: Any) -> dict[str, str]:
+    """Which of SDPA's kernels run a bf16 causal prompt and a decode-shaped call (1 query, GQA 32/8) here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(4, 32, 128, 64, device=device, dtype=torch.bfloat16)
+    k = torch.randn(4, 8, 128, 64, device=device, dtype=torch.bfloat16)
+    found = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.MATH):
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+                torch.nn.functional.scaled_dot_product_attention(q[:, :, -1:], k, k, enable_gqa=True)
+            torch.cuda.synchronize()
+            found[backend.name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not fit is the finding
+            found[backend.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return found
+
+
+def stage_tests(check: Check, cuda: bool) -> dict[str, Any]:
+    xml = check.out / "tests.xml"
+    argv = [check.python, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider",
+            "-rfEs", f"--junitxml={xml}"]
+    if cuda and _importable(check.python, "xdist"):
+        argv += ["-n", "4"]  # tiny models: launch-bound, so four processes share the GPU well
+    if _importable(check.python, "pytest_timeout"):
+        argv += ["--timeout", "150"]
+    record = check.run("tests", argv, 240)
+    if xml.is_file():
+        record.update(_junit(xml))
+    if not cuda:
+        record["note"] = "no CUDA device: every test of tests/test_gpu.py skips (GPU parts skipped)"
+    return record
+
+
+def _junit(path: Path) -> dict[str, Any]:
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
+            counts["failed" if bad.tag == "failure" else "errors"] += 1
+            failures.append({"test": name, "message": (bad.get("message") or "")[:500],
+                             "detail": (bad.text or "")[-3000:]})
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return {"counts": counts, "failures": failures}
+
+
+def stage_checkpoint(check: Check, shape: str, path: Path) -> dict[str, Any]:
+    code = ("import sys, torch; from pathlib import Path; from orca_client.bench.decode import build_checkpoint; "
+            "from orca import EngineConfig; c = EngineConfig(); "
+            f"build_checkpoint({shape!r}, Path({str(path)!r}), c.torch_dtype, c.torch_device)")
+    return check.run("checkpoint", [check.python, "-c", code], 180)
+
+
+def stage_decode(check: Check, checkpoint: Path, cuda: bool, budget: float, tmp: Path) -> dict[str, Any]:
+    systems = DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU
+    batches = "1,4,16,64,256" if cuda else "1,4"
+    new_tokens, repeats = ("32", "3") if cuda else ("4", "1")
+    record: dict[str, Any] = {"systems": {}}
+    merged: dict[str, Any] | None = None
+    stop = time.monotonic() + budget
+    for i, system in enumerate(systems):
+        share = (stop - time.monotonic()) / (len(systems) - i)
+        part = tmp / f"decode-{system}.json"
+        run = check.run(f"decode {system}", [
+            check.python, "-m", "orca_client.bench.decode", "--model", str(checkpoint), "--systems", system,
+            "--batch-sizes", batches, "--new-tokens", new_tokens, "--repeats", repeats, "--json", str(part)],
+            share)
+        if part.is_file():
+            result = json.loads(part.read_text())
+            run["batches_done"] = [r["batch"] for r in result["runs"] if system in r]
+            merged = _merge_decode(merged, result, system)
+        record["systems"][system] = run
+        if check.left() < 60:
+            break
+    statuses = {run["status"] for run in record["systems"].values()}
+    record["status"] = "ok" if statuses == {"ok"} and len(record["systems"]) == len(systems) else (
+        "partial" if merged is not None else "failed")
+    record["seconds"] = round(sum(run["seconds"] for run in record["systems"].values()), 1)
+    if merged is not None:
+        _compare_tokens(merged)
+        (check.out / "decode.json").write_text(json.dumps(merged, indent=1) + "\n")
+        record["table"] = _decode_table(merged)
+        record["copy_bandwidth_bytes_per_second"] = merged["copy_bandwidth_bytes_per_second"]
+    return record
+
+
+def _merge_decode(merged: dict[str, Any] | None, result: dict[str, Any], system: str) -> dict[str, Any]:
+    if merged is None:
+        merged = {**result, "systems": [], "runs": [{k: r[k] for k in ("batch", "roofline_tokens_per_second")}
+                                                    for r in result["runs"]]}
+    merged["systems"].append(system)
+    cells = {r["batch"]: r.get(system) for r in result["runs"]}
+    for row in merged["runs"]:
+        if cells.get(row["batch"]) is not None:
+            row[system] = cells[row["batch"]]
+    return merged
+
+
+def _compare_tokens(merged: dict[str, Any]) -> None:
+    """Requests whose greedy tokens match transformers' (by digest: the systems ran in separate processes)."""
+    for row in merged["runs"]:
+        hf = row.get("transformers")
+        for system in merged["systems"]:
+            if system != "transformers" and system in row and hf is not None:
+                row[system]["same_tokens_as_transformers"] = sum(
+                    a == b for a, b in zip(row[system]["token_digests"], hf["token_digests"]))
+
+
+def _decode_table(merged: dict[str, Any]) -> list[dict[str, Any]]:
+    table = []
+    for row in merged["runs"]:
+        line: dict[str, Any] = {"batch": row["batch"], "roofline": round(row["roofline_tokens_per_second"])}
+        for system in merged["systems"]:
+            cell = row.get(system)
+            if cell and cell.get("decode_tokens_per_second"):
+                line[system] = round(cell["decode_tokens_per_second"])
+                line[f"{system} %roofline"] = round(100 * cell["fraction_of_roofline"], 1)
+                if "same_tokens_as_transformers" in cell:
+                    line[f"{system} same/hf"] = f"{cell['same_tokens_as_transformers']}/{row['batch']}"
+        table.append(line)
+    return table
+
+
+def best_orca_system(decode: dict[str, Any], batch: int = 64) -> str | None:
+    rows = {r["batch"]: r for r in decode.get("table", [])}
+    row = rows.get(batch) or (rows[max(rows)] if rows else {})
+    rates = {s: row[s] for s in ORCA_OPTIONS if isinstance(row.get(s), (int, float))}
+    return max(rates, key=rates.__getitem__) if rates else None
+
+
+def stage_offline(check: Check, checkpoint: Path, cuda: bool, system: str, limit: float) -> dict[str, Any]:
+    target = check.out / "offline.json"
+    workload = (["--num-requests", "256", "--max-bs", "256", "--prompt-len", "64:512", "--max-new-tokens", "32:256",
+                 "--token-ids", "3:32000", "--peak-seconds", "2"] if cuda else
+                ["--num-requests", "6", "--max-bs", "4", "--prompt-len", "8:32", "--max-new-tokens", "2:8",
+                 "--token-ids", "3:250", "--peak-seconds", "0.5"])
+    record = check.run(f"offline {system}", [
+        check.python, "-m", "orca_client.bench.offline", "--model", str(checkpoint), *ORCA_OPTIONS[system],
+        *workload, "--json", str(target)], limit)
+    record["system"] = system
+    if target.is_file():
+        result = json.loads(target.read_text())
+        orca = result.get("orca", {})
+        record["summary"] = {
+            "orca_tokens_per_second": orca.get("tokens_per_second"),
+            "transformers_tokens_per_second": result.get("transformers", {}).get("tokens_per_second"),
+            "ratio_to_transformers": result.get("ratio"),
+            "same_tokens_as_transformers": orca.get("same_tokens_as_transformers"),
+            "breakdown_fraction": orca.get("breakdown", {}).get("fraction"),
+            "mean_batch_size": orca.get("breakdown", {}).get("mean_batch_size"),
+            "single_stream_decode_tokens_per_second": orca.get("single_stream", {}).get("decode_tokens_per_second"),
+        }
+    return record
+
+
+# -- helpers -----------------------------------------------------------------------------------------------------
+def _which(program: str) -> bool:
+    from shutil import which
+
+    return which(program) is not None
+
+
+def _importable(python: str, module: str) -> bool:
+    return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+def _cuda(check: Check) -> bool:
+    probe = subprocess.run([check.python, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, env=check.env)
+    return probe.stdout.strip() == "True"
+
+
+def print_table(check: Check) -> None:
+    s = check.summary["stages"]
+    check.say("\n==== gpu_check summary ====")
+    env = s.get("env", {}).get("report", {})
+    check.say(f"device: {env.get('gpu') or 'no CUDA device (the GPU parts were skipped; a CPU smoke run)'}; torch "
+              f"{env.get('torch')} (CUDA {env.get('cuda')}), transformers {env.get('transformers')}, triton "
+              f"{env.get('triton')}")
+    if env.get("copy_bandwidth_bytes_per_second"):
+        check.say(f"copy bandwidth {env['copy_bandwidth_bytes_per_second'] / 1e12:.2f} TB/s; bf16 matmul "
+                  f"{env['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s; SDPA kernels: {env.get('sdpa_kernels_bf16')}")
+    for name, stage in s.items():
+        extra = stage.get("counts") or stage.get("note") or ""
+        check.say(f"{name:>10}: {stage.get('status')} ({stage.get('seconds', 0):.0f} s) {extra}")
+    for failure in s.get("tests", {}).get("failures", []):
+        check.say(f"  FAILED {failure['test']}: {failure['message'][:300]}")
+    for row in s.get("decode", {}).get("table", []):
+        check.say("  " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    summary = s.get("offline", {}).get("summary")
+    if summary:
+        check.say(f"  offline ({s['offline']['system']}): {json.dumps(summary, default=str)}")
+    check.say(f"total {time.monotonic() - check.start:.0f} s; files in {check.out}")
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "_env":
+        env_report(sys.argv[2])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", default=os.environ.get("OUT") or "gpu_check_out", help="output folder")
+    p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", "480")),
+                   help="seconds for the whole run (default: $GPU_CHECK_BUDGET or %(default)s)")
+    p.add_argument("--stages", default="env,tests,decode,offline", help="comma-separated (default: %(default)s)")
+    p.add_argument("--python", default=sys.executable, help="the interpreter of the stages (default: this one)")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, args.budget, args.python)
+    stages = args.stages.split(",")
+    cuda = _cuda(check)
+    check.summary["cuda"] = cuda
+    if not cuda:
+        check.env["ORCA_TORCH_COMPILE"] = "off"  # the smoke run's engines eager: no compile at each load
+        check.say("gpu_check: torch sees no CUDA device: the GPU parts are skipped; the stages run on the CPU as a "
+                  "smoke check of this script (a tiny model), and their figures mean nothing")
+    with tempfile.TemporaryDirectory(prefix="orca-gpu-check-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        if "env" in stages:
+            check.summary["stages"]["env"] = stage_env(check)
+            check.save()
+        if "tests" in stages:
+            check.summary["stages"]["tests"] = stage_tests(check, cuda)
+            check.save()
+        if {"decode", "offline"} & set(stages):
+            checkpoint = tmp / "model"
+            check.summary["stages"]["checkpoint"] = stage_checkpoint(check, "llama-1b" if cuda else "tiny", checkpoint)
+            check.save()
+            decode: dict[str, Any] = {}
+            if "decode" in stages and (checkpoint / "config.json").is_file():
+                decode = stage_decode(check, checkpoint, cuda, max(0.0, check.left() * 0.7), tmp)
+                check.summary["stages"]["decode"] = decode
+                check.save()
+            if "offline" in stages and (checkpoint / "config.json").is_file():
+                system = best_orca_system(decode) or ("orca-flex-graphs" if cuda else "orca-batched")
+                check.summary["stages"]["offline"] = stage_offline(check, checkpoint, cuda, system, check.left() - 5)
+                check.save()
+    print_table(check)
+    check.save()
+    failed = [n for n, st in check.summary["stages"].items() if st.get("status") != "ok"]
+    return 1 if failed or check.summary["stages"].get("tests", {}).get("counts", {}).get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
