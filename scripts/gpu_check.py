@@ -202,8 +202,7 @@ def stage_tests(check: Check, cuda: bool) -> dict[str, Any]:
     xml = check.out / "tests.xml"
     argv = [check.python, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py", "-p", "no:cacheprovider",
             "-rfEs", f"--junitxml={xml}"]
-    if cuda and _importable(check.python, "xdist"):
-        argv += ["-n", "4"]  # tiny models: launch-bound, so four processes share the GPU well
+    # one process: each engine sizes its K/V pool from the GPU's free memory, which parallel tests would share
     if _importable(check.python, "pytest_timeout"):
         argv += ["--timeout", "150"]
     record = check.run("tests", argv, 240)
@@ -239,8 +238,9 @@ def stage_checkpoint(check: Check, shape: str, path: Path) -> dict[str, Any]:
     return check.run("checkpoint", [check.python, "-c", code], 180)
 
 
-def stage_decode(check: Check, checkpoint: Path, cuda: bool, budget: float, tmp: Path) -> dict[str, Any]:
-    systems = DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU
+def stage_decode(check: Check, checkpoint: Path, cuda: bool, budget: float, tmp: Path,
+                 systems: tuple[str, ...] | None = None) -> dict[str, Any]:
+    systems = systems or (DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU)
     batches = "1,4,16,64,256" if cuda else "1,4"
     new_tokens, repeats = ("32", "3") if cuda else ("4", "1")
     record: dict[str, Any] = {"systems": {}}
@@ -318,8 +318,10 @@ def best_orca_system(decode: dict[str, Any], batch: int = 64) -> str | None:
 
 def stage_offline(check: Check, checkpoint: Path, cuda: bool, system: str, limit: float) -> dict[str, Any]:
     target = check.out / "offline.json"
+    # The pool bounded to what the workload can hold (256 x (512 + 256) slots): flex's block-sparse layout
+    # is built over the whole pool every iteration, and the GPU-sized default pool is millions of slots.
     workload = (["--num-requests", "256", "--max-bs", "256", "--prompt-len", "64:512", "--max-new-tokens", "32:256",
-                 "--token-ids", "3:32000", "--peak-seconds", "2"] if cuda else
+                 "--token-ids", "3:32000", "--peak-seconds", "2", "--n-slots", "196608"] if cuda else
                 ["--num-requests", "6", "--max-bs", "4", "--prompt-len", "8:32", "--max-new-tokens", "2:8",
                  "--token-ids", "3:250", "--peak-seconds", "0.5"])
     record = check.run(f"offline {system}", [
@@ -390,6 +392,9 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", "480")),
                    help="seconds for the whole run (default: $GPU_CHECK_BUDGET or %(default)s)")
     p.add_argument("--stages", default="env,tests,decode,offline", help="comma-separated (default: %(default)s)")
+    p.add_argument("--systems", default=None,
+                   help=f"the decode stage's systems, in order (default: {','.join(DECODE_SYSTEMS_CUDA)} on CUDA, "
+                        f"{','.join(DECODE_SYSTEMS_CPU)} elsewhere)")
     p.add_argument("--python", default=sys.executable, help="the interpreter of the stages (default: this one)")
     args = p.parse_args()
     out = Path(args.out)
@@ -416,7 +421,8 @@ def main() -> int:
             check.save()
             decode: dict[str, Any] = {}
             if "decode" in stages and (checkpoint / "config.json").is_file():
-                decode = stage_decode(check, checkpoint, cuda, max(0.0, check.left() * 0.7), tmp)
+                decode = stage_decode(check, checkpoint, cuda, max(0.0, check.left() * 0.7), tmp,
+                                      tuple(args.systems.split(",")) if args.systems else None)
                 check.summary["stages"]["decode"] = decode
                 check.save()
             if "offline" in stages and (checkpoint / "config.json").is_file():

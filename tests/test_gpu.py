@@ -24,6 +24,20 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu on a GPU host)"),
 ]
 
+def _flex_checkpoint(family: str):
+    """The family's tiny checkpoint, for flex on CUDA: its Llama with head_dim 16 (the tiny one has 8, under
+    the FLEX_MIN_HEAD_DIM of torch's flex kernels)."""
+    import checkpoints
+    from _fixtures import _root
+
+    if family != "llama":
+        return tiny_checkpoint(family)
+    path = _root() / "llama-head16"
+    if not (path / "config.json").is_file():
+        checkpoints.make_llama(path, head_dim=16)
+    return path
+
+
 POOL = dict(block_size=4, n_slots=96, max_num_batched_tokens=16, max_bs=8, kv_admission="on_demand")
 
 
@@ -110,7 +124,7 @@ def test_iteration_inputs_reach_the_gpu_through_pinned_non_blocking_copies() -> 
 def test_fused_attention_on_cuda_gives_transformers_greedy_tokens(family: str, backend: str) -> None:
     """attention_backend flex compiled for CUDA (warmed up at load), and batched increments, under chunking
     and preemptions."""
-    path = tiny_checkpoint(family)
+    path = _flex_checkpoint(family) if backend == "flex" else tiny_checkpoint(family)
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", attention_backend=backend,
                                     **POOL))
     assert engine.executor.worker.attention_backend == backend
@@ -152,7 +166,7 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(family: str) -> None:
     """Decode iterations replayed from CUDA graphs (captured at load: attention_backend flex, cuda_graphs
     auto) against the same engine with cuda_graphs off, and both against transformers, in fp32. Batches of
     every size up to max_bs, padded to the captured sizes, among prompt chunks and preemptions."""
-    path = tiny_checkpoint(family)
+    path = _flex_checkpoint(family)
     jobs = _workload(4, n=16)
     tokens = {}
     for graphs in ("auto", "off"):
@@ -195,7 +209,7 @@ def test_a_quantized_engine_on_cuda_decodes_with_and_without_cuda_graphs(quantiz
 
     path = _root() / "gpu-quant-llama"
     if not (path / "config.json").is_file():
-        checkpoints.make_llama(path, intermediate_size=128)
+        checkpoints.make_llama(path, intermediate_size=128, head_dim=16)
     jobs = _workload(3, n=6)
     options = dict(model=str(path), device="cuda", dtype="bfloat16", quantization=quantization, **POOL)
     graphs = _run(LLMEngine(EngineConfig(attention_backend="flex", cuda_graphs="auto", **options)), jobs,

@@ -46,6 +46,11 @@ class InProcessExecutor:
             raise ValueError(
                 f"the K/V pool holds no block of {layout.block_size} tokens ({layout.bytes_per_block} bytes "
                 f"each): raise kv_cache_bytes or n_slots, or lower block_size"
+                + (f"; on this GPU gpu_memory_utilization {config.gpu_memory_utilization} of its memory leaves "
+                   "nothing after the weights, the profiled activations and what other processes hold (another "
+                   "engine on the same GPU takes its own share)"
+                   if self.worker.device.type == "cuda" and config.n_slots is None and config.kv_cache_bytes is None
+                   else "")
             )
         self.worker.init_kv_pool(self.num_blocks)
         self._results: deque[StepResult] = deque()

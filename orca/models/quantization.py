@@ -37,6 +37,7 @@ INT8_COLUMN_TILE = 8  # torch's CPU int8 kernel takes input columns in multiples
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 FP8_MIN_CAPABILITY = (8, 9)
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm's rule for both dimensions of its second matrix
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,16 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("packed", q.to(device).contiguous(), persistent=False)
             self.register_buffer("scales", weight.scales.view(-1).to(device, self.compute_dtype), persistent=False)
         else:  # fp8
-            self.register_buffer("packed", weight.qweight.to(device).contiguous(), persistent=False)
-            self.register_buffer("scales", weight.scales.view(1, -1).to(device, torch.float32), persistent=False)
+            # torch._scaled_mm takes a weight whose both dimensions are multiples of FP8_DIM_MULTIPLE: zero
+            # columns pad the input (and the activations as many zeros), zero rows the output (sliced off).
+            self.pad_columns = -self.in_features % FP8_DIM_MULTIPLE
+            pad_rows = -self.out_features % FP8_DIM_MULTIPLE
+            q = weight.qweight
+            if self.pad_columns or pad_rows:  # through float32: e4m3 values and zeros are exact there
+                q = F.pad(q.float(), (0, self.pad_columns, 0, pad_rows)).to(FP8_DTYPE)
+            scales = F.pad(weight.scales.view(-1).float(), (0, pad_rows), value=1.0)
+            self.register_buffer("packed", q.to(device).contiguous(), persistent=False)
+            self.register_buffer("scales", scales.view(1, -1).to(device), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(device, dtype), persistent=False)
         self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
             "aten::_weight_int8pack_mm", "CUDA")
@@ -248,7 +257,9 @@ class QuantizedLinear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.kind == "fp8":
-            y = _fp8_linear(x2, self.packed, self.scales, self.dtype)
+            if self.pad_columns:
+                x2 = F.pad(x2, (0, self.pad_columns))
+            y = _fp8_linear(x2, self.packed, self.scales, self.dtype)[:, :self.out_features]
         elif self.float_packed is not None:
             args = (x2, self.packed, self.scales, self.float_packed, self.kind, self.group_size, self.pad_columns,
                     self.out_features, HYBRID_QUANTIZED_MIN_ROWS[self.kind])

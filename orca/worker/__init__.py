@@ -27,6 +27,7 @@ from orca.checkpoint import ModelConfig, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.models.attention import AttentionMetadata, PhaseTimer, get_backend, resolve_attention_backend
+from orca.models.attention.flex import FLEX_MIN_HEAD_DIM
 from orca.models.device import upload
 from orca.models.layers import resolve_linear_backend
 from orca.models.loader import checkpoint_bytes, load_model
@@ -82,6 +83,10 @@ class Worker:
         kinds = Counter(m.kind for m in self.model.modules() if isinstance(m, QuantizedLinear))
         logger.info("quantization %s -> %s", config.quantization,
                     ", ".join(f"{k} ({n} linear layers)" for k, n in sorted(kinds.items())) or "none (float weights)")
+        if (self.attention_backend == "flex" and self.device.type == "cuda"
+                and self.model_config.head_dim < FLEX_MIN_HEAD_DIM):
+            raise ValueError(f"attention_backend flex on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM} (torch's flex "
+                             f"kernels); this model's is {self.model_config.head_dim}: choose batched or reference")
         warning = self.attention.device_warning(self.device)
         if warning is not None:
             logger.warning("%s", warning)

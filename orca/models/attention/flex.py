@@ -39,6 +39,10 @@ PADDING_ROW = -1  # a padding row's request and position in FlexLayout: it keeps
 # Inductor lowers flex_attention to its decoding kernel below this many query rows and to its main kernel
 # from there (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding): a guard on the row count.
 FLEX_DECODING_ROWS = 128
+FLEX_RECOMPILE_LIMIT = 64  # graphs of compiled flex_attention per process (see _flex_function)
+# Inductor's flex kernels need a head dimension of at least this (torch 2.11: "NYI: embedding dimension of the
+# query, key, and value must be at least 16"); the worker refuses flex on CUDA below it, at load.
+FLEX_MIN_HEAD_DIM = 16
 
 
 @dataclass(kw_only=True)
@@ -220,10 +224,15 @@ class FlexLayout:
         into this layout is what the head's masks read): one per CUDA graph size over one set of static
         buffers (orca/worker/cuda_graphs.py)."""
         q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
+        kv_tiles = self.kv_indices.shape[-1]
+        # The first q_tiles rows of the (1, 1, Q tiles, ...) buffers, viewed with a fresh layout's contiguous
+        # strides (a [:, :, :q_tiles] slice keeps the whole buffer's strides, and compiled flex guards on
+        # strides: each captured size would compile again, past dynamo's recompile limit, on a GPU run).
         return FlexLayout(
             q_request=self.q_request[:num_tokens], q_position=self.q_position[:num_tokens],
             block_owner=self.block_owner, block_start=self.block_start,
-            kv_num_blocks=self.kv_num_blocks[:, :, :q_tiles], kv_indices=self.kv_indices[:, :, :q_tiles],
+            kv_num_blocks=self.kv_num_blocks.view(-1)[:q_tiles].view(1, 1, q_tiles),
+            kv_indices=self.kv_indices.view(-1)[:q_tiles * kv_tiles].view(1, 1, q_tiles, kv_tiles),
             block_size=self.block_size, kv_block=self.kv_block, num_tokens=num_tokens, num_slots=self.num_slots,
         )
 
@@ -272,5 +281,13 @@ def _flex_function(device_type: str) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type == "cuda":
+        import torch._dynamo
+
+        # A few shapes specialise (FlexMetadata.warm_up_rows) and each window size and model of the process
+        # (an engine per test) adds its own: dynamo's default limit of 8 graphs per function, once reached,
+        # silently runs flex unfused (minutes per iteration over a large pool, and no CUDA graph capture).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                               4 * FLEX_RECOMPILE_LIMIT)
         return torch.compile(flex_attention, dynamic=True)
     return flex_attention
