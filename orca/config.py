@@ -84,8 +84,10 @@ class EngineConfig:
       flex_attention call per layer for every token of the iteration, straight from the pool through the
       block tables (compiled on CUDA and warmed up at load; on a CPU PyTorch's unfused implementation:
       correct, slow). "auto": batched on a CPU, the fastest measured there (docs/BENCHMARKS.md, "Results:
-      the fast data plane, fourth step: batched increments"); reference on CUDA, until another is measured
-      there.
+      the fast data plane, fourth step: batched increments"), and on CUDA, where it was measured ahead of
+      reference on an H200 (1.1-9.7x decode tokens/s at batch 1-256; docs/BENCHMARKS.md, "Results: the CUDA
+      path on an H200"). flex with cuda_graphs is faster still at batch 1-64 there, but is not the default:
+      it serves without prefix caching, and its layout is built over the whole pool every iteration.
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
       each multiple of 8 below max_bs, and max_bs; a batch pads to the next size) and replays them, where
       that applies: CUDA, attention_backend flex, a dense model (no mixture-of-experts layers), one worker

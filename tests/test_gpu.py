@@ -79,7 +79,9 @@ def test_bf16_logits_are_close_to_fp32(family: str) -> None:
     path = tiny_checkpoint(family)
     rows = {}
     for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype=dtype, max_bs=4))
+        # A pool of its own size: with gpu_memory_utilization, the first engine's pool (still held) would
+        # leave the second nothing.
+        engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype=dtype, max_bs=4, n_slots=256))
         engine.capture_logits = True
         engine.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=1, temperature=0))
         (out,) = [o for o in engine.step() if o.request_id == "a"]

@@ -562,7 +562,7 @@ def add_parser(sub: Any) -> None:
                    help="EngineConfig.linear_backend (default: %(default)s; hybrid on a CPU where a second copy "
                         "of the weights fits, else onednn)")
     o.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "batched", "flex"),
-                   help="EngineConfig.attention_backend (default: %(default)s; batched on a CPU, reference on CUDA)")
+                   help="EngineConfig.attention_backend (default: %(default)s: batched)")
     o.add_argument("--cuda-graphs", default="auto", choices=("auto", "off"),
                    help="EngineConfig.cuda_graphs: decode iterations from CUDA graphs where they apply (CUDA, "
                         "attention backend flex) (default: %(default)s)")

@@ -46,15 +46,17 @@ KV_MIN_SCALE = 2.0**-100
 
 
 def resolve_attention_backend(choice: str, device: torch.device) -> str:
-    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = the fastest
-    measured on the device: batched on a CPU (the reference's per-request calls for prompts, one batch for
-    the increments: 1.05-1.06x the reference's tokens/s offline here; flex's paged mask does not compile for
-    a CPU in torch 2.13); on CUDA, where nothing has been measured yet, reference until a GPU run shows
-    another ahead (docs/design.md, the data plane)."""
+    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = batched, the
+    fastest measured that serves every configuration: on a CPU (the reference's per-request calls for
+    prompts, one batch for the increments: 1.05-1.06x the reference's tokens/s offline; flex's paged mask
+    does not compile for a CPU in torch 2.13) and on CUDA (an H200, 2026-11-26: 1.1x the reference's
+    decode tokens/s at batch 1, 6.1x at 64, 9.7x at 256). flex with CUDA graphs beat batched there at batch
+    1-64 (3.2-6.2x) and tied at 256, but it serves without prefix caching and builds its block-sparse
+    layout over the whole pool each iteration (docs/BENCHMARKS.md, "Results: the CUDA path on an H200")."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
     if choice == "auto":
-        return "batched" if device.type == "cpu" else "reference"
+        return "batched"
     return choice
 
 

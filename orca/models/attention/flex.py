@@ -9,8 +9,10 @@ request (warm_up_rows); on a CPU it runs PyTorch's unfused flex implementation, 
 over the whole pool: correct, for checking the fused path on a CPU, not fast.
 
 `auto` never picks it: on a CPU flex's paged mask does not compile in torch 2.13 and batched is the fastest
-measured; on CUDA `auto` means reference until a GPU run shows another ahead (docs/design.md, the data
-plane).
+measured; on CUDA (an H200) flex with CUDA graphs was 3.2-6.2x batched's decode tokens/s at batch 1-64 and
+0.93x at 256, but it serves without prefix caching, and FlexLayout.build makes (requests x pool tiles) and
+(query tiles x pool tiles) tensors every iteration: with a GPU-sized pool (4M slots, 250k tiles, on the
+H200) a 77k-token prompt iteration's would be about 1.2 G entries. Choose it with n_slots bounding the pool.
 
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each

@@ -1,0 +1,42 @@
+"""scripts/gpu_check.sh on a host without a GPU: the whole GPU verification runs end to end as a smoke check
+(a tiny model, small batches), says that the GPU parts were skipped, and writes its summary, the tests' XML,
+decode.json and offline.json. On a GPU the same script is what a lent machine runs (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; a GPU host runs the real check")
+def test_gpu_check_runs_end_to_end_on_a_cpu_and_says_the_gpu_parts_were_skipped(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHONPATH")}
+    env["PYTHON"] = sys.executable
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(tmp_path), "--budget", "600"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the GPU parts are skipped" in proc.stdout
+    assert "no CUDA device (the GPU parts were skipped" in proc.stdout  # the closing table says it too
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["cuda"] is False
+    stages = summary["stages"]
+    assert {name: stage["status"] for name, stage in stages.items()} == dict.fromkeys(
+        ("env", "tests", "checkpoint", "decode", "offline"), "ok")
+    counts = stages["tests"]["counts"]
+    assert counts["skipped"] > 0 and counts["passed"] == counts["failed"] == counts["errors"] == 0
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    assert decode["complete"] and decode["systems"] == ["orca-batched", "transformers"]
+    for row in decode["runs"]:  # both systems ran every batch size; tokens compared across processes
+        assert all(row[system]["decode_tokens_per_second"] > 0 for system in decode["systems"])
+        assert 0 <= row["orca-batched"]["same_tokens_as_transformers"] <= row["batch"]
+    offline = json.loads((tmp_path / "offline.json").read_text())
+    assert offline["orca"]["tokens_per_second"] > 0 and offline["attention_backend"] == "batched"
+    assert stages["offline"]["summary"]["breakdown_fraction"]
