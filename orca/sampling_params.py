@@ -19,6 +19,7 @@ MAX_INT64 = 2**63 - 1
 """The largest seed and top_k: both travel to the workers as int64 tensors."""
 _SEED_RANGE = (0, MAX_INT64)
 MAX_LOGPROBS = 20
+MAX_N = 128  # sequences per request (n); OpenAI's API takes at most 128 choices too
 """The most top alternatives a request may ask for per token (vLLM's default max_logprobs)."""
 MIN_TEMPERATURE = 1e-5
 """Temperatures below this decode greedily (as vLLM does): the limit of sampling as temperature -> 0,
@@ -38,6 +39,10 @@ class SamplingParams:
     the n most likely tokens' (0 = the sampled token's only), computed in fp32 from the raw logits the token
     was drawn from (before temperature, top-k and top-p; after a structured-output constraint's mask).
 
+    n (vLLM's and OpenAI's): how many sequences to generate for the prompt, in [1, MAX_N]. The engine core
+    takes n = 1 only; a front end fans n > 1 out into n requests (orca/frontend/parallel_sampling.py), with
+    seeds seed, seed + 1, ... when a seed is given.
+
     structured_outputs (vLLM's StructuredOutputsParams, vllm_backend's spelling): a StructuredOutputs, or
     its JSON object (or that object's JSON text), constraining the output to a JSON schema, any JSON, a
     regex, one of several strings or a grammar; None = unconstrained.
@@ -53,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Every message names the field, what is wrong and the allowed values or range.
@@ -91,6 +97,7 @@ class SamplingParams:
         for i, token_id in enumerate(ids):
             _check_int(f"stop_token_ids[{i}]", token_id, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        _check_int("n", self.n, low=1, high=MAX_N, note="sequences generated for the prompt")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.parse(self.structured_outputs))
 
@@ -172,8 +179,7 @@ VLLM_SCALAR_TYPES: dict[str, type] = {
 converts to, as vllm_backend's TritonSamplingParams.from_dict converts one."""
 
 UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "orca generates one sequence per request"),
-    "best_of": ((None, 1), "orca generates one sequence per request (vLLM V1 has no best_of either)"),
+    "best_of": ((None, 1), "orca returns every one of the n sequences it generates (vLLM V1 has no best_of either)"),
     "presence_penalty": ((0,), "orca's sampler applies no penalties"),
     "frequency_penalty": ((0,), "orca's sampler applies no penalties"),
     "repetition_penalty": ((1,), "orca's sampler applies no penalties"),
@@ -235,10 +241,6 @@ def _check_unsupported(key: str, value: Any) -> None:
     allowed, why = UNSUPPORTED_VLLM_FIELDS[key]
     if any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed):
         return
-    if key == "n" and isinstance(value, int) and not isinstance(value, bool) and value > 1:
-        raise ValueError(f"n > 1 is not supported: {why} (n=1 only), got n={_num(value)}")
-    if key == "n":
-        raise ValueError(f"n must be 1: {why}, got {_show(value)}")
     shown = " or ".join(json.dumps(a) for a in allowed)
     raise ValueError(f"{key} is not supported: {why}; it is accepted only as {shown} (vLLM's default), "
                      f"got {_show(value)}")

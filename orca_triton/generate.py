@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -393,6 +393,49 @@ def response_tensors(
         tensors["cumulative_logprob"] = np.asarray([value], dtype=np.float32)
     if out.finished:
         tensors["num_cached_tokens"] = np.asarray([out.num_cached_tokens], dtype=np.uint32)
+    return tensors
+
+
+def parent_response_tensors(
+    outs: Sequence[RequestOutput | None], changed: int | None, request: GenerateRequest, has_tokenizer: bool
+) -> dict[str, np.ndarray]:
+    """The output tensors of one response of a request with n > 1 (its children's latest outputs, in order),
+    vllm_backend's layout: text_output, finish_reason, num_output_tokens, logprobs and cumulative_logprob
+    with one element per sequence, num_input_tokens one. Streaming, child `changed` has its new tokens and the
+    others empty deltas; otherwise (once, every child finished) each sequence whole. No output_ids (one
+    flat tensor cannot hold n sequences); num_cached_tokens, on the last response, is the first sequence's."""
+    texts, counts, reasons, logprobs, cumulative = [], [], [], [], []
+    for i, out in enumerate(outs):
+        if out is None or (request.stream and i != changed):
+            ids, text, lps = [], "", [] if out is None or out.logprobs is not None else None
+        elif request.stream:
+            ids, text, lps = out.new_token_ids, out.text_delta or "", out.new_logprobs
+        else:
+            ids, text, lps = out.token_ids, out.text or "", out.logprobs
+            if not request.exclude_input_in_output:
+                text = _prompt_text(request) + text
+        texts.append(text.encode("utf-8"))
+        counts.append(len(ids))
+        reasons.append(((out.finish_reason or "") if out is not None and out.finished else str(None)).encode())
+        asked = request.logprobs_asked and lps is not None
+        logprobs.append((logprobs_json(lps, request.codec) if asked else "null").encode("utf-8"))
+        value = None if out is None else out.cumulative_logprob
+        cumulative.append(float("nan") if value is None else value)
+    tensors: dict[str, np.ndarray] = {}
+    if request.return_num_input_tokens:
+        tensors["num_input_tokens"] = np.asarray([len(request.prompt_token_ids)], dtype=np.uint32)
+    if request.return_num_output_tokens:
+        tensors["num_output_tokens"] = np.asarray(counts, dtype=np.uint32)
+    if has_tokenizer:
+        tensors["text_output"] = np.asarray(texts, dtype=np.object_)
+    if request.return_finish_reason:
+        tensors["finish_reason"] = np.asarray(reasons, dtype=np.object_)
+    if request.return_logprobs:
+        tensors["logprobs"] = np.asarray(logprobs, dtype=np.object_)
+    if request.return_cumulative_logprob:
+        tensors["cumulative_logprob"] = np.asarray(cumulative, dtype=np.float32)
+    if all(out is not None and out.finished for out in outs):
+        tensors["num_cached_tokens"] = np.asarray([outs[0].num_cached_tokens], dtype=np.uint32)  # type: ignore[union-attr]
     return tensors
 
 

@@ -194,15 +194,22 @@ class VllmMetrics:
         values = {"running": stats.running, "waiting": stats.waiting, "kv_usage": usage, "gpu_usage": usage}
         _set_changed(self._gauges, self._shown, values)
 
-    def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int) -> None:
-        """A request ended (any reason): its size histograms, n (always 1 here) and success count."""
+    def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,
+                 count_n: bool = True) -> None:
+        """A request ended (any reason): its size histograms, n (1; an n > 1 request's children leave it to
+        params_n) and success count."""
         if self.request_prompt is not None:
             self.request_prompt.observe(num_prompt_tokens)
             self.request_generation.observe(num_output_tokens)
             self.max_tokens.observe(max_tokens)
-        self.n.observe(1)
+        if count_n:
+            self.n.observe(1)
         label = VLLM_FINISH_REASONS.get(reason or "", reason or "unknown")
         self._success[label].increment(1)
+
+    def params_n(self, n: int) -> None:
+        """An n > 1 request answered: vllm:request_params_n observes its n once."""
+        self.n.observe(n)
 
 
 class _NoMetric:
@@ -231,5 +238,9 @@ class NoVllmMetrics:
     def publish(self, stats: EngineStats) -> None:
         return None
 
-    def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int) -> None:
+    def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,
+                 count_n: bool = True) -> None:
+        return None
+
+    def params_n(self, n: int) -> None:
         return None

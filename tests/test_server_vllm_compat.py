@@ -208,7 +208,7 @@ def test_string_sampling_values_with_the_same_request_parameters(orca_server: An
 
 
 @pytest.mark.parametrize(("sampling", "message"), [
-    ({"n": "2"}, "n > 1 is not supported: orca generates one sequence per request (n=1 only), got n=2"),
+    ({"n": "0"}, "n must be >= 1 and <= 128 (sequences generated for the prompt), got 0"),
     ({"presence_penalty": "0.5"}, "presence_penalty is not supported: orca's sampler applies no penalties"),
     ({"lora_name": "sql-lora"}, "lora_name is not supported: orca serves no LoRA adapters"),
     ({"temperature": "warm"}, "temperature must be a number >= 0 (0 = greedy), got string 'warm'"),
@@ -287,3 +287,58 @@ def test_report_custom_metrics_false_leaves_out_every_vllm_series(orca_server: A
     assert vllm_samples(orca_server, "orca_tiny_preempt")  # another model's, in the same server
     text = requests.get(orca_server.metrics_url, timeout=30).text
     assert re.search(rf'^orca_generated_tokens_total\{{[^}}]*model="{model}"[^}}]*\}} [1-9]', text, re.M)
+
+
+# -- n > 1: several sequences per request (vllm_backend's n-element tensors) -------------------------------
+N_PROMPT = "The capital of France is"
+
+
+def test_n_greedy_sequences_answer_once_with_n_element_tensors(orca_server: Any) -> None:
+    sampling = {"temperature": "0", "max_tokens": "5", "ignore_eos": "true"}
+    [one] = grpc_stream(orca_server, "orca_gpt", text_request(N_PROMPT, sampling, False))
+    request = text_request(N_PROMPT, {**sampling, "n": "3"}, False, return_finish_reason=np.array([True]),
+                           return_num_output_tokens=np.array([True]), return_num_input_tokens=np.array([True]))
+    [r] = grpc_stream(orca_server, "orca_gpt", request)
+    texts = r.as_numpy("text_output").tolist()
+    assert texts == [one.as_numpy("text_output")[0]] * 3 and texts[0].decode().startswith(N_PROMPT)
+    assert r.as_numpy("finish_reason").tolist() == [b"length"] * 3
+    assert r.as_numpy("num_output_tokens").tolist() == [5, 5, 5] and r.as_numpy("num_input_tokens").shape == (1,)
+    assert r.as_numpy("output_ids") is None  # one flat tensor cannot hold n sequences
+    # HTTP /generate: the n texts as a JSON list
+    status, body = generate(orca_server, "orca_gpt", {"text_input": N_PROMPT, **sampling, "n": 2})
+    assert status == 200 and body["text_output"] == [texts[0].decode()] * 2, body
+
+
+def test_n_seeded_sequences_stream_each_as_its_own_seed_would(orca_server: Any) -> None:
+    """n = 2 with seed 11 streams sequence i as an n = 1 request with seed 11 + i samples it; each response
+    has the new tokens of one sequence and empty strings for the other; one FINAL."""
+    sampling = {"temperature": "1.0", "max_tokens": "6", "ignore_eos": "true"}
+    singles = []
+    for seed in (11, 12):
+        [r] = grpc_stream(orca_server, "orca_gpt", text_request(N_PROMPT, {**sampling, "seed": str(seed)}, False))
+        singles.append(r.as_numpy("text_output")[0].decode()[len(N_PROMPT):])
+    assert singles[0] != singles[1]  # distinct seeds, distinct samples (else the test below proves little)
+    results = grpc_stream(orca_server, "orca_gpt", text_request(
+        N_PROMPT, {**sampling, "seed": "11", "n": "2"}, True, return_finish_reason=np.array([True])))
+    streamed = ["", ""]
+    for r in results:
+        texts = [t.decode() for t in r.as_numpy("text_output")]
+        assert len(texts) == 2 and sum(t != "" for t in texts) <= 1
+        streamed = [a + b for a, b in zip(streamed, texts)]
+    assert streamed == singles
+    finals = [r.get_response().parameters["triton_final_response"].bool_param for r in results]
+    assert finals.count(True) == 1 and finals[-1]
+    assert results[-1].as_numpy("finish_reason").tolist() == [b"length", b"length"]
+
+
+@pytest.mark.parametrize(("model", "sampling", "message"), [
+    ("orca_gpt", {"n": "2", "structured_outputs": {"choice": ["a", "b"]}}, "n > 1 with structured_outputs is not "
+     "supported"),
+    ("orca_tiny", {"n": "2"}, "n > 1 needs a model with a tokenizer"),
+])
+def test_n_where_it_cannot_be_served_is_refused(orca_server: Any, model: str, sampling: dict[str, Any],
+                                                message: str) -> None:
+    tensors = {"input_ids": np.array(PROMPT, dtype=np.int32), "stream": np.array([False]),
+               "sampling_parameters": np.array([json.dumps({"temperature": "0", **sampling}).encode()], dtype=object)}
+    with pytest.raises(Exception, match=re.escape(message)):
+        grpc_stream(orca_server, model, tensors)

@@ -74,9 +74,9 @@ def test_vllm_fields_at_their_defaults_are_accepted() -> None:
 
 
 @pytest.mark.parametrize(("values", "message"), [
-    ({"n": "2"}, r"n > 1 is not supported: .* \(n=1 only\), got n=2"),
-    ({"n": 3}, r"n > 1 is not supported"),
-    ({"n": 0}, r"n must be 1"),
+    ({"n": "0"}, r"n must be >= 1 and <= 128 \(sequences generated for the prompt\), got 0"),
+    ({"n": 129}, r"n must be >= 1 and <= 128"),
+    ({"n": 2.5}, r"n must be an integer >= 1 and <= 128"),
     ({"presence_penalty": 0.5}, "presence_penalty is not supported: orca's sampler applies no penalties"),
     ({"repetition_penalty": "1.1"}, "repetition_penalty is not supported"),
     ({"min_p": 0.1}, "min_p is not supported"),

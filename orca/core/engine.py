@@ -202,6 +202,9 @@ class EngineCore:
             raise ValueError(
                 f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got {got}"
             )
+        if params.n != 1:
+            raise ValueError(f"n must be 1 in the engine core, got n={params.n}: a front end fans n > 1 out into n "
+                             "requests (orca/frontend/parallel_sampling.py; orca_gpt serves it)")
         vocab = self.model_config.vocab_size
         if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")

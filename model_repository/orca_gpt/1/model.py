@@ -48,9 +48,16 @@ from orca import (
 from orca.core.engine import IterationStats
 from orca.core.engine_loop import EngineLoop, fault_from_env
 from orca.frontend.generation_config import describe_sampling_defaults, read_sampling_defaults
+from orca.frontend.parallel_sampling import ParentRequest, child_params
 from orca.frontend.structured_outputs import StructuredOutputCompiler
 from orca.frontend.tokenizer import Tokenizer
-from orca_triton.generate import INPUT_NAMES, GenerateRequest, parse_generate_request, response_tensors
+from orca_triton.generate import (
+    INPUT_NAMES,
+    GenerateRequest,
+    parent_response_tensors,
+    parse_generate_request,
+    response_tensors,
+)
 from orca_triton.lifecycle import HttpProbe, cmdline, log_to_stderr, start_reaper
 from orca_triton.lifecycle import exit_timeout as triton_exit_timeout
 from orca_triton.metrics import Metrics
@@ -71,13 +78,24 @@ class _Failure:
 
 
 @dataclass
+class _Group:
+    """The n engine requests of one Triton request with n > 1 (orca/frontend/parallel_sampling.py): one
+    sender, one FINAL, responses of n-element tensors."""
+
+    parent: ParentRequest
+    members: dict[str, _Active]
+    closed: bool = False  # the FINAL was sent (an error or a cancellation ends every child at once)
+
+
+@dataclass
 class _Active:
-    """A request between submit and its FINAL response."""
+    """A request between submit and its FINAL response (with n > 1: one of its children)."""
 
     sender: Any
     request: GenerateRequest
     cancelled: bool = False  # the client cancelled and the engine was asked to abort it
     asked_at: float = 0.0  # when the response thread last asked the sender about cancellation
+    group: _Group | None = None
     last_token_at: float | None = None  # when its latest token was generated (vllm:time_per_output_token_seconds)
 
 
@@ -189,6 +207,12 @@ class TritonPythonModel:
                 inputs, parameters, self.text, self.has_tokenizer, sampling_defaults=self.sampling_defaults
             )
             so = parsed.params.structured_outputs
+            if parsed.params.n > 1 and not self.has_tokenizer:
+                raise ValueError("n > 1 needs a model with a tokenizer: text_output carries the n sequences "
+                                 "(output_ids holds one)")
+            if so is not None and parsed.params.n > 1:
+                raise ValueError("n > 1 with structured_outputs is not supported: give n = 1 (each sequence would "
+                                 "need its own grammar state)")
             if so is None:
                 self._submit_parsed(sender, parsed, None)
                 return
@@ -215,6 +239,9 @@ class TritonPythonModel:
     def _submit_parsed(self, sender: Any, parsed: GenerateRequest, constraint: Any) -> None:
         request_id = f"{self._id_prefix}{next(self._ids)}"
         arrival = time.monotonic()
+        if parsed.params.n > 1:
+            self._submit_children(sender, parsed, request_id, arrival)
+            return
         with self._active_lock:
             self._active[request_id] = _Active(sender, parsed)
             self.outputs.add_request(request_id, len(parsed.prompt_token_ids), parsed.params, arrival)
@@ -225,6 +252,31 @@ class TritonPythonModel:
             with self._active_lock:
                 self._active.pop(request_id, None)
                 self.outputs.forget(request_id)
+            raise
+
+    def _submit_children(self, sender: Any, parsed: GenerateRequest, request_id: str, arrival: float) -> None:
+        """n > 1: n engine requests sharing the sender (child ids and seeds: orca/frontend/parallel_sampling)."""
+        parent = ParentRequest(request_id, parsed.params.n)
+        children = list(zip(parent.child_ids, child_params(parsed.params)))
+        group = _Group(parent, {})
+        with self._active_lock:
+            for child_id, params in children:
+                group.members[child_id] = self._active[child_id] = _Active(sender, parsed, group=group)
+                self.outputs.add_request(child_id, len(parsed.prompt_token_ids), params, arrival)
+        submitted = []
+        try:
+            for child_id, params in children:
+                self.loop.submit(child_id, parsed.prompt_token_ids, params, arrival, self.eos_token_ids,
+                                 cache_salt=parsed.cache_salt)
+                submitted.append(child_id)
+        except BaseException:
+            with self._active_lock:
+                for child_id, _ in children:
+                    self._active.pop(child_id, None)
+                    if child_id not in submitted:
+                        self.outputs.forget(child_id)
+            for child_id in submitted:  # their cancelled outputs find no active request: nothing is sent
+                self.loop.abort(child_id)
             raise
 
     # -- the scheduler thread's side (the gauges: self.metrics.publish) ---------------------------
@@ -249,6 +301,10 @@ class TritonPythonModel:
             for request_id in failed:
                 self.outputs.forget(request_id)
         for active in failed.values():
+            if active.group is not None:
+                if active.group.closed:
+                    continue
+                active.group.closed = True
             try:
                 _send_error(active.sender, f"the engine failed: {reason}", pb_utils.TritonError.UNAVAILABLE)
             except Exception:  # noqa: BLE001
@@ -303,9 +359,12 @@ class TritonPythonModel:
         if not active.cancelled:
             active.asked_at = time.monotonic()
             if active.sender.is_cancelled():
-                active.cancelled = True
                 logger.info("[vllm] Cancelling the request %s", request_id)  # vllm_backend's log line
-                self.loop.abort(request_id)
+                members = active.group.members if active.group is not None else {request_id: active}
+                for member_id, member in members.items():
+                    if not member.cancelled:
+                        member.cancelled = True
+                        self.loop.abort(member_id)
 
     def _process(self, delta: EngineCoreOutput) -> None:
         """One delta from the core: its RequestOutput (the front end's work), then its response."""
@@ -328,6 +387,9 @@ class TritonPythonModel:
             active = self._active.pop(out.request_id, None) if out.finished else self._active.get(out.request_id)
         if active is None:
             return
+        if active.group is not None:
+            self._respond_child(out, active, at)
+            return
         if not out.finished:
             self._ask_cancelled(out.request_id, active)
         self._observe_tokens(out, active, at)
@@ -347,6 +409,50 @@ class TritonPythonModel:
         response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
         active.sender.send(response, flags=_FINAL if out.finished else 0)
 
+    def _respond_child(self, out: RequestOutput, active: _Active, at: float) -> None:
+        """An output of one child of an n > 1 request: a response of all n sequences (vllm_backend's n-element
+        tensors) when this child has new tokens and the request streams, or once every child has finished;
+        the first error or cancellation ends the request (the other children are aborted)."""
+        group = active.group
+        assert group is not None
+        if group.closed:
+            return
+        if not out.finished:
+            self._ask_cancelled(out.request_id, active)
+        self._observe_tokens(out, active, at)
+        index = group.parent.update(out)
+        if out.finished:
+            self._observe_finished(out, active, count_n=False)
+            failed = out.finish_reason == "error"
+            cancelled = out.finish_reason == "cancelled" and (active.cancelled or active.sender.is_cancelled())
+            if failed or cancelled:
+                self._close_group(group)
+                if failed:
+                    _send_error(active.sender, f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
+                else:
+                    _send_error(active.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+                    logger.info("[vllm] Successfully cancelled the request %s", group.parent.request_id)
+                return
+        final = group.parent.finished
+        if not final and (active.cancelled or not active.request.stream or not out.new_token_ids):
+            return
+        tensors = parent_response_tensors(group.parent.latest, index, active.request, self.has_tokenizer)
+        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+        if final:
+            group.closed = True
+            self.metrics.vllm.params_n(group.parent.n)
+        active.sender.send(response, flags=_FINAL if final else 0)
+
+    def _close_group(self, group: _Group) -> None:
+        """Ends an n > 1 request early: its other children leave the active set and are aborted (their
+        outputs then find nothing to answer)."""
+        group.closed = True
+        with self._active_lock:
+            for member_id in group.members:
+                self._active.pop(member_id, None)
+        for member_id in group.parent.unfinished_children():
+            self.loop.abort(member_id)
+
     def _observe_tokens(self, out: RequestOutput, active: _Active, at: float) -> None:
         """The token metrics of one output: time to first token and the prompt on the first token; the
         tokens; vLLM's per-token gap (vllm:time_per_output_token_seconds: one observation per output after
@@ -364,11 +470,13 @@ class TritonPythonModel:
             m.generated.increment(n)
             m.vllm.generation.increment(n)
 
-    def _observe_finished(self, out: RequestOutput, active: _Active) -> None:
+    def _observe_finished(self, out: RequestOutput, active: _Active, count_n: bool = True) -> None:
+        """A finished engine request's metrics (each child of an n > 1 request counts as one; the parent's n
+        is observed once, when its FINAL goes out)."""
         m = self.metrics
         m.finished(out.finish_reason or "unknown").increment(1)
         m.vllm.finished(out.finish_reason, out.num_prompt_tokens, out.num_output_tokens,
-                        active.request.params.max_tokens)
+                        active.request.params.max_tokens, count_n=count_n)
         if out.finish_time is not None:
             m.e2e.observe(out.finish_time - out.arrival_time)
             m.vllm.e2e.observe(out.finish_time - out.arrival_time)
