@@ -52,9 +52,10 @@ What it cannot reach, and why:
 - the GPU's memory (the pool sized by a profiling pass: torch.cuda.mem_get_info, max_memory_allocated), its
   capabilities (torch.cuda.is_bf16_supported for dtype auto; get_device_capability for fp8 weights, set to
   8.9 here), kernel choice (SDPA's flash and efficient kernels, tinygemm, _scaled_mm) and every number.
-- collectives: ranks are built without a process group; all_reduce and all_gather are stand-ins that check
-  their input is a cuda tensor (as NCCL needs) and give the shapes the real ones give. Pipeline stages
-  (send/recv) do not run.
+- collectives: ranks are built without a process group; ParallelContext's all_reduce and all_gather run,
+  torch.distributed's are stand-ins that check their tensors are contiguous cuda tensors (as NCCL needs)
+  and leave this rank's tensors as the collectives would shape them. Pipeline stages (send/recv) do not
+  run.
 - the loader on a CUDA device: FakeTensorMode cannot run Module.to twice on fake parameters in torch 2.13
   (torch.utils.swap_tensors refuses tensors the mode's memo holds weak references to), so the real loader
   loads on the meta device and each meta tensor becomes a fake cuda one; a tensor the loader leaves on the
@@ -287,25 +288,38 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
     return checkpoint
 
 
-def _rank(num_layers: int, tp: int, tp_rank: int, collectives: list[str]) -> ParallelContext | None:
-    """Rank tp_rank of `tp`, built without a process group: its collectives are stand-ins that check their
-    input is a cuda tensor (NCCL's) and give the shapes the real ones give."""
-    if tp == 1:
-        return None
-    par = ParallelContext(ParallelLayout(tp), tp_rank, num_layers)
+@pytest.fixture
+def collectives(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """torch.distributed's all_reduce and all_gather, which ParallelContext calls (the test's ranks have no
+    process group), as stand-ins: they check each tensor is a contiguous cuda tensor, as NCCL needs, and
+    leave what the collective would leave this rank (the sum in place: the tensor as it is; each rank's
+    piece: a copy of this one). Returns the calls made."""
+    calls: list[str] = []
 
-    def all_reduce(x: torch.Tensor) -> torch.Tensor:
-        assert x.device.type == "cuda", f"all_reduce of a tensor on {x.device}"
-        collectives.append("all_reduce")
-        return x  # summed in place over the group: same shape, device and dtype
+    def check(what: str, t: torch.Tensor) -> None:
+        assert t.device.type == "cuda" and t.is_contiguous(), (
+            f"{what} of a {'' if t.is_contiguous() else 'non-contiguous '}tensor on {t.device}")
 
-    def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        assert x.device.type == "cuda", f"all_gather of a tensor on {x.device}"
-        collectives.append("all_gather")
-        return torch.cat([x] * tp, dim=dim)  # the group's pieces in rank order
+    def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        check("all_reduce", tensor)
+        calls.append("all_reduce")
 
-    par.all_reduce, par.all_gather = all_reduce, all_gather  # type: ignore[method-assign]
-    return par
+    def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+                   async_op: bool = False) -> None:
+        for t in (tensor, *tensor_list):
+            check("all_gather", t)
+        for piece in tensor_list:
+            piece.copy_(tensor)
+        calls.append("all_gather")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    return calls
+
+
+def _rank(num_layers: int, tp: int, tp_rank: int) -> ParallelContext | None:
+    """Rank tp_rank of `tp`, built without a process group (the collectives fixture stands in for it)."""
+    return None if tp == 1 else ParallelContext(ParallelLayout(tp), tp_rank, num_layers)
 
 
 class _Requests:
@@ -427,13 +441,13 @@ def _check_iteration(worker: Worker, plan: StepPlan, fake: FakeCuda, seen: dict[
         assert "sample" not in seen  # only tp rank 0 draws
 
 
-def _worker(path: Path, backend: str, tp: int, tp_rank: int, collectives: list[str], **options: Any) -> Worker:
+def _worker(path: Path, backend: str, tp: int, tp_rank: int, **options: Any) -> Worker:
     config = EngineConfig(model=str(path), device="cuda", dtype="bfloat16", attention_backend=backend,
                           block_size=BLOCK_SIZE, n_slots=NUM_BLOCKS * BLOCK_SIZE, max_bs=8,
                           tensor_parallel_size=tp, **options)
     if tp == 1:
         return Worker(config)
-    par = _rank(read_model_config(resolve_checkpoint(config.model))[0].num_layers, tp, tp_rank, collectives)
+    par = _rank(read_model_config(resolve_checkpoint(config.model))[0].num_layers, tp, tp_rank)
     return Worker(config, par=par, device=torch.device("cuda", tp_rank))
 
 
@@ -478,11 +492,10 @@ def _run_on_fake_cuda(worker: Worker, fake: FakeCuda, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(("family", "backend", "tp_shape"), CASES)
 def test_a_mixed_iteration_runs_on_fake_cuda(
     family: str, backend: str, tp_shape: str, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path],
-    monkeypatch: pytest.MonkeyPatch,
+    collectives: list[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tp, tp_rank = TP_SHAPES[tp_shape]
-    collectives: list[str] = []
-    worker = _worker(checkpoints(family), backend, tp, tp_rank, collectives)
+    worker = _worker(checkpoints(family), backend, tp, tp_rank)
     assert worker.device.type == "cuda" and worker.attention_backend == backend
     history = _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
     # The mixed iteration took each backend's own path over the scattered and consecutive block tables.
@@ -504,7 +517,7 @@ def test_a_quantized_kv_pool_runs_on_fake_cuda(
     backend: str, kv_cache_dtype: str, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    worker = _worker(checkpoints("llama"), backend, 1, 0, [], kv_cache_dtype=kv_cache_dtype)
+    worker = _worker(checkpoints("llama"), backend, 1, 0, kv_cache_dtype=kv_cache_dtype)
     assert worker.kv_layout.quantized
     _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
 
@@ -512,7 +525,7 @@ def test_a_quantized_kv_pool_runs_on_fake_cuda(
 @pytest.mark.parametrize("row_parallel", [False, True], ids=["plain", "row-parallel"])
 @pytest.mark.parametrize("kind", ["int8", "int8-dequantizing", "int4", "fp8"])
 def test_quantized_linears_run_on_fake_cuda(
-    kind: str, row_parallel: bool, fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch,
+    kind: str, row_parallel: bool, fake_cuda: FakeCuda, collectives: list[str], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """QuantizedLinear as the loader builds it for a CUDA device (a quantized weight read on the CPU, the
     bias already on the device): its CUDA packing (int4's nibbles, tinygemm's layout) and kernels. int8 runs
@@ -520,8 +533,7 @@ def test_quantized_linears_run_on_fake_cuda(
     (a CPU build has not: both paths are set here). fp8 asks the GPU's compute capability: 8.9 stands for
     one that has fp8."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
-    collectives: list[str] = []
-    par = _rank(1, 2, 0, collectives) if row_parallel else None
+    par = _rank(1, 2, 0) if row_parallel else None
     with fake_cuda.mode:
         weight = quantize(torch.empty(48, 64), kind.split("-")[0], 32)
         bias = torch.empty(48, dtype=DTYPE, device="cuda")
