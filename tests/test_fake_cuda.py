@@ -8,7 +8,8 @@ each fail it).
 What runs, in bfloat16, for each model family (GPT-2; Llama with GQA and an untied head; Mistral's sliding
 window; Qwen2's q/k/v biases, tied head and per-layer windows; Qwen3's q/k norms and head_dim of its own;
 Llama 3's rotary scaling) and attention backend (reference, batched, flex), on one rank, and for GPT-2 and
-Llama also as rank 0 and rank 1 of two tensor-parallel ranks:
+Llama also as rank 0 and rank 1 of two tensor-parallel ranks (Qwen2 also as stage 0 and stage 1 of a
+pipeline of two):
 
 - the Worker built for device cuda as the engine builds it (orca/worker/__init__.py: backends, the K/V
   layout, CUDA graphs or why not), its weights from the real loader (see below), and init_kv_pool: the pool
@@ -52,10 +53,10 @@ What it cannot reach, and why:
 - the GPU's memory (the pool sized by a profiling pass: torch.cuda.mem_get_info, max_memory_allocated), its
   capabilities (torch.cuda.is_bf16_supported for dtype auto; get_device_capability for fp8 weights, set to
   8.9 here), kernel choice (SDPA's flash and efficient kernels, tinygemm, _scaled_mm) and every number.
-- collectives: ranks are built without a process group; ParallelContext's all_reduce and all_gather run,
-  torch.distributed's are stand-ins that check their tensors are contiguous cuda tensors (as NCCL needs)
-  and leave this rank's tensors as the collectives would shape them. Pipeline stages (send/recv) do not
-  run.
+- communication: ranks are built without a process group; ParallelContext's all_reduce and all_gather and
+  the worker's sends and receives between pipeline stages run, but torch.distributed's all_reduce,
+  all_gather, isend and recv are stand-ins that check their tensors are contiguous cuda tensors (as NCCL
+  needs) and leave this rank's tensors as the collectives would shape them: no sum, no data moves.
 - the loader on a CUDA device: FakeTensorMode cannot run Module.to twice on fake parameters in torch 2.13
   (torch.utils.swap_tensors refuses tensors the mode's memo holds weak references to), so the real loader
   loads on the meta device and each meta tensor becomes a fake cuda one; a tensor the loader leaves on the
@@ -290,10 +291,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
 @pytest.fixture
 def collectives(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """torch.distributed's all_reduce and all_gather, which ParallelContext calls (the test's ranks have no
-    process group), as stand-ins: they check each tensor is a contiguous cuda tensor, as NCCL needs, and
-    leave what the collective would leave this rank (the sum in place: the tensor as it is; each rank's
-    piece: a copy of this one). Returns the calls made."""
+    """torch.distributed's all_reduce and all_gather, which ParallelContext calls, and isend and recv, which
+    the worker's pipeline stages call (the test's ranks have no process group), as stand-ins: they check
+    each tensor is a contiguous cuda tensor, as NCCL needs, and leave what the collective would leave this
+    rank (a sum in place or a received tensor: the tensor as it is; each rank's piece: a copy of this one).
+    Returns the calls made."""
     calls: list[str] = []
 
     def check(what: str, t: torch.Tensor) -> None:
@@ -312,14 +314,24 @@ def collectives(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             piece.copy_(tensor)
         calls.append("all_gather")
 
+    def point_to_point(what: str) -> Callable[..., Any]:
+        def send_or_receive(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            check(what, tensor)
+            calls.append(what)
+            return type("Work", (), {"wait": lambda self: True})()
+
+        return send_or_receive
+
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    monkeypatch.setattr(torch.distributed, "isend", point_to_point("isend"))
+    monkeypatch.setattr(torch.distributed, "recv", point_to_point("recv"))
     return calls
 
 
-def _rank(num_layers: int, tp: int, tp_rank: int) -> ParallelContext | None:
-    """Rank tp_rank of `tp`, built without a process group (the collectives fixture stands in for it)."""
-    return None if tp == 1 else ParallelContext(ParallelLayout(tp), tp_rank, num_layers)
+def _rank(num_layers: int, tp: int, rank: int, pp: int = 1) -> ParallelContext | None:
+    """Rank `rank` of `tp` x `pp`, built without a process group (the collectives fixture stands in for it)."""
+    return None if tp * pp == 1 else ParallelContext(ParallelLayout(tp, pp), rank, num_layers)
 
 
 class _Requests:
@@ -431,6 +443,9 @@ def _check_iteration(worker: Worker, plan: StepPlan, fake: FakeCuda, seen: dict[
     local = seen["attention output"]  # this rank's heads, before the row-parallel projection sums them
     local_heads = cfg.num_heads // par.tp_size
     assert (local.device.type, local.dtype, tuple(local.shape)) == ("cuda", DTYPE, (rows, local_heads * cfg.head_dim))
+    if not par.is_last_stage:  # it sends its hidden states on to the next stage
+        assert "compute_logits" not in seen and "sample" not in seen
+        return
     logits = seen["compute_logits"]
     assert (logits.device.type, logits.dtype, tuple(logits.shape)) == (
         "cuda", torch.float32, (num_sampled, cfg.vocab_size))
@@ -441,14 +456,16 @@ def _check_iteration(worker: Worker, plan: StepPlan, fake: FakeCuda, seen: dict[
         assert "sample" not in seen  # only tp rank 0 draws
 
 
-def _worker(path: Path, backend: str, tp: int, tp_rank: int, **options: Any) -> Worker:
+def _worker(path: Path, backend: str, tp: int = 1, rank: int = 0, pp: int = 1, **options: Any) -> Worker:
+    """The Worker of rank `rank` of tp x pp for device cuda, as the engine builds it (its executor, or a
+    distributed rank's process, which uses cuda:<its local rank>)."""
     config = EngineConfig(model=str(path), device="cuda", dtype="bfloat16", attention_backend=backend,
                           block_size=BLOCK_SIZE, n_slots=NUM_BLOCKS * BLOCK_SIZE, max_bs=8,
-                          tensor_parallel_size=tp, **options)
-    if tp == 1:
+                          tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
+    if tp * pp == 1:
         return Worker(config)
-    par = _rank(read_model_config(resolve_checkpoint(config.model))[0].num_layers, tp, tp_rank)
-    return Worker(config, par=par, device=torch.device("cuda", tp_rank))
+    par = _rank(read_model_config(resolve_checkpoint(config.model))[0].num_layers, tp, rank, pp)
+    return Worker(config, par=par, device=torch.device("cuda", rank))
 
 
 def _run_on_fake_cuda(worker: Worker, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
@@ -517,7 +534,7 @@ def test_a_quantized_kv_pool_runs_on_fake_cuda(
     backend: str, kv_cache_dtype: str, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    worker = _worker(checkpoints("llama"), backend, 1, 0, kv_cache_dtype=kv_cache_dtype)
+    worker = _worker(checkpoints("llama"), backend, kv_cache_dtype=kv_cache_dtype)
     assert worker.kv_layout.quantized
     _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
 
@@ -545,3 +562,16 @@ def test_quantized_linears_run_on_fake_cuda(
         assert t.device.type == "cuda", f"{name} on {t.device}"
     assert (out.device.type, out.dtype, tuple(out.shape)) == ("cuda", DTYPE, (5, 48))
     assert collectives == (["all_reduce"] if row_parallel else [])
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pipeline_stages_run_on_fake_cuda(
+    stage: int, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path], collectives: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stage 0 and stage 1 of two (Qwen2's two layers; its tied head on the last stage): the first sends its
+    hidden states on, the second receives them into a buffer on the device, and samples."""
+    worker = _worker(checkpoints("qwen2"), "reference", rank=stage, pp=2)
+    assert list(worker.par.layers) == [stage]
+    _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
+    assert set(collectives) == ({"isend"} if stage == 0 else {"recv"})
