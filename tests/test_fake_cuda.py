@@ -37,8 +37,10 @@ What it cannot reach, and why:
   that samples an iteration stops at its first host read (asserted: a DataDependentOutputException at a
   `.tolist()` line, so a host read added before it, a sync on CUDA, fails the test), all before it having
   run; the other rank runs to the end.
-- the mixture-of-experts families (Mixtral, Qwen3-MoE): SparseMoE reads its per-expert token counts on the
-  host (`bincount(...).tolist()`) inside the forward pass. Skipped, with that reason.
+- most of the mixture-of-experts families' forward pass (Mixtral, Qwen3-MoE): SparseMoE counts the tokens
+  per expert on the host (`bincount(...).tolist()`; bincount's output length depends on the values), so
+  their prompts' iteration runs only up to that count in the first layer (input preparation, embedding,
+  attention, routing), asserted there.
 - synchronisation and streams: torch.cuda.synchronize (PhaseTimer, profiled plans), whether a non_blocking
   copy is ordered before the kernels that read it, and the pinned allocator: a CPU build has none, so
   upload's pinned staging buffer is made unpinned here (the stand-in counts the requests for one: upload
@@ -84,10 +86,24 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.attention.flex_attention
-from checkpoints import make_gpt2, make_llama, make_llama3, make_mistral, make_qwen2, make_qwen3
+from checkpoints import (
+    make_gpt2,
+    make_llama,
+    make_llama3,
+    make_mistral,
+    make_mixtral,
+    make_qwen2,
+    make_qwen3,
+    make_qwen3_moe,
+)
 from torch import nn
 from torch._subclasses import fake_tensor
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.nn.attention.flex_attention import flex_attention
 
 import orca.models.attention.flex
@@ -121,20 +137,19 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen3": lambda path: make_qwen3(path, num_hidden_layers=1),
     "llama3": lambda path: make_llama3(path, num_hidden_layers=1),
 }
-MIXTURES = ("mixtral", "qwen3_moe")
+MIXTURES: dict[str, Callable[[Path], Path]] = {
+    "mixtral": lambda path: make_mixtral(path, num_hidden_layers=1),
+    "qwen3_moe": lambda path: make_qwen3_moe(path, num_hidden_layers=1),
+}
 BACKENDS = ("reference", "batched", "flex")
 # (tensor_parallel_size, tp rank): one rank; rank 0 of two (it samples); rank 1 of two (it does not). The code
 # that tensor parallelism adds (vocabulary-parallel embedding and logits, row-parallel linears, the heads'
 # split) is GPT-2's or Llama's whatever the variant: the variants run on one rank.
 TP_SHAPES = {"tp1": (1, 0), "tp2-rank0": (2, 0), "tp2-rank1": (2, 1)}
 CASES = [
-    *(pytest.param(family, backend, tp_shape, id=f"{family}-{backend}-{tp_shape}")
-      for family in FAMILIES for backend in BACKENDS for tp_shape in TP_SHAPES
-      if tp_shape == "tp1" or family in ("gpt2", "llama")),
-    *(pytest.param(family, backend, "tp1", id=f"{family}-{backend}-tp1", marks=pytest.mark.skip(
-        reason="SparseMoE reads its per-expert token counts on the host (bincount(...).tolist()) inside the "
-               "forward pass: a fake tensor has no values"))
-      for family in MIXTURES for backend in BACKENDS),
+    pytest.param(family, backend, tp_shape, id=f"{family}-{backend}-{tp_shape}")
+    for family in FAMILIES for backend in BACKENDS for tp_shape in TP_SHAPES
+    if tp_shape == "tp1" or family in ("gpt2", "llama")
 ]
 
 
@@ -283,7 +298,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
     def checkpoint(family: str) -> Path:
         if family not in built:
-            built[family] = FAMILIES[family](tmp_path_factory.mktemp(family))
+            built[family] = {**FAMILIES, **MIXTURES}[family](tmp_path_factory.mktemp(family))
         return built[family]
 
     return checkpoint
@@ -403,6 +418,10 @@ def _spy(obj: Any, name: str, seen: dict[str, Any], monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(obj, name, spy)
 
 
+def _innermost_orca_frame(stopped: pytest.ExceptionInfo) -> traceback.FrameSummary:
+    return [f for f in traceback.extract_tb(stopped.tb) if f.filename.startswith(ORCA_SOURCES)][-1]
+
+
 def _execute(worker: Worker, plan: StepPlan, fake: FakeCuda) -> None:
     """worker._execute(plan) on the fake device. On the rank that samples it stops at its first host read,
     which a fake tensor has no value for: the .tolist() of the sampled ids, or of the log-probabilities
@@ -414,7 +433,7 @@ def _execute(worker: Worker, plan: StepPlan, fake: FakeCuda) -> None:
             return
         with pytest.raises(DataDependentOutputException) as stopped:
             worker._execute(plan)
-    frame = [f for f in traceback.extract_tb(stopped.tb) if f.filename.startswith(ORCA_SOURCES)][-1]
+    frame = _innermost_orca_frame(stopped)
     assert ".tolist()" in (frame.line or ""), "".join(traceback.format_exception(stopped.value))
 
 
@@ -575,3 +594,24 @@ def test_pipeline_stages_run_on_fake_cuda(
     assert list(worker.par.layers) == [stage]
     _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
     assert set(collectives) == ({"isend"} if stage == 0 else {"recv"})
+
+
+@pytest.mark.parametrize("family", MIXTURES)
+def test_a_mixture_of_experts_runs_on_fake_cuda_up_to_its_host_read(
+    family: str, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SparseMoE counts the tokens per expert inside the forward pass (bincount, whose output's length depends
+    on the values) and reads the counts on the host: a fake tensor has no values, so the prompts run up to
+    the count in the first layer's mixture (attention and routing done)."""
+    worker = _worker(checkpoints(family), "reference")
+    seen: dict[str, Any] = {}
+    _attention_output(worker.model).register_forward_pre_hook(
+        lambda module, args: seen.__setitem__("attention output", args[0]))
+    with fake_cuda.mode:
+        worker.init_kv_pool(worker.determine_num_blocks())
+        with pytest.raises(DynamicOutputShapeException) as stopped:
+            worker._execute(_plans(worker.model_config.vocab_size, decode=False)[0])
+    frame = _innermost_orca_frame(stopped)
+    assert frame.filename.endswith("moe.py") and "bincount" in (frame.line or ""), "".join(
+        traceback.format_exception(stopped.value))
+    assert seen["attention output"].device.type == "cuda"
