@@ -598,7 +598,7 @@ def test_pipeline_stages_run_on_fake_cuda(
 
 @pytest.mark.parametrize("family", MIXTURES)
 def test_a_mixture_of_experts_runs_on_fake_cuda_up_to_its_host_read(
-    family: str, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch,
+    family: str, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path],
 ) -> None:
     """SparseMoE counts the tokens per expert inside the forward pass (bincount, whose output's length depends
     on the values) and reads the counts on the host: a fake tensor has no values, so the prompts run up to
