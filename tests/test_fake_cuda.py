@@ -49,7 +49,8 @@ What it cannot reach, and why:
 - torch.compile of flex_attention (Inductor's Triton kernels, and the load-time warm-up that compiles them):
   flex_attention runs uncompiled, its fake implementation giving the output's shape; the mask, the block-
   sparse layout and the call's inputs are the real ones. (Inductor's CUDA lowering of flex_attention, which
-  runs this far on a CPU build, refuses head_dim < 16: tests/checkpoints.py's tiny Llama has 8.)
+  runs this far on a CPU build, refuses head_dim < 16, and so does the worker for flex on CUDA: the families
+  here are built with head_dim 16.)
 - the warm-up iterations at load (init_kv_pool's _warm_up): they end in the same host read; the test's own
   iterations run the same path.
 - the GPU's memory (the pool sized by a profiling pass: torch.cuda.mem_get_info, max_memory_allocated), its
@@ -131,11 +132,12 @@ SAMPLED = SamplingSpec(0.8, 5, 0.9, 3, logprobs=2)
 # second under FakeTensorMode; each checkpoint built once per module.
 FAMILIES: dict[str, Callable[[Path], Path]] = {
     "gpt2": lambda path: make_gpt2(path, n_layer=1),
-    "llama": lambda path: make_llama(path, num_hidden_layers=1),
-    "mistral": lambda path: make_mistral(path, num_hidden_layers=1),
-    "qwen2": lambda path: make_qwen2(path, num_hidden_layers=2),
+    # head_dim 16: the tiny Llama's 8 is under what flex on CUDA takes (FLEX_MIN_HEAD_DIM; the worker refuses it)
+    "llama": lambda path: make_llama(path, num_hidden_layers=1, head_dim=16),
+    "mistral": lambda path: make_mistral(path, num_hidden_layers=1, head_dim=16),
+    "qwen2": lambda path: make_qwen2(path, num_hidden_layers=2, hidden_size=128),  # head_dim 16 (Qwen2 derives it)
     "qwen3": lambda path: make_qwen3(path, num_hidden_layers=1),
-    "llama3": lambda path: make_llama3(path, num_hidden_layers=1),
+    "llama3": lambda path: make_llama3(path, num_hidden_layers=1, head_dim=16),
 }
 MIXTURES: dict[str, Callable[[Path], Path]] = {
     "mixtral": lambda path: make_mixtral(path, num_hidden_layers=1),
@@ -545,6 +547,16 @@ def test_a_mixed_iteration_runs_on_fake_cuda(
     assert (worker.decode_graphs is not None) == (backend == "flex" and tp == 1)
     if tp > 1:
         assert {"all_reduce", "all_gather"} <= set(collectives)
+
+
+def test_flex_on_cuda_is_refused_below_its_kernels_head_dim(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    """Inductor's flex kernels need head_dim >= 16 (the first GPU run's failure with the tiny Llama's 8): the
+    worker refuses flex on CUDA at load with the alternatives, and takes batched on the same model."""
+    path = make_llama(tmp_path / "llama-head8", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="attention_backend flex on CUDA needs head_dim >= 16 .* this model's is 8: "
+                                         "choose batched or reference"):
+        _worker(path, "flex")
+    assert _worker(path, "batched").attention_backend == "batched"
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
