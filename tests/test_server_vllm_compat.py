@@ -342,3 +342,28 @@ def test_n_where_it_cannot_be_served_is_refused(orca_server: Any, model: str, sa
                "sampling_parameters": np.array([json.dumps({"temperature": "0", **sampling}).encode()], dtype=object)}
     with pytest.raises(Exception, match=re.escape(message)):
         grpc_stream(orca_server, model, tensors)
+
+
+def test_a_model_that_fails_to_load_lists_no_metric_families(orca_server: Any) -> None:
+    """As vllm_backend's (its CI's vllm_invalid_2, `model` naming nothing): a copy of orca_tiny whose
+    checkpoint does not exist fails to load, and the metrics port then lists no series of it, orca_ or
+    vllm: (the families are made once the engine has loaded)."""
+    import shutil
+
+    repo = orca_server.model_repository
+    name = "orca_fails_to_load"
+    shutil.copytree(repo / "orca_tiny", repo / name)
+    config = (repo / name / "config.pbtxt").read_text()
+    config = re.sub(r'^name: "orca_tiny"$', f'name: "{name}"', config, flags=re.M)
+    config = re.sub(r'key: "model" value: \{ string_value: "[^"]*" \}',
+                    'key: "model" value: { string_value: "/nonexistent/checkpoint" }', config)
+    (repo / name / "config.pbtxt").write_text(config)
+    try:
+        r = requests.post(f"{orca_server.http_url}/v2/repository/models/{name}/load", timeout=300)
+        assert r.status_code != 200 and "nonexistent" in r.text, r.text
+        ours = [line for line in requests.get(orca_server.metrics_url, timeout=30).text.splitlines()
+                if line.startswith(("orca_", "vllm:"))]  # (Triton's own nv_* series list every model)
+        assert not [line for line in ours if f'model="{name}"' in line]
+        assert any('model="orca_tiny"' in line for line in ours)  # the loaded models' series are there
+    finally:
+        shutil.rmtree(repo / name)

@@ -34,7 +34,8 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.extra import numpy as hnp
 
 from orca import LLMEngine, Logprob, RequestOutput
-from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, VLLM_SCALAR_TYPES, SamplingParams, StructuredOutputs
+from orca.frontend.parallel_sampling import child_params
+from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, MAX_N, VLLM_SCALAR_TYPES, SamplingParams, StructuredOutputs
 from orca_triton.generate import (
     INPUT_NAMES,
     PROMPT_INPUTS,
@@ -54,7 +55,7 @@ def fuzz(examples: int) -> settings:
     return settings(FUZZ, max_examples=examples)
 
 SAMPLING_FIELDS = SamplingParams.field_names()
-NUMERIC_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "stop_token_ids")
+NUMERIC_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "logprobs", "stop_token_ids", "n")
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 # A numeric field's message states the allowed range: an interval, a bound, or an enumeration.
 RANGE = re.compile(r"[\[(]-?\d.*[\])]|[<>]=? ?-?\d|at (most|least) \d")
@@ -78,7 +79,8 @@ def outcome(engine: LLMEngine, inputs: dict[str, Any], parameters: dict[str, Any
     Any other exception propagates and fails the test."""
     try:
         request = parse_generate_request(inputs, parameters, engine.text, engine.tokenizer is not None)
-        engine.validate(request.prompt_token_ids, request.params, request.cache_salt)
+        # n > 1 reaches the engine as n requests of n = 1 (model.py, orca/frontend/parallel_sampling.py)
+        engine.validate(request.prompt_token_ids, child_params(request.params)[0], request.cache_salt)
     except ValueError as exc:
         message = str(exc)
         assert message and len(message) < 2000, message  # clear, and clipped however large the input
@@ -180,6 +182,7 @@ def valid_value(field: str) -> st.SearchStrategy[Any]:
         "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),
         "ignore_eos": st.booleans(),
         "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
+        "n": st.integers(1, MAX_N),
         "structured_outputs": st.none() | st.sampled_from([
             {"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, {"json_object": True},
             {"regex": "[a-z]{1,5}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a" | "b"'},

@@ -106,8 +106,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("orca_gpt must be decoupled (model_transaction_policy)")
         config = _engine_config(model_config)
-        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
-                               report_vllm=_report_custom_metrics(model_config))
+        report_vllm = _report_custom_metrics(model_config)
         self._ids = itertools.count()
         self._id_prefix = f"{args['model_name']}-{args['model_instance_name']}-"
         self._active: dict[str, _Active] = {}
@@ -117,11 +116,10 @@ class TritonPythonModel:
         # this thread (the stub's, which calls execute) never runs torch's ops (orca/core/engine_loop.py).
         self.loop = EngineLoop(
             lambda: EngineCore(config), on_output=self._responses.put, on_iteration=self._on_iteration,
-            on_stats=self.metrics.publish, on_failure=self._on_engine_failure,
+            on_stats=lambda stats: self.metrics.publish(stats), on_failure=self._on_engine_failure,
             fault=fault_from_env(args["model_name"]),
         )
         self.core = self.loop.core
-        self.metrics.vllm.engine_loaded(self.core.max_model_len)
         self.text = Tokenizer.load(self.core.checkpoint)
         self.has_tokenizer = self.text.available
         # The model's recommended sampling (generation_config.json), for the keys a request leaves out.
@@ -133,8 +131,13 @@ class TritonPythonModel:
         self.structured_outputs = StructuredOutputCompiler(
             self.text.hf, self.core.model_config.vocab_size, self.eos_token_ids
         )
-        self.structured_outputs.on_compiled = self.metrics.grammar_compile.observe
         self.structured_outputs.warm_up()
+        # The metric families last, once the model has loaded: one that fails to load registers none (the
+        # loop's callbacks, which read them, run from loop.start() on).
+        self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
+                               report_vllm=report_vllm)
+        self.metrics.vllm.engine_loaded(self.core.max_model_len)
+        self.structured_outputs.on_compiled = self.metrics.grammar_compile.observe
         self.metrics.publish(self.core.stats())
         self._model_name = args["model_name"]
         self._response_thread = threading.Thread(target=self._send_responses, name="orca-responses", daemon=True)
