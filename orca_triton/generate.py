@@ -38,7 +38,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -369,28 +369,9 @@ def response_tensors(
 ) -> dict[str, np.ndarray]:
     """The output tensors of one response for `out`: this iteration's tokens when streaming, everything
     on the single final response otherwise."""
-    if request.stream:
-        ids, text, logprobs = out.new_token_ids, out.text_delta or "", out.new_logprobs
-    else:
-        ids, text, logprobs = out.token_ids, out.text or "", out.logprobs
-        if not request.exclude_input_in_output:
-            text = _prompt_text(request) + text
-    tensors = {"output_ids": np.asarray(ids, dtype=np.int32)}
-    if request.return_num_input_tokens:
-        tensors["num_input_tokens"] = np.asarray([out.num_prompt_tokens], dtype=np.uint32)
-    if request.return_num_output_tokens:  # this response's tokens (all of them on a single response)
-        tensors["num_output_tokens"] = np.asarray([len(ids)], dtype=np.uint32)
-    if has_tokenizer:
-        tensors["text_output"] = np.asarray([text.encode("utf-8")], dtype=np.object_)
-    if request.return_finish_reason:
-        reason = (out.finish_reason or "") if out.finished else str(None)  # vllm_backend: "None" until the end
-        tensors["finish_reason"] = np.asarray([reason.encode()], dtype=np.object_)
-    if request.return_logprobs:
-        text_json = "null" if not request.logprobs_asked or logprobs is None else logprobs_json(logprobs, request.codec)
-        tensors["logprobs"] = np.asarray([text_json.encode("utf-8")], dtype=np.object_)
-    if request.return_cumulative_logprob:
-        value = float("nan") if out.cumulative_logprob is None else out.cumulative_logprob
-        tensors["cumulative_logprob"] = np.asarray([value], dtype=np.float32)
+    sequence = _sequence(out, request)
+    tensors = {"output_ids": np.asarray(sequence.ids, dtype=np.int32),
+               **_sequence_tensors([sequence], request, has_tokenizer, out.num_prompt_tokens)}
     if out.finished:
         tensors["num_cached_tokens"] = np.asarray([out.num_cached_tokens], dtype=np.uint32)
     return tensors
@@ -404,38 +385,60 @@ def parent_response_tensors(
     with one element per sequence, num_input_tokens one. Streaming, child `changed` has its new tokens and the
     others empty deltas; otherwise (once, every child finished) each sequence whole. No output_ids (one
     flat tensor cannot hold n sequences); num_cached_tokens, on the last response, is the first sequence's."""
-    texts, counts, reasons, logprobs, cumulative = [], [], [], [], []
-    for i, out in enumerate(outs):
-        if out is None or (request.stream and i != changed):
-            ids, text, lps = [], "", [] if out is None or out.logprobs is not None else None
-        elif request.stream:
-            ids, text, lps = out.new_token_ids, out.text_delta or "", out.new_logprobs
-        else:
-            ids, text, lps = out.token_ids, out.text or "", out.logprobs
-            if not request.exclude_input_in_output:
-                text = _prompt_text(request) + text
-        texts.append(text.encode("utf-8"))
-        counts.append(len(ids))
-        reasons.append(((out.finish_reason or "") if out is not None and out.finished else str(None)).encode())
-        asked = request.logprobs_asked and lps is not None
-        logprobs.append((logprobs_json(lps, request.codec) if asked else "null").encode("utf-8"))
-        value = None if out is None else out.cumulative_logprob
-        cumulative.append(float("nan") if value is None else value)
-    tensors: dict[str, np.ndarray] = {}
-    if request.return_num_input_tokens:
-        tensors["num_input_tokens"] = np.asarray([len(request.prompt_token_ids)], dtype=np.uint32)
-    if request.return_num_output_tokens:
-        tensors["num_output_tokens"] = np.asarray(counts, dtype=np.uint32)
-    if has_tokenizer:
-        tensors["text_output"] = np.asarray(texts, dtype=np.object_)
-    if request.return_finish_reason:
-        tensors["finish_reason"] = np.asarray(reasons, dtype=np.object_)
-    if request.return_logprobs:
-        tensors["logprobs"] = np.asarray(logprobs, dtype=np.object_)
-    if request.return_cumulative_logprob:
-        tensors["cumulative_logprob"] = np.asarray(cumulative, dtype=np.float32)
+    sequences = [_sequence(out, request, empty=request.stream and i != changed) for i, out in enumerate(outs)]
+    tensors = _sequence_tensors(sequences, request, has_tokenizer, len(request.prompt_token_ids))
     if all(out is not None and out.finished for out in outs):
         tensors["num_cached_tokens"] = np.asarray([outs[0].num_cached_tokens], dtype=np.uint32)  # type: ignore[union-attr]
+    return tensors
+
+
+class _SequenceValues(NamedTuple):
+    """One sequence's share of a response."""
+
+    ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: str  # vllm_backend's JSON, or "null"
+    cumulative_logprob: float
+
+
+def _sequence(out: RequestOutput | None, request: GenerateRequest, empty: bool = False) -> _SequenceValues:
+    """A sequence's values in a response: its new tokens when streaming, all of it (after the prompt unless
+    exclude_input_in_output) otherwise; `empty` (or no output yet): no tokens, "" and [] logprobs."""
+    if out is None or empty:
+        ids, text, logprobs = [], "", [] if out is None or out.logprobs is not None else None
+    elif request.stream:
+        ids, text, logprobs = out.new_token_ids, out.text_delta or "", out.new_logprobs
+    else:
+        ids, text, logprobs = out.token_ids, out.text or "", out.logprobs
+        if not request.exclude_input_in_output:
+            text = _prompt_text(request) + text
+    # vllm_backend's finish_reason: "None" until the sequence ends
+    reason = (out.finish_reason or "") if out is not None and out.finished else str(None)
+    cumulative = None if out is None else out.cumulative_logprob
+    return _SequenceValues(
+        ids, text, reason,
+        "null" if not request.logprobs_asked or logprobs is None else logprobs_json(logprobs, request.codec),
+        float("nan") if cumulative is None else cumulative,
+    )
+
+
+def _sequence_tensors(sequences: Sequence[_SequenceValues], request: GenerateRequest, has_tokenizer: bool,
+                      num_input_tokens: int) -> dict[str, np.ndarray]:
+    """The text and the additional outputs the request asked for, one element per sequence."""
+    tensors: dict[str, np.ndarray] = {}
+    if request.return_num_input_tokens:
+        tensors["num_input_tokens"] = np.asarray([num_input_tokens], dtype=np.uint32)
+    if request.return_num_output_tokens:  # this response's tokens (all of them on a single response)
+        tensors["num_output_tokens"] = np.asarray([len(q.ids) for q in sequences], dtype=np.uint32)
+    if has_tokenizer:
+        tensors["text_output"] = np.asarray([q.text.encode("utf-8") for q in sequences], dtype=np.object_)
+    if request.return_finish_reason:
+        tensors["finish_reason"] = np.asarray([q.finish_reason.encode() for q in sequences], dtype=np.object_)
+    if request.return_logprobs:
+        tensors["logprobs"] = np.asarray([q.logprobs.encode("utf-8") for q in sequences], dtype=np.object_)
+    if request.return_cumulative_logprob:
+        tensors["cumulative_logprob"] = np.asarray([q.cumulative_logprob for q in sequences], dtype=np.float32)
     return tensors
 
 

@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -85,14 +87,10 @@ class Check:
         def kill() -> None:
             nonlocal timed_out
             timed_out = True
-            import signal
-
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-        import threading
 
         timer = threading.Timer(limit, kill)
         timer.start()
@@ -232,7 +230,7 @@ def _junit(path: Path) -> dict[str, Any]:
 
 
 def stage_checkpoint(check: Check, shape: str, path: Path) -> dict[str, Any]:
-    code = ("import sys, torch; from pathlib import Path; from orca_client.bench.decode import build_checkpoint; "
+    code = ("from pathlib import Path; from orca_client.bench.decode import build_checkpoint; "
             "from orca import EngineConfig; c = EngineConfig(); "
             f"build_checkpoint({shape!r}, Path({str(path)!r}), c.torch_dtype, c.torch_device)")
     return check.run("checkpoint", [check.python, "-c", code], 180)

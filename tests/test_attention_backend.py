@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -320,21 +321,27 @@ def test_flex_under_tensor_parallelism_is_transformers_greedy() -> None:
         assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
 
 
+def _counting_compiled_flex() -> tuple[Any, list[Any]]:
+    """flex_attention compiled as CUDA compiles it (dynamic=True), with a backend that records each graph
+    dynamo makes (its guards decide recompiles; the backend only runs the graph): (compiled, graphs)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    graphs: list[Any] = []
+
+    def counting(gm, example_inputs):  # noqa: ANN001, ANN202
+        graphs.append(gm)
+        return gm.forward
+
+    return torch.compile(flex_attention, backend=counting, dynamic=True), graphs
+
+
 def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> None:
     """torch.compile(flex_attention, dynamic=True), as CUDA runs it, with a counting backend (dynamo's
     guards are what decide recompiles; the backend only runs the graph): a new layout and mask function every
     iteration, token counts from 1 to 47, and two window sizes. Graphs: per window, one for a single query
     row, one for a single query tile, one for more; the worker's warm-up plans run each of those shapes, after
     which nothing compiles again."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    graphs = []
-
-    def counting(gm, example_inputs):  # noqa: ANN001, ANN202
-        graphs.append(gm)
-        return gm.forward
-
-    compiled = torch.compile(flex_attention, backend=counting, dynamic=True)
+    compiled, graphs = _counting_compiled_flex()
     block_size, slots = 4, 512
     pool = torch.zeros(2, 2, slots, 8)
     rng = random.Random(0)
@@ -385,18 +392,10 @@ def test_captured_sizes_compile_nothing_after_the_warm_up() -> None:
     (FlexMetadata.graph_buffers, FlexLayout.head). Views keeping the whole buffer's strides made each captured
     size a new graph (dynamo guards on strides), past dynamo's limit of 8 on the first GPU run (flex then ran
     unfused and the capture failed). After the warm-up's shapes, no size of the capture compiles again."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     from orca.models.attention.flex import FlexMetadata
     from orca.worker.cuda_graphs import graph_sizes
 
-    graphs = []
-
-    def counting(gm, example_inputs):  # noqa: ANN001, ANN202
-        graphs.append(gm)
-        return gm.forward
-
-    compiled = torch.compile(flex_attention, backend=counting, dynamic=True)
+    compiled, graphs = _counting_compiled_flex()
     block_size, slots = 4, 256
     pool = torch.zeros(2, 2, slots, 8)
 

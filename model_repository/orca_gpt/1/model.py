@@ -398,19 +398,24 @@ class TritonPythonModel:
         self._observe_tokens(out, active, at)
         if out.finished:
             self._observe_finished(out, active)
-            if out.finish_reason == "error":
-                _send_error(active.sender, f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
-                return
-            if out.finish_reason == "cancelled" and (active.cancelled or active.sender.is_cancelled()):
-                _send_error(active.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
-                # vllm_backend's log line, word for word: log-based tooling (and its CI) looks for it
-                logger.info("[vllm] Successfully cancelled the request %s", out.request_id)
+            if self._answered_end(out, active, out.request_id):
                 return
         elif active.cancelled or not active.request.stream or not out.new_token_ids:
             return  # non-streaming requests answer once, at the end; a cancelled one only with its FINAL
-        tensors = response_tensors(out, active.request, self.has_tokenizer)
-        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
-        active.sender.send(response, flags=_FINAL if out.finished else 0)
+        _send(active.sender, response_tensors(out, active.request, self.has_tokenizer), out.finished)
+
+    def _answered_end(self, out: RequestOutput, active: _Active, request_id: str) -> bool:
+        """A finished output that ends its request with an error FINAL (True): a failed generation, or the
+        client's cancellation; False for a regular end (or a cancellation at shutdown), answered with data."""
+        if out.finish_reason == "error":
+            _send_error(active.sender, f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
+            return True
+        if out.finish_reason == "cancelled" and (active.cancelled or active.sender.is_cancelled()):
+            _send_error(active.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
+            # vllm_backend's log line, word for word: log-based tooling (and its CI) looks for it
+            logger.info("[vllm] Successfully cancelled the request %s", request_id)
+            return True
+        return False
 
     def _respond_child(self, out: RequestOutput, active: _Active, at: float) -> None:
         """An output of one child of an n > 1 request: a response of all n sequences (vllm_backend's n-element
@@ -426,25 +431,17 @@ class TritonPythonModel:
         index = group.parent.update(out)
         if out.finished:
             self._observe_finished(out, active, count_n=False)
-            failed = out.finish_reason == "error"
-            cancelled = out.finish_reason == "cancelled" and (active.cancelled or active.sender.is_cancelled())
-            if failed or cancelled:
+            if self._answered_end(out, active, group.parent.request_id):
                 self._close_group(group)
-                if failed:
-                    _send_error(active.sender, f"generation failed: {out.error}", pb_utils.TritonError.INTERNAL)
-                else:
-                    _send_error(active.sender, "request cancelled", pb_utils.TritonError.CANCELLED)
-                    logger.info("[vllm] Successfully cancelled the request %s", group.parent.request_id)
                 return
         final = group.parent.finished
         if not final and (active.cancelled or not active.request.stream or not out.new_token_ids):
             return
-        tensors = parent_response_tensors(group.parent.latest, index, active.request, self.has_tokenizer)
-        response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
         if final:
             group.closed = True
             self.metrics.vllm.params_n(group.parent.n)
-        active.sender.send(response, flags=_FINAL if final else 0)
+        _send(active.sender, parent_response_tensors(group.parent.latest, index, active.request, self.has_tokenizer),
+              final)
 
     def _close_group(self, group: _Group) -> None:
         """Ends an n > 1 request early: its other children leave the active set and are aborted (their
@@ -497,6 +494,11 @@ def _answer_failure(sender: Any, exc: Exception) -> None:
     else:
         logger.error("could not submit a request", exc_info=exc)
         _send_error(sender, f"internal error: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+
+def _send(sender: Any, tensors: dict[str, Any], final: bool) -> None:
+    response = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
+    sender.send(response, flags=_FINAL if final else 0)
 
 
 def _send_error(sender: Any, message: str, code: Any) -> None:
