@@ -22,7 +22,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 _INT_OPTIONS = (
     "max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed", "block_size",
     "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "local_workers",
-    "trace_max_bytes", "trace_backups", "quantization_group_size",
+    "trace_max_bytes", "trace_backups", "quantization_group_size", "num_speculative_tokens", "prompt_lookup_min",
+    "prompt_lookup_max",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 _BOOL_OPTIONS = ("enable_prefix_caching",)
@@ -37,6 +38,9 @@ QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 """EngineConfig.kv_cache_dtype's values (orca/worker/kv_cache.py)."""
 TORCH_COMPILE_CHOICES = ("auto", "off")
+SPECULATIVE_METHODS = ("off", "ngram")
+"""EngineConfig.speculative_method's values (orca/core/speculative.py)."""
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,20 @@ class EngineConfig:
       attention_backend flex serves without it (its layout gives a pool block one owner per iteration, so
       two requests could not read one shared block; logged at load). request_level_gpt never caches (the
       paper's baseline; not a parameter there).
+    - speculative_method: speculative decoding (orca/core/speculative.py; README.md "Speculative decoding";
+      docs/design.md). "off" (the default), or "ngram": prompt lookup, each request proposes the tokens that
+      followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to
+      prompt_lookup_min) in its own prompt and output, and the iteration verifies them with everyone
+      else's work: the target model draws its own token at every proposed position and the request keeps
+      the proposals up to the first that differs, plus one token. Outputs are exactly speculation off's,
+      greedy and seeded sampling alike. Proposals use only the token budget and free blocks an iteration's
+      other work leaves; a request whose proposals keep failing proposes fewer, then pauses. Requests opt
+      out with SamplingParams.speculate false; structured outputs and logits capture do not speculate.
+      The gain on a repetitive workload and the cost where lookup misses: docs/BENCHMARKS.md.
+    - num_speculative_tokens: the most tokens a request proposes per iteration (1 to 16; default 4).
+    - prompt_lookup_min: the shortest n-gram prompt lookup matches (1 to 16, at most prompt_lookup_max;
+      default 2).
+    - prompt_lookup_max: the longest n-gram prompt lookup matches, tried first (1 to 16; default 4).
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -224,6 +242,10 @@ class EngineConfig:
     kv_admission: str = "on_demand"
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    speculative_method: str = "off"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     max_queue: int = 1024
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -293,6 +315,16 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"{name} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
+                             f"{self.prompt_lookup_max}: give min <= max")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(
                 f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "

@@ -46,6 +46,9 @@ class SamplingParams:
     structured_outputs (vLLM's StructuredOutputsParams, vllm_backend's spelling): a StructuredOutputs, or
     its JSON object (or that object's JSON text), constraining the output to a JSON schema, any JSON, a
     regex, one of several strings or a grammar; None = unconstrained.
+
+    speculate (orca's own): false opts this request out of speculative decoding (EngineConfig.
+    speculative_method); it changes no token, only whether the request proposes any.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -59,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
     n: int = 1
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         # Every message names the field, what is wrong and the allowed values or range.
@@ -74,6 +78,8 @@ class SamplingParams:
             _check_int("seed", self.seed, low=_SEED_RANGE[0], high=_SEED_RANGE[1], note="or null for a random one")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean (true or false), got {_show(self.ignore_eos)}")
+        if not isinstance(self.speculate, bool):
+            raise ValueError(f"speculate must be a boolean (true or false), got {_show(self.speculate)}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
@@ -138,10 +144,11 @@ class SamplingParams:
         cls.check_keys(values)
         own = cls.field_names()
         for key, value in values.items():
-            if isinstance(value, str) and key in VLLM_SCALAR_TYPES:
+            kind = VLLM_SCALAR_TYPES.get(key, ORCA_SCALAR_TYPES.get(key))
+            if isinstance(value, str) and kind is not None:
                 # a string that does not convert stays one: the constructor refuses it stating the field's
                 # range (a field orca lacks gets _from_string's error)
-                values[key] = _from_string(key, value, VLLM_SCALAR_TYPES[key], keep=key in own)
+                values[key] = _from_string(key, value, kind, keep=key in own)
         for key in ("stop", "stop_token_ids"):
             if key in values and values[key] is None:
                 del values[key]
@@ -177,6 +184,8 @@ VLLM_SCALAR_TYPES: dict[str, type] = {
 }
 """The scalar type vLLM's SamplingParams declares for each field (int | None as int): what a string value
 converts to, as vllm_backend's TritonSamplingParams.from_dict converts one."""
+ORCA_SCALAR_TYPES: dict[str, type] = {"speculate": bool}
+"""The same for orca's own scalar fields."""
 
 UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "orca returns every one of the n sequences it generates (vLLM V1 has no best_of either)"),

@@ -22,7 +22,8 @@ _GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_u
            "n_slots", "prefix_cache_blocks")
 # The counters published from EngineStats' cumulative fields, each named by its field: incremented by
 # what the field grew since the last publish.
-_COUNTERS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits")
+_COUNTERS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_verifications", "spec_proposed_tokens",
+             "spec_accepted_tokens")
 # vllm_backend's buckets (src/utils/metrics.py), which are vLLM's.
 VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
 VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
@@ -96,6 +97,12 @@ class Metrics:
                                      "admission (their keys and values not computed again)", C),
             "prefix_cache_blocks": fam("orca_prefix_cache_blocks", "K/V blocks holding cached, reusable keys and "
                                        "values", G),
+            "spec_verifications": fam("orca_spec_decode_num_drafts_total", "Speculative decoding: request-iterations "
+                                      "that verified proposed tokens", C),
+            "spec_proposed_tokens": fam("orca_spec_decode_num_draft_tokens_total", "Speculative decoding: proposed "
+                                        "tokens verified", C),
+            "spec_accepted_tokens": fam("orca_spec_decode_num_accepted_tokens_total", "Speculative decoding: proposed "
+                                        "tokens accepted (each the token the model drew there)", C),
             "constrained": fam("orca_structured_output_requests_total", "Requests with a structured output "
                                "(JSON schema, json_object, regex, choice or grammar) submitted", C),
             "grammar_compile": fam("orca_grammar_compile_seconds", "Time to compile a structured output's grammar "
@@ -165,6 +172,10 @@ class VllmMetrics:
                                         "number of queried tokens.", C),
             "prefix_cache_hits": fam("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of "
                                      "cached tokens.", C),
+            "spec_verifications": fam("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", C),
+            "spec_proposed_tokens": fam("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", C),
+            "spec_accepted_tokens": fam("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+                                        C),
         }
         f = self._families
         self.prompt = f["prompt"].Metric(labels=labels)

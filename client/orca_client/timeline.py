@@ -41,6 +41,12 @@ class Membership:
     blocks: int
     sampled: bool
     cached: int = 0  # admitted in this iteration: its first tokens found in the prefix cache
+    accepted: int = 0  # speculative decoding: proposed tokens it kept (it drew accepted + 1 tokens)
+
+    @property
+    def drawn(self) -> int:
+        """Tokens this iteration generated for the request."""
+        return self.accepted + 1 if self.sampled else 0
 
 
 @dataclass
@@ -65,7 +71,8 @@ class RequestTrack:
 
     @property
     def sampled(self) -> int:
-        return sum(1 for m in self.memberships if m.sampled)
+        """Tokens generated, over its iterations."""
+        return sum(m.drawn for m in self.memberships)
 
 
 def request_tracks(timeline: Any) -> list[RequestTrack]:
@@ -88,7 +95,8 @@ def request_tracks(timeline: Any) -> list[RequestTrack]:
         for m in it["requests"]:
             track(m["id"]).memberships.append(
                 Membership(
-                    k, it["id"], m["phase"], m["tokens"], m["start"], m["blocks"], m["sampled"], m.get("cached", 0)
+                    k, it["id"], m["phase"], m["tokens"], m["start"], m["blocks"], m["sampled"], m.get("cached", 0),
+                    m.get("accepted", 0),
                 )
             )
         for rid in it["preempted"]:
@@ -110,7 +118,7 @@ def request_tracks(timeline: Any) -> list[RequestTrack]:
             for m in tr.memberships:
                 if drawn >= tr.kept_tokens and m.phase == "increment":
                     m.phase = "discarded"
-                drawn += m.sampled
+                drawn += m.drawn
 
     def when(tr: RequestTrack) -> float:
         if tr.arrival is not None:
@@ -212,7 +220,7 @@ def to_perfetto(timeline: Any) -> dict[str, Any]:
                 "ph": "X", "pid": _REQUESTS_PID, "tid": tid, "name": m.phase, "cat": m.phase,
                 "ts": it["start"] * us, "dur": it["duration"] * us,
                 "args": {"iteration": m.iteration, "tokens": m.tokens, "position": m.start, "kv_blocks": m.blocks,
-                         "sampled": m.sampled},
+                         "sampled": m.sampled, "accepted": m.accepted},
             })
         for k in tr.preempted_at:
             events.append({"ph": "i", "s": "t", "pid": _REQUESTS_PID, "tid": tid, "name": "preempted",

@@ -37,6 +37,7 @@ from orca.core.constraint import TokenConstraint
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from orca.core.request import FinishReason, Request
 from orca.core.scheduler import OrcaScheduler, ScheduledBatch
+from orca.core.speculative import make_proposer
 from orca.core.timeline import TimelineRecorder
 from orca.executor import Executor, WorkerFailure, make_executor
 from orca.sampling_params import SamplingParams
@@ -92,6 +93,8 @@ class IterationStats:
     duration: float = 0.0  # submit to collect
     kv_used_tokens: int = 0  # after the iteration, before finished requests free their blocks
     kv_allocated_blocks: int = 0  # same moment
+    num_proposed: int = 0  # speculative decoding: proposed tokens this iteration verified
+    num_accepted: int = 0  # ... and of them, accepted
     timings: dict[str, float] = field(default_factory=dict)  # per phase, when profiling is on
 
 
@@ -109,6 +112,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # cumulative: tokens of the requests looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # cumulative: ... and of them, tokens whose K/V the cache held
     prefix_cache_blocks: int = 0  # blocks holding reusable K/V now (referenced or not)
+    spec_proposed_tokens: int = 0  # cumulative: speculative decoding's proposed tokens, verified
+    spec_accepted_tokens: int = 0  # cumulative: ... and of them, accepted
+    spec_verifications: int = 0  # cumulative: request-iterations that verified at least one proposal
 
     @property
     def n_slots(self) -> int:
@@ -162,7 +168,11 @@ class EngineCore:
         self.eos_token_ids: frozenset[int] = frozenset(mc.eos_token_ids)
         self.last_iteration = IterationStats()
         self.profile = False  # time each iteration's phases (IterationStats.timings); costs device syncs
-        self.capture_logits = False  # attach each sampled row's logits to EngineCoreOutput.logits
+        self.capture_logits = False  # attach each sampled row's logits to EngineCoreOutput.logits (no speculation)
+        # Speculative decoding (orca/core/speculative.py): None = off.
+        self.proposer = make_proposer(config.speculative_method, config.num_speculative_tokens,
+                                      config.prompt_lookup_min, config.prompt_lookup_max)
+        self.spec_proposed_tokens = self.spec_accepted_tokens = self.spec_verifications = 0
         self._seed_rng = random.Random(config.seed)
         self._arrivals = itertools.count()
         self._pending: list[EngineCoreOutput] = []  # cancellations decided between iterations
@@ -306,6 +316,9 @@ class EngineCore:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             prefix_cache_blocks=self.blocks.num_cached_blocks,
+            spec_proposed_tokens=self.spec_proposed_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_verifications=self.spec_verifications,
         )
 
     # -- the iteration ---------------------------------------------------------------------------
@@ -367,14 +380,16 @@ class EngineCore:
                 p = req.params
                 sampling = SamplingSpec(p.temperature, p.top_k, p.top_p, req.seed, p.logprobs)
                 self._worker_holds.add(req.request_id)
+            proposed = len(m.spec_token_ids)
             planned.append(PlannedRequest(
                 request_id=req.request_id,
-                token_ids=tuple(req.token_ids(m.start, m.num_tokens)),
+                token_ids=tuple(req.token_ids(m.start, m.num_tokens - proposed)) + tuple(m.spec_token_ids),
                 start=m.start,
                 new_block_ids=tuple(m.new_blocks),
                 sampling=sampling,
                 sample_step=len(req.output_token_ids) if m.sample else None,
                 allowed_tokens=req.constraint.allowed_tokens() if m.sample and req.constraint is not None else None,
+                num_proposed=proposed,
             ))
         free, self._to_free = tuple(self._to_free), []
         return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile)
@@ -382,39 +397,55 @@ class EngineCore:
     def _complete(self, batch: ScheduledBatch, result: StepResult, start: float) -> list[EngineCoreOutput]:
         now = time.monotonic()
         outputs: list[EngineCoreOutput] = []
+        proposed_total = accepted_total = 0
         for m in batch.members:
             req = m.request
             out = EngineCoreOutput(req.request_id, [], time=now, num_cached_tokens=req.num_cached_tokens)
             if result.error is not None:
                 req.finish_reason, req.error = FinishReason.ERROR, result.error
             elif m.sample:
-                token = result.sampled[req.request_id]
-                out.new_token_ids = [token]
-                req.output_token_ids.append(token)
-                if req.params.logprobs is not None:
-                    out.new_logprobs = [result.logprobs[req.request_id]]
+                drawn = result.sampled[req.request_id]
+                if m.spec_token_ids:  # speculative decoding: the accepted proposals and the token after them
+                    accepted = len(drawn) - 1
+                    m.num_rejected = len(m.spec_token_ids) - accepted
+                    proposed_total += len(m.spec_token_ids)
+                    accepted_total += accepted
+                    self.spec_verifications += 1
+                    self.proposer.verified(req, len(m.spec_token_ids), accepted)  # type: ignore[union-attr]
                 if req.first_token_time is None:
                     req.first_token_time = now
-                req.finish_reason = req.stop_reason(token)
-                if req.constraint is not None:
-                    if not req.constraint.accept(token):  # the mask allowed it: a grammar engine's fault
-                        req.finish_reason = FinishReason.ERROR
-                        req.error = f"the structured output's grammar refused token {token}, which its mask allowed"
-                    elif req.finish_reason is None and req.constraint.is_terminated():
-                        req.finish_reason = FinishReason.STOP  # complete: nothing more may follow
+                for token in drawn:  # the stop rules, token by token: a stop inside the run ends it there
+                    out.new_token_ids.append(token)
+                    req.output_token_ids.append(token)
+                    req.finish_reason = req.stop_reason(token)
+                    if req.constraint is not None:
+                        if not req.constraint.accept(token):  # the mask allowed it: a grammar engine's fault
+                            req.finish_reason = FinishReason.ERROR
+                            req.error = f"the structured output's grammar refused token {token}, which its mask allowed"
+                        elif req.finish_reason is None and req.constraint.is_terminated():
+                            req.finish_reason = FinishReason.STOP  # complete: nothing more may follow
+                    if req.finish_reason is not None:
+                        break
+                if req.params.logprobs is not None:
+                    out.new_logprobs = result.logprobs[req.request_id][:len(out.new_token_ids)]
+                req.spec_token_ids = self._propose(req)
             if self.capture_logits:
                 out.logits = result.logits.get(req.request_id)
             outputs.append(out)
         used_tokens = self.scheduler.kv_used_tokens
-        used_tokens += sum(m.num_tokens for m in batch.members if m.request.admitted)
+        used_tokens += sum(m.num_tokens - m.num_rejected for m in batch.members if m.request.admitted)
         allocated = self.blocks.num_allocated_blocks
         finished = self.scheduler.complete(batch)  # (an abort that arrived in flight finishes here too)
         for req in finished:
             self._finish(req, now)
         if self.timeline is not None:
-            self.timeline.completed(batch.batch_id, now, finished, allocated, used_tokens, result.error)
+            accepted = {m.request.request_id: len(m.spec_token_ids) - m.num_rejected
+                        for m in batch.members if m.spec_token_ids}
+            self.timeline.completed(batch.batch_id, now, finished, allocated, used_tokens, result.error, accepted)
         for m, out in zip(batch.members, outputs):
             out.finish_reason, out.error = m.request.finish_reason, m.request.error
+        self.spec_proposed_tokens += proposed_total
+        self.spec_accepted_tokens += accepted_total
         self.last_iteration = IterationStats(
             batch_id=batch.batch_id,
             batch_size=len(batch.members),
@@ -424,9 +455,20 @@ class EngineCore:
             duration=now - start,
             kv_used_tokens=used_tokens,
             kv_allocated_blocks=allocated,
+            num_proposed=proposed_total,
+            num_accepted=accepted_total,
             timings=dict(result.timings),
         )
         return outputs
+
+    def _propose(self, req: Request) -> list[int]:
+        """The tokens the request proposes for its next increment (orca/core/speculative.py): none when
+        speculation is off, finished, opted out (SamplingParams.speculate), constrained by a structured
+        output, or while logits are captured."""
+        if (self.proposer is None or req.finish_reason is not None or not req.params.speculate
+                or req.constraint is not None or self.capture_logits):
+            return []
+        return self.proposer.propose(req)
 
     def _release_worker_state(self, request_id: str) -> None:
         if request_id in self._worker_holds:

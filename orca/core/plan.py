@@ -43,7 +43,11 @@ class PlannedRequest:
     may be the prefix cache's, holding those positions' keys and values already); ``sample_step`` is the
     index of the output token to draw (None for a prompt chunk that does not reach the prompt's end);
     ``allowed_tokens``, with it, the packed bitmask of the tokens a structured output allows this step
-    (orca/core/constraint.py; None = every token)."""
+    (orca/core/constraint.py; None = every token). ``num_proposed`` (speculative decoding,
+    orca/core/speculative.py): the last num_proposed of ``token_ids`` are proposed tokens, not yet
+    drawn: the worker draws a token at each of the last num_proposed + 1 positions (output steps
+    sample_step, sample_step + 1, ...) and answers the draws up to the first that differs from the
+    proposal at its position, that one included."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -52,6 +56,7 @@ class PlannedRequest:
     sampling: SamplingSpec | None = None
     sample_step: int | None = None
     allowed_tokens: bytes | None = None
+    num_proposed: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,16 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """A worker's answer to a plan: the token drawn for each request with a sample_step, or an error
-    (the whole iteration failed). ``logprobs`` holds, for the requests whose SamplingSpec asks for them, the
-    drawn token's log-probabilities. ``logits`` rows are CPU tensors (plan.return_logits only);
-    ``timings`` are seconds per phase when the plan asked for profiling."""
+    """A worker's answer to a plan: the tokens drawn for each request with a sample_step (one; with
+    proposed tokens, the accepted ones and the token after them), or an error (the whole iteration failed).
+    ``logprobs`` holds, for the requests whose SamplingSpec asks for them, the drawn tokens'
+    log-probabilities, one per token of ``sampled``. ``logits`` rows are CPU tensors (plan.return_logits
+    only: the row of the last token drawn); ``timings`` are seconds per phase when the plan asked for
+    profiling."""
 
     batch_id: int
-    sampled: dict[str, int] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
     error: str | None = None
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     logits: dict[str, object] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 from orca.core.constraint import TokenConstraint
 from orca.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     block_hashes: list[bytes] = field(default_factory=list)  # the hash chain of its full blocks, so far
     constraint: TokenConstraint | None = None  # a structured output's grammar state (orca/core/constraint.py)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed for its next increment (speculative.py)
+    proposer_state: Any = None  # the proposer's own per-request state (orca/core/speculative.py)
 
     @property
     def num_prompt_tokens(self) -> int:

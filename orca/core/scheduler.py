@@ -14,6 +14,10 @@ Selection, every iteration, FCFS by arrival:
    here. A prompt longer than what is left of the budget runs as a chunk; its next chunk comes in a later
    iteration, and its first token is sampled after its last chunk. Without a budget (Orca) a prompt runs
    whole in its first iteration.
+3. Speculative decoding (orca/core/speculative.py): each selected increment with proposed tokens
+   (Request.spec_token_ids) is extended with them, in arrival order, as far as what is left of the budget
+   and the free blocks allow (never by preempting or by taking blocks a prompt needed): proposals only use
+   what the iteration's real work left over.
 Admission stops at the first waiting request that does not fit (``break``, not ``continue``): a later,
 smaller request never jumps ahead of an earlier one waiting for memory.
 
@@ -59,6 +63,8 @@ class ScheduledRequest:
     new_blocks: list[int]
     sample: bool
     increment: bool  # Orca's increment phase (one token after a computed prefix)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals fed after its last token (3. above)
+    num_rejected: int = 0  # of them, rejected (set by the engine before complete()): their slots are not computed
 
 
 @dataclass
@@ -175,6 +181,29 @@ class OrcaScheduler:
             batch.members.append(ScheduledRequest(req, 1, req.num_computed_tokens, new_blocks, True, True))
             chosen.add(req.request_id)
             budget -= 1
+        budget = self._select_prompt_work(batch, candidates, chosen, budget)
+        # 3. Proposed tokens (speculative decoding) with what is left.
+        for m in batch.members:
+            if m.increment and m.request.spec_token_ids and budget >= 1:
+                budget -= self._add_proposals(m, int(min(len(m.request.spec_token_ids), budget)))
+        return self._launch(batch)
+
+    def _add_proposals(self, m: ScheduledRequest, most: int) -> int:
+        """Extends an increment with up to `most` of its request's proposals, as many as free blocks hold
+        (no preemption); returns how many."""
+        req = m.request
+        end = m.start + 1
+        fits = (self.blocks.num_held(req.request_id) + self.blocks.num_free_blocks) * self.blocks.block_size - end
+        k = max(0, min(most, fits))
+        if k:
+            m.new_blocks += self.blocks.grow(req.request_id, end + k)
+            m.spec_token_ids = req.spec_token_ids[:k]
+            m.num_tokens = 1 + k
+        return k
+
+    def _select_prompt_work(self, batch: ScheduledBatch, candidates: list[Request], chosen: set[str],
+                            budget: float) -> float:
+        """2. of the selection; returns what is left of the budget."""
         # 2. Prompt work (initiation chunks): first admitted requests still in their prompt (a later chunk,
         # or a recomputation after a preemption), then waiting requests, admitted here, in arrival order.
         # Admitted work goes first so that a waiting request that does not fit can never hold up requests
@@ -184,13 +213,13 @@ class OrcaScheduler:
                 if req.request_id in chosen or req.in_increment or req.admitted != admitted_pass:
                     continue
                 if len(batch.members) == self.max_bs or budget < 1 or req in batch.preempted:
-                    return self._launch(batch)  # (a request preempted in this selection waits, and all after it)
+                    return budget  # (a request preempted in this selection waits, and all after it)
                 n = int(min(req.num_uncomputed_tokens, budget))
                 start = req.num_computed_tokens
                 if req.admitted:
                     new_blocks = self._grow(req, start + n, batch, chosen)
                     if new_blocks is None:
-                        return self._launch(batch)
+                        return budget
                 else:
                     cached = self._cached_prefix(req) if self.blocks.enable_caching else []
                     if cached:
@@ -198,7 +227,7 @@ class OrcaScheduler:
                         n = int(min(req.num_tokens - start, budget))
                     target = req.max_num_tokens if self.kv_admission == "reserve" else start + n
                     if not self.blocks.can_grow(req.request_id, target, cached):
-                        return self._launch(batch)  # no queue jumping: later requests wait behind this one
+                        return budget  # no queue jumping: later requests wait behind this one
                     new_blocks = self.blocks.grow(req.request_id, target, cached)
                     req.admitted = True
                     req.num_computed_tokens = start
@@ -212,7 +241,7 @@ class OrcaScheduler:
                 batch.members.append(ScheduledRequest(req, n, start, new_blocks, sample, False))
                 chosen.add(req.request_id)
                 budget -= n
-        return self._launch(batch)
+        return budget
 
     def _launch(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         if not batch.members:  # (every preemption is for a member, so none happened)
@@ -276,7 +305,7 @@ class OrcaScheduler:
         for m in batch.members:
             req = m.request
             req.running = False
-            req.num_computed_tokens = m.start + m.num_tokens
+            req.num_computed_tokens = m.start + m.num_tokens - m.num_rejected
             if self.blocks.enable_caching and req.finish_reason is not FinishReason.ERROR:
                 full = req.num_computed_tokens // self.blocks.block_size
                 self.blocks.cache_blocks(req.request_id, self._block_hashes(req, full), full)

@@ -29,7 +29,9 @@ that origin. Request ids are the engine's.
   increment phase) or "recompute" (re-feeding a preempted request's prompt and tokens); ``start`` (the
   position of its first token fed); ``tokens`` (tokens fed); ``blocks`` (K/V blocks it holds);
   ``cached`` (admitted by this selection: its first tokens whose K/V it took from the prefix cache, so
-  ``start`` = ``cached``; else 0); ``sampled`` (this iteration drew its next token)), ``admitted`` (ids
+  ``start`` = ``cached``; else 0); ``sampled`` (this iteration drew its next token); with speculative
+  decoding, ``proposed`` (of ``tokens``, the proposed ones fed after its last token; only when some) and
+  ``accepted`` (of them, the ones kept: the iteration drew ``accepted`` + 1 tokens)), ``admitted`` (ids
   admitted by this selection),
   ``preempted`` (ids whose blocks this selection took back: they wait again), ``finished`` (objects
   ``id``, ``reason``, ``tokens`` (generated in all)), and ``error`` (why the iteration failed, or null).
@@ -39,9 +41,10 @@ that origin. Request ids are the engine's.
   ``members`` (objects ``id``, ``run_tokens`` (what it ran for: the batch's longest), ``kept_tokens`` (what
   its own stop condition kept; the rest were computed and thrown away), ``reason``).
 
-So, for every request: its generated tokens are the number of iterations where it ``sampled``, which is
-its increments + 1 unless it was preempted after its first token (each readmission recomputes, and draws
-one token at the end of its recomputation).
+So, for every request: its generated tokens are the number of iterations where it ``sampled`` plus its
+``accepted`` proposals, and without speculation the iterations where it sampled are its increments + 1
+unless it was preempted after its first token (each readmission recomputes, and draws one token at the
+end of its recomputation).
 
 Size: at most ``max_bytes`` per file (a single record longer than that gets a file of its own); when the
 next record would not fit, ``path`` becomes ``path.1``, ``path.1`` becomes ``path.2`` and so on, keeping
@@ -224,6 +227,8 @@ class TimelineRecorder:
                 "blocks": blocks.num_held(req.request_id),
                 "cached": m.start if not m.increment and req in batch.admitted else 0, "sampled": m.sample,
             })
+            if m.spec_token_ids:  # speculative decoding: proposed tokens fed after its last one
+                members[-1]["proposed"] = len(m.spec_token_ids)
         self._selected[batch.batch_id] = _Selected(now, {
             "type": "iteration", "id": batch.batch_id, "start": self._t(now), "duration": 0.0,
             "waiting": scheduler.num_waiting, "running": scheduler.num_running,
@@ -235,9 +240,10 @@ class TimelineRecorder:
 
     def completed(
         self, batch_id: int, now: float, finished: Iterable[Request], kv_blocks: int, kv_used_tokens: int,
-        error: str | None,
+        error: str | None, accepted: dict[str, int] | None = None,
     ) -> None:
-        """Its result was processed: writes the iteration's record."""
+        """Its result was processed: writes the iteration's record. `accepted`: of the members that verified
+        proposed tokens, how many each kept (each also drew one token after them)."""
         sel = self._selected.pop(batch_id)
         record = sel.record
         record["duration"] = _r(now - sel.start)
@@ -245,6 +251,9 @@ class TimelineRecorder:
         if error is not None:
             for member in record["requests"]:
                 member["sampled"] = False
+        for member in record["requests"]:
+            if "proposed" in member:
+                member["accepted"] = (accepted or {}).get(member["id"], 0) if error is None else 0
         record["finished"] = [
             {"id": r.request_id, "reason": r.finish_reason.value if r.finish_reason else None,
              "tokens": len(r.output_token_ids)}

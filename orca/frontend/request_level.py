@@ -41,8 +41,9 @@ from orca.sampling_params import SamplingParams
 
 # What the baseline's engine must be: FasterTransformer reserves each member's memory up front, runs
 # every prompt whole in the batch's first iteration and computes every prompt's keys and values (no
-# prefix cache).
-REQUEST_LEVEL_OPTIONS = {"kv_admission": "reserve", "max_num_batched_tokens": None, "enable_prefix_caching": False}
+# prefix cache), and one token per member per iteration (no speculative decoding).
+REQUEST_LEVEL_OPTIONS = {"kv_admission": "reserve", "max_num_batched_tokens": None, "enable_prefix_caching": False,
+                         "speculative_method": "off"}
 
 
 @dataclass(frozen=True)

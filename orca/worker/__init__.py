@@ -307,7 +307,7 @@ class Worker:
             self._send_activations(hidden)
             return result
         if sample_rows is not None:
-            rows, specs, steps, sampled_ids, masks = sample_rows
+            rows, specs, steps, sampled_ids, masks, proposals = sample_rows
             logits = self.model.compute_logits(hidden[rows])  # (B, V): no logits for other prompt rows
             if masks and par.tp_rank == 0:  # structured outputs: their disallowed tokens are never drawn
                 apply_allowed_tokens(logits, masks)
@@ -317,12 +317,24 @@ class Worker:
             if par.tp_rank == 0:  # the full logits are on every rank of the stage; one of them samples
                 token_ids = sample(logits, SamplingTensors.from_specs(specs, steps, self.device))
                 asking = [i for i, spec in enumerate(specs) if spec.logprobs is not None]
-                if asking:  # only the rows of the requests that ask pay for it
-                    result.logprobs = token_logprobs(logits, token_ids, asking, specs, sampled_ids)
+                # only the rows of the requests that ask pay for it; by sampling row
+                row_logprobs = token_logprobs(logits, token_ids, asking, specs, range(len(specs))) if asking else {}
                 tokens = token_ids.tolist()  # host sync
-                result.sampled = dict(zip(sampled_ids, tokens))
-                if plan.return_logits:
-                    result.logits = dict(zip(sampled_ids, logits.detach().cpu().unbind(0)))
+                first = 0
+                for request_id, proposed in zip(sampled_ids, proposals):
+                    # A request with proposals keeps its draws up to the first that differs from the proposal
+                    # at its position, that one included (orca/core/speculative.py).
+                    kept = 1
+                    while kept <= len(proposed) and tokens[first + kept - 1] == proposed[kept - 1]:
+                        kept += 1
+                    result.sampled[request_id] = tokens[first:first + kept]
+                    if row_logprobs:
+                        entries = [row_logprobs[r] for r in range(first, first + kept) if r in row_logprobs]
+                        if entries:
+                            result.logprobs[request_id] = entries
+                    if plan.return_logits:  # (no proposals while logits are captured: one row each)
+                        result.logits[request_id] = logits[first].detach().cpu()
+                    first += len(proposed) + 1
         else:
             if timer is not None:
                 timer.sync()
@@ -364,8 +376,9 @@ class Worker:
         self, ordered: list[PlannedRequest], timer: PhaseTimer | None, padded_to: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, tuple | None]:
         """Flat input ids and positions (T,), the attention metadata, and the sampling rows: (row indices
-        (B,), specs, steps, request ids, the (sampling row, bitmask) of the constrained ones) of the
-        requests that draw a token, or None when none does. With
+        (B,), specs, steps, request ids, the (sampling row, bitmask) of the constrained ones, each request's
+        proposed tokens) of the requests that draw a token (a request with k proposed tokens draws at its
+        last k + 1 rows), or None when none does. With
         `padded_to`, padding rows follow the requests' up to that many rows (a CUDA graph's size); no
         sampling row is ever one of them."""
         input_ids: list[int] = []
@@ -377,6 +390,7 @@ class Worker:
         specs: list[SamplingSpec] = []
         steps: list[int] = []
         sampled_ids: list[str] = []
+        proposals: list[tuple[int, ...]] = []  # per sampling request, its proposed tokens (none mostly)
         masks: list[tuple[int, bytes]] = []  # (sampling row, allowed-token bitmask) of constrained requests
         new_blocks: list[int] = []
         for pr, end in zip(ordered, itertools.accumulate(len(p.token_ids) for p in ordered)):
@@ -397,12 +411,16 @@ class Worker:
             context_lens.append(pr.start)
             tables.append(state.block_table)
             if pr.sample_step is not None:
-                rows.append(end - 1)
-                specs.append(state.sampling)
-                steps.append(pr.sample_step)
+                # A draw at its last token's row, and with proposed tokens at each of theirs (output steps
+                # sample_step, sample_step + 1, ...: the draws speculation off would make there).
+                k = pr.num_proposed
                 if pr.allowed_tokens is not None:
-                    masks.append((len(sampled_ids), pr.allowed_tokens))
+                    masks.append((len(rows), pr.allowed_tokens))  # (requests with a mask propose nothing)
+                rows.extend(range(end - 1 - k, end))
+                specs.extend([state.sampling] * (k + 1))
+                steps.extend(range(pr.sample_step, pr.sample_step + k + 1))
                 sampled_ids.append(pr.request_id)
+                proposals.append(pr.token_ids[n - k:] if k else ())
         if new_blocks and self.attention.reads_whole_blocks:  # batched and flex
             self.kv_layout.zero_blocks(self.kv_pool, upload(new_blocks, torch.int64, self.device), self.kv_scales)
         padding = 0 if padded_to is None else padded_to - len(input_ids)
@@ -415,7 +433,7 @@ class Worker:
         pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None
         if rows:
-            sample_rows = (upload(rows, torch.int64, self.device), specs, steps, sampled_ids, masks)
+            sample_rows = (upload(rows, torch.int64, self.device), specs, steps, sampled_ids, masks, proposals)
         return ids, pos, meta, sample_rows
 
     @property

@@ -58,11 +58,11 @@ class StubExecutor:
             i = self._next.get(p.request_id, self._rng.randrange(len(self._text)))
             token = self._text[i % len(self._text)]
             self._next[p.request_id] = i + 1
-            result.sampled[p.request_id] = token
+            result.sampled[p.request_id] = [token]
             top = tuple(self._text[(i + k) % len(self._text)] for k in range(1, self._top_n + 1))
-            result.logprobs[p.request_id] = self._logprobs(
+            result.logprobs[p.request_id] = [self._logprobs(
                 token, -0.5, 1, top, tuple(-1.0 - k for k in range(self._top_n))
-            )
+            )]
         for rid in plan.free_request_ids:
             self._next.pop(rid, None)
         self._results.append(result)
