@@ -174,7 +174,8 @@ class EngineConfig:
       the proposals up to the first that differs, plus one token. Outputs are exactly speculation off's,
       greedy and seeded sampling alike. Proposals use only the token budget and free blocks an iteration's
       other work leaves; a request whose proposals keep failing proposes fewer, then pauses. Requests opt
-      out with SamplingParams.speculate false; structured outputs and logits capture do not speculate.
+      out with SamplingParams.speculate false; a structured output proposes only what its grammar allows;
+      iterations whose logits are captured do not speculate.
       The gain on a repetitive workload and the cost where lookup misses: docs/BENCHMARKS.md.
     - num_speculative_tokens: the most tokens a request proposes per iteration (1 to 16; default 4).
     - prompt_lookup_min: the shortest n-gram prompt lookup matches (1 to 16, at most prompt_lookup_max;

@@ -371,7 +371,7 @@ class _Requests:
         if samples:
             step = self.drawn[request_id] = self.drawn.get(request_id, -1) + 1
         return PlannedRequest(request_id, tuple(range(3, 3 + n)), start, blocks, spec, sample_step=step,
-                              allowed_tokens=allowed)
+                              allowed_tokens=None if allowed is None else (allowed,))
 
 
 def _plans(vocab_size: int, decode: bool) -> list[StepPlan]:

@@ -342,3 +342,32 @@ def test_tensor_parallel_greedy_with_speculation_equals_one_rank() -> None:
         assert tp.core.stats().spec_accepted_tokens > 0
     finally:
         tp.shutdown()
+
+
+def test_structured_outputs_speculate_within_their_grammar() -> None:
+    """The default model writing JSON under a schema whose keys repeat (what prompt lookup finds): the
+    same greedy tokens as speculation off, valid, and proposals were accepted."""
+    import json
+
+    import jsonschema
+
+    from _fixtures import smollm2
+    from orca import LLM
+
+    schema = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                         "city": {"type": "string", "maxLength": 8}},
+        "required": ["name", "city"], "additionalProperties": False}}
+    params = SamplingParams(max_tokens=80, temperature=0,
+                            structured_outputs={"json": schema, "disable_any_whitespace": True})
+    prompt = "List three people and their cities as JSON."
+    off = smollm2().generate([prompt], params)[0]
+    llm = LLM(quantization="none", speculative_method="ngram")
+    try:
+        on = llm.generate([prompt], params)[0]
+        stats = llm.engine.core.stats()
+    finally:
+        llm.engine.shutdown()
+    assert on.token_ids == off.token_ids
+    jsonschema.validate(json.loads(on.text), schema)
+    assert stats.spec_accepted_tokens > 0, stats

@@ -9,6 +9,9 @@ same batched call as every other row. When the token returns, the core advances 
 
 Preemption needs no rollback here: a preempted request keeps the tokens it generated (it recomputes their
 keys and values when readmitted), so its constraint's state stays the state after its last token.
+Speculative decoding does (orca/core/speculative.py): the core advances the state over a request's
+proposed tokens to get the bitmask at each proposed position (and to drop the proposals the grammar
+refuses), then rolls it back; the tokens the iteration keeps advance it as usual.
 """
 
 from __future__ import annotations
@@ -30,4 +33,8 @@ class TokenConstraint(Protocol):
 
     def is_terminated(self) -> bool:
         """The grammar is complete and has accepted its end (a stop token): the request must stop."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last num_tokens accept()s."""
         ...

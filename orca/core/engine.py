@@ -36,7 +36,7 @@ from orca.core.block_manager import BlockManager
 from orca.core.constraint import TokenConstraint
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from orca.core.request import FinishReason, Request
-from orca.core.scheduler import OrcaScheduler, ScheduledBatch
+from orca.core.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
 from orca.core.speculative import make_proposer
 from orca.core.timeline import TimelineRecorder
 from orca.executor import Executor, WorkerFailure, make_executor
@@ -388,7 +388,7 @@ class EngineCore:
                 new_block_ids=tuple(m.new_blocks),
                 sampling=sampling,
                 sample_step=len(req.output_token_ids) if m.sample else None,
-                allowed_tokens=req.constraint.allowed_tokens() if m.sample and req.constraint is not None else None,
+                allowed_tokens=self._allowed_tokens(req, m) if m.sample and req.constraint is not None else None,
                 num_proposed=proposed,
             ))
         free, self._to_free = tuple(self._to_free), []
@@ -463,12 +463,23 @@ class EngineCore:
 
     def _propose(self, req: Request) -> list[int]:
         """The tokens the request proposes for its next increment (orca/core/speculative.py): none when
-        speculation is off, finished, opted out (SamplingParams.speculate), constrained by a structured
-        output, or while logits are captured."""
+        speculation is off, finished, opted out (SamplingParams.speculate), or while logits are captured.
+        A structured output keeps the proposals its grammar allows, and the bitmask at each position."""
+        req.spec_allowed = []
         if (self.proposer is None or req.finish_reason is not None or not req.params.speculate
-                or req.constraint is not None or self.capture_logits):
+                or self.capture_logits):
             return []
-        return self.proposer.propose(req)
+        proposed = self.proposer.propose(req)
+        if req.constraint is not None and proposed:
+            proposed, req.spec_allowed = _allowed_prefix(req.constraint, proposed)
+        return proposed
+
+    @staticmethod
+    def _allowed_tokens(req: Request, m: ScheduledRequest) -> tuple[bytes, ...]:
+        """A constrained request's bitmasks for this iteration: one per drawn position."""
+        if m.spec_token_ids:
+            return tuple(req.spec_allowed[: len(m.spec_token_ids) + 1])
+        return (req.constraint.allowed_tokens(),)  # type: ignore[union-attr]
 
     def _release_worker_state(self, request_id: str) -> None:
         if request_id in self._worker_holds:
@@ -483,3 +494,20 @@ class EngineCore:
         self.executor.shutdown()
         if self.timeline is not None:
             self.timeline.close()
+
+
+def _allowed_prefix(constraint: TokenConstraint, proposed: list[int]) -> tuple[list[int], list[bytes]]:
+    """The proposals a structured output's grammar allows in a row (up to the first it refuses, and none
+    past one that completes it), and its bitmask at each drawn position: before the first proposal and
+    after each kept one. Leaves the grammar's state as it found it."""
+    masks = [constraint.allowed_tokens()]
+    kept: list[int] = []
+    for token in proposed:
+        if not constraint.accept(token):
+            break
+        kept.append(token)
+        if constraint.is_terminated():  # nothing may follow it: no draw after it either
+            break
+        masks.append(constraint.allowed_tokens())
+    constraint.rollback(len(kept))
+    return kept[: len(masks) - 1], masks

@@ -42,7 +42,8 @@ class PlannedRequest:
     ``new_block_ids`` extend its block table (at admission, the table's first ``start // block_size`` blocks
     may be the prefix cache's, holding those positions' keys and values already); ``sample_step`` is the
     index of the output token to draw (None for a prompt chunk that does not reach the prompt's end);
-    ``allowed_tokens``, with it, the packed bitmask of the tokens a structured output allows this step
+    ``allowed_tokens``, with it, the packed bitmask of the tokens a structured output allows at each
+    drawn position (one, or num_proposed + 1)
     (orca/core/constraint.py; None = every token). ``num_proposed`` (speculative decoding,
     orca/core/speculative.py): the last num_proposed of ``token_ids`` are proposed tokens, not yet
     drawn: the worker draws a token at each of the last num_proposed + 1 positions (output steps
@@ -55,7 +56,7 @@ class PlannedRequest:
     new_block_ids: tuple[int, ...] = ()
     sampling: SamplingSpec | None = None
     sample_step: int | None = None
-    allowed_tokens: bytes | None = None
+    allowed_tokens: tuple[bytes, ...] | None = None
     num_proposed: int = 0
 
 

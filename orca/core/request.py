@@ -55,6 +55,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # the hash chain of its full blocks, so far
     constraint: TokenConstraint | None = None  # a structured output's grammar state (orca/core/constraint.py)
     spec_token_ids: list[int] = field(default_factory=list)  # proposed for its next increment (speculative.py)
+    spec_allowed: list[bytes] = field(default_factory=list)  # a structured output's bitmask at each of them
     proposer_state: Any = None  # the proposer's own per-request state (orca/core/speculative.py)
 
     @property

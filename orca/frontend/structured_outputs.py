@@ -185,6 +185,10 @@ class GrammarConstraint:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
 
 class StructuredOutputCompiler:
     """Compiles structured outputs for one model's tokenizer, with a cache and a background pool.

@@ -414,8 +414,8 @@ class Worker:
                 # A draw at its last token's row, and with proposed tokens at each of theirs (output steps
                 # sample_step, sample_step + 1, ...: the draws speculation off would make there).
                 k = pr.num_proposed
-                if pr.allowed_tokens is not None:
-                    masks.append((len(rows), pr.allowed_tokens))  # (requests with a mask propose nothing)
+                if pr.allowed_tokens is not None:  # one bitmask per drawn row
+                    masks.extend((len(rows) + i, mask) for i, mask in enumerate(pr.allowed_tokens))
                 rows.extend(range(end - 1 - k, end))
                 specs.extend([state.sampling] * (k + 1))
                 steps.extend(range(pr.sample_step, pr.sample_step + k + 1))
