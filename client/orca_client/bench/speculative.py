@@ -7,14 +7,14 @@ Workloads (--workload, comma-separated, default both):
               passages of --passage-tokens tokens (whole paragraphs of one topic; one passage per topic in
               turn), each in a chat message asking the model to reproduce it ("Repeat the following text
               exactly, fixing any typos:", "Quote the first sentences of this text verbatim:", alternately),
-              rendered with the model's chat template (a checkpoint without one: the message's text alone;
-              without a tokenizer, the tests' tiny models: the text's UTF-8 bytes as token ids). The answer
-              copies the prompt, so prompt lookup proposes tokens the model accepts.
+              rendered with the model's chat template (a checkpoint without one: the message's text through
+              its tokenizer; without a tokenizer, the tests' tiny models: the text's UTF-8 bytes as token
+              ids). The answer copies the prompt, so prompt lookup proposes tokens the model accepts.
   random      orca-bench offline's workload: random token ids (orca_client.trace's generator, the offline
               preset, prompts of --random-prompt-len tokens). Lookup rarely finds a match: what speculation
               costs where it does not pay.
 Every request generates --max-tokens tokens (EOS ignored: the lengths are fixed), greedy by default,
---sampling seeded for temperature 0.8 with a seed per request.
+--sampling seeded for temperature --temperature (0.8) with a seed per request.
 
 For each workload, each method (--methods, default off,ngram) gets a fresh LLMEngine (the same options
 otherwise: --model, --dtype, --quantization, --torch-compile; ngram with --num-speculative-tokens,
@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from orca_client.bench.common import machine_info, write_json
-from orca_client.bench.options import doc_description, nonnegative_int, positive_int, token_range
+from orca_client.bench.options import nonnegative_int, positive_float, positive_int, token_range
 
 WORKLOADS = ("repetitive", "random")
 METHODS = ("off", "ngram")
@@ -53,7 +53,6 @@ INSTRUCTIONS = (
     "Repeat the following text exactly, fixing any typos:\n\n",
     "Quote the first sentences of this text verbatim:\n\n",
 )
-SEEDED_TEMPERATURE = 0.8
 SPEC_COUNTERS = ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications")
 
 
@@ -159,48 +158,35 @@ def build_prompts(name: str, args: argparse.Namespace, prompter: Prompter, n: in
 
 
 # -- the runs -----------------------------------------------------------------------------------------
-def has_speculation() -> bool:
-    from dataclasses import fields
-
-    from orca import EngineConfig
-
-    return "speculative_method" in {f.name for f in fields(EngineConfig)}
-
-
 def engine_config(args: argparse.Namespace, method: str) -> Any:
     from orca import EngineConfig
 
     options: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-        "torch_compile": args.torch_compile, "max_bs": args.streams,
+        "torch_compile": args.torch_compile, "max_bs": args.streams, "speculative_method": method,
+        "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
     }
-    if has_speculation():  # without it, every engine is "off" (cmd_speculative refuses ngram then)
-        options.update(speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
-                       prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
     return EngineConfig(**options)
 
 
 def sampling(args: argparse.Namespace, max_tokens: int, index: int) -> Any:
-    """Request `index`'s parameters: greedy, or temperature 0.8 with its own seed (--seed + index)."""
+    """Request `index`'s parameters: greedy, or --temperature with its own seed (--seed + index)."""
     from orca import SamplingParams
 
     if args.sampling == "seeded":
-        return SamplingParams(max_tokens=max_tokens, temperature=SEEDED_TEMPERATURE, seed=args.seed + index,
+        return SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed + index,
                               ignore_eos=True)
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
 
 
-def spec_counters(engine: Any) -> dict[str, int] | None:
+def spec_counters(engine: Any) -> dict[str, int]:
     stats = engine.stats()
-    if not all(hasattr(stats, name) for name in SPEC_COUNTERS):
-        return None
     return {name: int(getattr(stats, name)) for name in SPEC_COUNTERS}
 
 
-def speculation(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, Any] | None:
-    """What speculation did between two readings of the counters: None where the engine has none."""
-    if before is None or after is None:
-        return None
+def speculation(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    """What speculation did between two readings of EngineStats' cumulative counters."""
     proposed, accepted, verifications = (after[k] - before[k] for k in SPEC_COUNTERS)
     return {
         "proposed_tokens": proposed,
@@ -250,7 +236,7 @@ def run_method(args: argparse.Namespace, method: str, prompts: list[list[int]], 
             single_tokens.append(measured.pop("tokens"))
             per_prompt.append(measured)
         record = {
-            "speculative_method": getattr(engine.config, "speculative_method", "off"),
+            "speculative_method": engine.config.speculative_method,
             "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
             "device": str(engine.config.torch_device),
             "quantization": engine.config.quantization,
@@ -325,10 +311,7 @@ def cmd_speculative(args: argparse.Namespace) -> int:
 
     workloads = _choices(args.workload, WORKLOADS, "workload")
     methods = _choices(args.methods, METHODS, "method")
-    if not args.prompt_lookup_min <= args.prompt_lookup_max:
-        raise ValueError(f"--prompt-lookup-min {args.prompt_lookup_min} > --prompt-lookup-max {args.prompt_lookup_max}")
-    if "ngram" in methods and not has_speculation():
-        raise ValueError("this orca has no speculative decoding (EngineConfig.speculative_method): --methods off")
+    engine_config(args, methods[-1])  # the engine options' errors before any work
     checkpoint = resolve_checkpoint(args.model)
     tokenizer = Tokenizer.load(checkpoint)
     prompter = Prompter(tokenizer if tokenizer.available else None, read_model_config(checkpoint)[0].vocab_size)
@@ -339,7 +322,7 @@ def cmd_speculative(args: argparse.Namespace) -> int:
         "options": {
             "methods": methods, "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
-            "sampling": args.sampling, "temperature": SEEDED_TEMPERATURE if args.sampling == "seeded" else 0.0,
+            "sampling": args.sampling, "temperature": args.temperature if args.sampling == "seeded" else 0.0,
             "seed": args.seed, "max_tokens": args.max_tokens, "streams": args.streams,
             "single_prompts": args.single_prompts, "repeats": args.repeats, "passage_tokens": list(args.passage_tokens),
             "random_prompt_len": list(args.random_prompt_len), "dtype": args.dtype,
@@ -403,7 +386,8 @@ def print_speculative(result: dict[str, Any]) -> None:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("speculative", help="n-gram speculative decoding (prompt lookup) on and off, offline, on a "
-                       "workload that copies its prompt and on random tokens", description=doc_description(__doc__))
+                       "workload that copies its prompt and on random tokens", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workload", default=",".join(WORKLOADS),
                    help="repetitive, random or both, comma-separated (default: %(default)s)")
@@ -420,8 +404,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=128,
                    help="new tokens per request, EOS ignored (default: %(default)s)")
     p.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy",
-                   help=f"greedy, or temperature {SEEDED_TEMPERATURE} with seed --seed + the request's index "
-                        "(default: %(default)s)")
+                   help="greedy, or sampled at --temperature with seed --seed + the request's index (default: "
+                        "%(default)s)")
+    p.add_argument("--temperature", type=positive_float, default=0.8,
+                   help="--sampling seeded: the temperature (default: %(default)s)")
     p.add_argument("--streams", type=positive_int, default=8,
                    help="requests at once in the streams run (the engine's max_bs) (default: %(default)s)")
     p.add_argument("--single-prompts", type=positive_int, default=3,
