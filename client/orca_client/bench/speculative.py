@@ -1,6 +1,6 @@
 """``orca-bench speculative``: n-gram speculative decoding (prompt lookup, EngineConfig.speculative_method
 "ngram") against none ("off"), offline in this process, on a workload where lookup finds the next tokens
-and one where it rarely does.
+and one whose prompts offer nothing to copy.
 
 Workloads (--workload, comma-separated, default both):
   repetitive  real English text (Python's documentation, pydoc_data.topics, its topics in sorted order) in
@@ -11,8 +11,9 @@ Workloads (--workload, comma-separated, default both):
               its tokenizer; without a tokenizer, the tests' tiny models: the text's UTF-8 bytes as token
               ids). The answer copies the prompt, so prompt lookup proposes tokens the model accepts.
   random      orca-bench offline's workload: random token ids (orca_client.trace's generator, the offline
-              preset, prompts of --random-prompt-len tokens). Lookup rarely finds a match: what speculation
-              costs where it does not pay.
+              preset, prompts of --random-prompt-len tokens). The prompt offers nothing to copy: lookup
+              finds matches only where the output repeats itself (a small model's greedy output on random
+              tokens may fall into a loop, which lookup does find: the acceptance figures say how much).
 Every request generates --max-tokens tokens (EOS ignored: the lengths are fixed), greedy by default,
 --sampling seeded for temperature --temperature (0.8) with a seed per request.
 
@@ -266,8 +267,11 @@ def single_summary(per_prompt: list[dict[str, Any]], max_tokens: int) -> dict[st
     }
 
 
-def _same(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, int]:
-    return {"equal": sum(list(x) == list(y) for x, y in zip(a, b)), "requests": len(a)}
+def _same(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Requests whose tokens are identical in both runs; for each other one, where they first differ."""
+    differ = [{"request": i, "position": next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))}
+              for i, (x, y) in enumerate(zip(a, b)) if list(x) != list(y)]
+    return {"equal": len(a) - len(differ), "requests": len(a), "first_differences": differ}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -379,6 +383,12 @@ def print_speculative(result: dict[str, Any]) -> None:
                 line += (f" {'-' if ratio is None else f'{ratio:.2f}x':>9} {accepted:>15} "
                          f"{'-' if per is None else f'{per:.2f}':>9} {same['equal']:>6}/{same['requests']:<4}")
             print(line)
+    for name, w in result["workloads"].items():  # the correctness property, broken: say where
+        for method, runs in w.get("same_tokens_as_off", {}).items():
+            for run, same in runs.items():
+                for d in same["first_differences"]:
+                    print(f"  tokens differ from off's: {name}, {run}, {method}: request {d['request']} from its "
+                          f"token {d['position']}")
     print("  (single: decode tokens/s of one request alone, median of repeats; streams: generated tokens / wall "
           "time; accepted: accepted / proposed tokens; tok/verif: tokens per verifying iteration of a request; "
           "same as off: requests whose tokens equal speculation off's)")
