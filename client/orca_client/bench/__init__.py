@@ -24,12 +24,15 @@ description (its docstring, which --help shows), its options (add_parser) and it
 - perplexity: ``orca-bench perplexity``, the engine's weight and K/V formats (quantization,
   kv_cache_dtype) on real English text against transformers' float32 reference;
 - structured: ``orca-bench structured``, structured outputs' cost: grammar engines' compile and mask times
-  (xgrammar against llguidance) and the engine's constrained against unconstrained tokens/s.
+  (xgrammar against llguidance) and the engine's constrained against unconstrained tokens/s;
+- speculative: ``orca-bench speculative``, n-gram speculative decoding (prompt lookup) on and off, offline,
+  on prompts the answer copies (real text, the model's chat template) and on random tokens: single-stream
+  and batched tokens/s, the proposals' acceptance, and whether every token is the same.
 
 Shared: common (the machine record, the JSON output, transformers' continuous batching; no tritonclient)
 and options (the argparse types and the workload options of trace and offline). This module imports no
-subcommand until build_parser runs, so offline, decode and core run without tritonclient (the GPU machine
-has none): ``python -m orca_client.bench.offline`` (decode, core).
+subcommand until build_parser runs, so offline, decode, core and speculative run without tritonclient (the
+GPU machine has none): ``python -m orca_client.bench.offline`` (decode, core, speculative).
 
 Benchmarks print numbers; they do not pass or fail.
 """
@@ -40,9 +43,9 @@ import argparse
 import sys
 
 COMMANDS = ("trace_cmd", "timeline_cmd", "offline", "linears", "decode", "distributed", "serve", "core", "prefix",
-            "perplexity", "structured")  # the modules, in the order of orca-bench --help
+            "perplexity", "structured", "speculative")  # the modules, in the order of orca-bench --help
 # What runs where only torch and transformers are installed (the GPU machine): python -m orca_client.bench.X
-NO_TRITONCLIENT = ("offline", "decode", "core")
+NO_TRITONCLIENT = ("offline", "decode", "core", "speculative")
 
 
 def build_parser(commands: tuple[str, ...] = COMMANDS) -> argparse.ArgumentParser:
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None, only: str | None = None) -> int:
         from tritonclient.utils import InferenceServerException
 
         errors += (InferenceServerException,)
-    except ImportError:  # a host with torch and transformers only (the GPU machine): offline, decode, core run
+    except ImportError:  # a host with torch and transformers only (the GPU machine): NO_TRITONCLIENT's run
         pass
     if only is not None:
         argv = [only, *(sys.argv[1:] if argv is None else argv)]
