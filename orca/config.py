@@ -171,12 +171,14 @@ class EngineConfig:
       followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to
       prompt_lookup_min) in its own prompt and output, and the iteration verifies them with everyone
       else's work: the target model draws its own token at every proposed position and the request keeps
-      the proposals up to the first that differs, plus one token. Outputs are exactly speculation off's,
-      greedy and seeded sampling alike. Proposals use only the token budget and free blocks an iteration's
+      the proposals up to the first that differs, plus one token. Outputs are speculation off's, greedy
+      and seeded sampling alike (up to floating-point differences between iteration shapes). Proposals use
+      only the token budget and free blocks an iteration's
       other work leaves; a request whose proposals keep failing proposes fewer, then pauses. Requests opt
       out with SamplingParams.speculate false; a structured output proposes only what its grammar allows;
       iterations whose logits are captured do not speculate.
-      The gain on a repetitive workload and the cost where lookup misses: docs/BENCHMARKS.md.
+      The gain on a repetitive workload and the cost where lookup misses: docs/BENCHMARKS.md,
+      "Speculative decoding (n-gram)".
     - num_speculative_tokens: the most tokens a request proposes per iteration (1 to 16; default 4).
     - prompt_lookup_min: the shortest n-gram prompt lookup matches (1 to 16, at most prompt_lookup_max;
       default 2).

@@ -43,6 +43,8 @@ TINY_MODELS = {
     # metrics are off (REPORT_CUSTOM_METRICS, a model parameter): tests/test_server_vllm_compat.py.
     "orca_tiny_timeline": {"max_bs": "4", "n_slots": "1024", "max_num_batched_tokens": "32",
                            "REPORT_CUSTOM_METRICS": "false"},
+    # tests/test_server_e2e.py: speculative decoding (n-gram), otherwise orca_tiny.
+    "orca_tiny_spec": {"max_bs": "8", "n_slots": "8192", "speculative_method": "ngram"},
 }
 # Models the failure tests make fail (they unload themselves): no other test may rely on them.
 FAILING_MODELS = ("orca_tiny_tp2", "orca_tiny_hang", "orca_tiny_crash")

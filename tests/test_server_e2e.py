@@ -451,3 +451,48 @@ def test_every_engine_steps_on_the_thread_that_loaded_it(orca_server: Any) -> No
         assert status == 200, body
     log = orca_server.log_path.read_text(errors="replace")
     assert "but this worker loaded its model on thread" not in log
+
+
+# -- speculative decoding --------------------------------------------------------------------------------
+def test_speculative_decoding_serves_the_same_tokens_and_counts_its_proposals(orca_server: Any,
+                                                                             tiny_llm: LLM) -> None:
+    """orca_tiny_spec (speculative_method ngram) streams the greedy tokens the offline engine without
+    speculation makes, several tokens in some responses; a seeded sampled request the same with
+    speculation on as off; its proposals show in the orca_ and vllm: counters; an opted-out request
+    proposes nothing."""
+    model = "orca_tiny_spec"
+    prompts = [[(5 * i + j) % 7 + 20 + i for j in range(24)] for i in range(4)]  # period-7 phrases
+    before = metrics(orca_server, model)
+    results = generate_concurrently(orca_server, model, [
+        {"input_ids": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True} for p in prompts
+    ])
+    expected = tiny_llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert [[t for c in chunks for t in c.output_ids] for chunks in results] == [e.token_ids for e in expected]
+    assert max(len(c.output_ids) for chunks in results for c in chunks) > 1  # a verification kept proposals
+    after = metrics(orca_server, model)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    proposed = grew("orca_spec_decode_num_draft_tokens_total")
+    accepted = grew("orca_spec_decode_num_accepted_tokens_total")
+    assert proposed >= accepted > 0 and after["orca_spec_decode_num_drafts_total"] > 0
+    text = requests.get(orca_server.metrics_url, timeout=30).text
+    vllm = re.search(r'^vllm:spec_decode_num_accepted_tokens_total\{[^}]*model="orca_tiny_spec"[^}]*\} (\S+)$', text,
+                     re.M)
+    assert vllm and float(vllm.group(1)) == after["orca_spec_decode_num_accepted_tokens_total"]
+    # seeded sampling: the same tokens as the offline engine without speculation
+    sampled = {"temperature": 0.5, "seed": 11, "max_tokens": 30, "ignore_eos": True}
+    status, body = generate(orca_server, model, {"input_ids": prompts[0], **sampled})
+    assert status == 200, body
+    offline = tiny_llm.generate([prompts[0]], SamplingParams(**sampled))[0].token_ids
+    assert body["output_ids"] == offline
+    # opted out (a sampling_parameters key): no proposal
+    wait_for(lambda: idle(orca_server, model), "idle")
+    mid = metrics(orca_server, model)
+    status, body = generate(orca_server, model, {"input_ids": prompts[1], "max_tokens": 20, "temperature": 0,
+                                                 "ignore_eos": True, "speculate": False})
+    assert status == 200, body
+    assert body["output_ids"] == expected[1].token_ids[:20]
+    assert metrics(orca_server, model)["orca_spec_decode_num_draft_tokens_total"] == \
+        mid["orca_spec_decode_num_draft_tokens_total"]

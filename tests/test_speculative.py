@@ -12,8 +12,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from _fixtures import drain, hf_greedy, tiny_core, tiny_engine, tiny_reference
+
 from orca import EngineConfig, SamplingParams
 from orca.core.block_manager import BlockManager
 from orca.core.request import Request
@@ -350,8 +350,8 @@ def test_structured_outputs_speculate_within_their_grammar() -> None:
     import json
 
     import jsonschema
-
     from _fixtures import smollm2
+
     from orca import LLM
 
     schema = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
