@@ -330,13 +330,15 @@ def test_speculate_must_be_a_boolean() -> None:
     assert SamplingParams.from_dict({"speculate": "false"}).speculate is False
 
 
-def test_tensor_parallel_greedy_with_speculation_equals_one_rank() -> None:
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_parallel_greedy_with_speculation_equals_one_rank(layout: dict) -> None:
     prompts = _prompts(4, seed=8, vocab=150)
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(prompts)
     one = tiny_engine("llama", **SPEC)
     expected = _run(one, prompts, params)
     one.shutdown()
-    tp = tiny_engine("llama", tensor_parallel_size=2, **SPEC)
+    tp = tiny_engine("llama", **layout, **SPEC)
     try:
         assert _run(tp, prompts, params) == expected
         assert tp.core.stats().spec_accepted_tokens > 0
