@@ -31,12 +31,23 @@ probability p(x); on rejection draw from p without x), realised with the draw sp
 Adaptive length: a request whose proposals keep failing proposes fewer tokens, and after
 SPEC_MISSES_BEFORE_PAUSE verifications in a row that kept none it stops proposing for a while (twice as
 long each time, up to SPEC_MAX_PAUSE iterations), so a workload where lookup does not pay costs little.
+
+The draft method (``DraftProposer``) proposes with a small model instead of lookup; the worker runs it,
+so the core still only passes token ids. At plan time the core asks, for each member that samples, how
+many tokens to draft after the iteration (``num_to_propose``: the request's adaptive length, 0 while it
+pauses; PlannedRequest.num_to_propose); the worker, once it has drawn the iteration's tokens, runs that
+many draft steps for it (each step one batched row per drafting request, the draft's own K/V pool
+mirroring the model's blocks: orca/worker/__init__.py) and answers the drafted tokens
+(StepResult.proposals), which ``propose`` then takes in place of a lookup. Both methods share the
+adaptive length and pauses (``AdaptiveProposer``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from orca.checkpoint import ModelConfig
 from orca.core.request import Request
 
 SPEC_MISSES_BEFORE_PAUSE = 3
@@ -46,58 +57,43 @@ SPEC_MAX_PAUSE = 64
 
 
 @dataclass
-class _NgramState:
-    """A request's prompt-lookup index: for each n, every n-gram of its tokens that ends before the last
-    token, mapped to where its latest occurrence ends (exclusive)."""
+class _AdaptiveState:
+    """A request's adaptive proposal length and pause (both methods)."""
 
-    tokens: list[int] = field(default_factory=list)
-    indexed_end: int = 0  # n-grams ending at positions <= this are in `latest`
-    latest: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
     k: int = 0  # how many tokens to propose next (adapts)
     misses: int = 0  # verifications in a row that accepted nothing
     pause: int = 0  # iterations left without proposing
     last_pause: int = 0
 
 
-class NgramProposer:
-    """Prompt lookup (EngineConfig.speculative_method ngram): propose what followed the latest earlier
-    occurrence of the request's last n tokens, n from `n_max` down to `n_min`, up to `k` tokens."""
+@dataclass
+class _NgramState(_AdaptiveState):
+    """A request's prompt-lookup index: for each n, every n-gram of its tokens that ends before the last
+    token, mapped to where its latest occurrence ends (exclusive)."""
 
-    def __init__(self, k: int, n_min: int, n_max: int) -> None:
-        self.k, self.n_min, self.n_max = k, n_min, n_max
+    tokens: list[int] = field(default_factory=list)
+    indexed_end: int = 0  # n-grams ending at positions <= this are in `latest`
+    latest: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
 
-    def propose(self, req: Request) -> list[int]:
-        """Up to k tokens to verify after the request's last token (fewer near its max_tokens; none when
-        nothing matches or it is pausing)."""
-        state = req.proposer_state
-        if state is None:
-            state = req.proposer_state = _NgramState(k=self.k)
-        if state.pause > 0:
-            state.pause -= 1
-            return []
-        length = req.num_tokens
-        state.tokens.extend(req.token_ids(len(state.tokens), length - len(state.tokens)))
-        # Index the n-grams ending before the last token (the last one's own would find itself).
-        tokens = state.tokens
-        for end in range(max(state.indexed_end + 1, self.n_min), length):
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                state.latest.setdefault(n, {})[tuple(tokens[end - n:end])] = end
-        state.indexed_end = max(state.indexed_end, length - 1)
-        # Never beyond max_tokens: the last token drawn is the one after the proposals.
-        k = min(state.k, req.params.max_tokens - len(req.output_token_ids) - 1)
-        if k <= 0:
-            return []
-        for n in range(min(self.n_max, length), self.n_min - 1, -1):
-            end = state.latest.get(n, {}).get(tuple(tokens[length - n:]))
-            if end is not None:
-                # Copy forward from the match; past the current end the copy reads its own proposals,
-                # which continues a repetition shorter than k (a period of the text).
-                out: list[int] = []
-                for j in range(k):
-                    pos = end + j
-                    out.append(tokens[pos] if pos < length else out[pos - length])
-                return out
-        return []
+
+class AdaptiveProposer:
+    """What both methods share: a request's proposal length adapts to what its verifications keep, and
+    it pauses after repeated misses (the module's docstring). `k` is the longest (num_speculative_tokens)."""
+
+    state_class: type[_AdaptiveState] = _AdaptiveState
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def _state(self, req: Request) -> _AdaptiveState:
+        if req.proposer_state is None:
+            req.proposer_state = self.state_class(k=self.k)
+        return req.proposer_state
+
+    def _length(self, req: Request, state: _AdaptiveState) -> int:
+        """How many tokens the request proposes now: its adaptive length, never beyond max_tokens (the
+        last token drawn is the one after the proposals)."""
+        return min(state.k, req.params.max_tokens - len(req.output_token_ids) - 1)
 
     def verified(self, req: Request, proposed: int, accepted: int) -> None:
         """A verification's outcome: `accepted` of `proposed` tokens kept. Adapts the request's length."""
@@ -117,10 +113,96 @@ class NgramProposer:
             state.pause, state.misses, state.k = state.last_pause, 0, self.k
 
 
-def make_proposer(method: str, k: int, n_min: int, n_max: int) -> NgramProposer | None:
+class NgramProposer(AdaptiveProposer):
+    """Prompt lookup (EngineConfig.speculative_method ngram): propose what followed the latest earlier
+    occurrence of the request's last n tokens, n from `n_max` down to `n_min`, up to `k` tokens."""
+
+    state_class = _NgramState
+
+    def __init__(self, k: int, n_min: int, n_max: int) -> None:
+        super().__init__(k)
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose(self, req: Request) -> list[int]:
+        """Up to k tokens to verify after the request's last token (fewer near its max_tokens; none when
+        nothing matches or it is pausing)."""
+        state = self._state(req)
+        assert isinstance(state, _NgramState)
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        length = req.num_tokens
+        state.tokens.extend(req.token_ids(len(state.tokens), length - len(state.tokens)))
+        # Index the n-grams ending before the last token (the last one's own would find itself).
+        tokens = state.tokens
+        for end in range(max(state.indexed_end + 1, self.n_min), length):
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                state.latest.setdefault(n, {})[tuple(tokens[end - n:end])] = end
+        state.indexed_end = max(state.indexed_end, length - 1)
+        k = self._length(req, state)
+        if k <= 0:
+            return []
+        for n in range(min(self.n_max, length), self.n_min - 1, -1):
+            end = state.latest.get(n, {}).get(tuple(tokens[length - n:]))
+            if end is not None:
+                # Copy forward from the match; past the current end the copy reads its own proposals,
+                # which continues a repetition shorter than k (a period of the text).
+                out: list[int] = []
+                for j in range(k):
+                    pos = end + j
+                    out.append(tokens[pos] if pos < length else out[pos - length])
+                return out
+        return []
+
+
+class DraftProposer(AdaptiveProposer):
+    """A draft model (EngineConfig.speculative_method draft): the worker drafts each request's next
+    tokens after the iteration that drew its last one; this side decides how many and takes them."""
+
+    def num_to_propose(self, req: Request, verifying: int) -> int:
+        """At plan time, for a member whose iteration draws its next token(s): how many tokens the worker
+        should draft after it (PlannedRequest.num_to_propose). An upper bound: the iteration's outcome
+        (`verifying` proposals checked) may lower the request's length, and its kept tokens its room
+        before max_tokens (which the worker caps by); 0 while the request pauses."""
+        state = self._state(req)
+        if state.pause > 0:
+            return 0
+        k = min(self.k, state.k + 1) if verifying else state.k  # a full acceptance lengthens it by one
+        # At least one token is kept, so at most max_tokens - (output + 1) - 1 fit.
+        return max(0, min(k, req.params.max_tokens - len(req.output_token_ids) - 2))
+
+    def propose(self, req: Request, drafted: Sequence[int] = ()) -> list[int]:
+        """After the iteration: the tokens the worker drafted (StepResult.proposals), cut to the request's
+        length and room; none while it pauses (counting the pause down)."""
+        state = self._state(req)
+        if state.pause > 0:
+            state.pause -= 1
+            return []
+        return list(drafted[: max(0, self._length(req, state))])
+
+
+def check_draft_model(draft: ModelConfig, target: ModelConfig, max_model_len: int, path: object) -> None:
+    """Refuses (ValueError) a draft model (EngineConfig.speculative_model, at `path`) that cannot propose
+    for the target: another vocabulary size (its draws are token ids of the target's vocabulary), or fewer
+    positions than a request may reach (max_model_len)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_model {path} has a vocabulary of {draft.vocab_size} tokens and the model one of "
+            f"{target.vocab_size}: a draft model must have the model's vocabulary size"
+        )
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"speculative_model {path} takes {draft.max_position_embeddings} positions, fewer than max_model_len "
+            f"{max_model_len}: give max_model_len <= {draft.max_position_embeddings} or a draft model with more"
+        )
+
+
+def make_proposer(method: str, k: int, n_min: int, n_max: int) -> AdaptiveProposer | None:
     """EngineConfig.speculative_method's proposer; None for off."""
     if method == "off":
         return None
     if method == "ngram":
         return NgramProposer(k, n_min, n_max)
+    if method == "draft":
+        return DraftProposer(k)
     raise ValueError(f"unknown speculative_method {method!r}")
