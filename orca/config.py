@@ -38,7 +38,7 @@ QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")
 """EngineConfig.kv_cache_dtype's values (orca/worker/kv_cache.py)."""
 TORCH_COMPILE_CHOICES = ("auto", "off")
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
 """EngineConfig.speculative_method's values (orca/core/speculative.py)."""
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -178,11 +178,21 @@ class EngineConfig:
       out with SamplingParams.speculate false; a structured output proposes only what its grammar allows;
       iterations whose logits are captured do not speculate.
       The gain on a repetitive workload and the cost where lookup misses: docs/BENCHMARKS.md,
-      "Speculative decoding (n-gram)".
+      "Speculative decoding (n-gram)". "draft": a small draft model (speculative_model), run by the same
+      worker over every iteration's tokens with a K/V pool of its own, proposes each request's next tokens
+      by drawing them as the request would (its sampling options, seed and output steps, so a draft close
+      to the model is accepted when sampling too); verification is the same. One worker process only
+      (tensor_parallel_size and pipeline_parallel_size 1); on CUDA the draft runs outside CUDA graphs.
     - num_speculative_tokens: the most tokens a request proposes per iteration (1 to 16; default 4).
     - prompt_lookup_min: the shortest n-gram prompt lookup matches (1 to 16, at most prompt_lookup_max;
       default 2).
     - prompt_lookup_max: the longest n-gram prompt lookup matches, tried first (1 to 16; default 4).
+    - speculative_model: the draft model of speculative_method draft, which needs it (and only it takes
+      one): a checkpoint as `model` takes it (a Hugging Face directory or a `.gguf` file), with the
+      model's vocabulary size and at least max_model_len positions (refused at load otherwise), loaded with
+      the model's dtype, quantization and linear_backend. Its K/V pool has the model's blocks (the same
+      block tables), so the pool's budget (kv_cache_bytes, or what gpu_memory_utilization leaves) holds
+      both: fewer blocks than without a draft (n_slots gives both pools that many slots). None: no draft.
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -249,6 +259,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    speculative_model: str | None = None
     max_queue: int = 1024
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -328,6 +339,24 @@ class EngineConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
                              f"{self.prompt_lookup_max}: give min <= max")
+        if isinstance(self.speculative_model, os.PathLike):
+            object.__setattr__(self, "speculative_model", os.fspath(self.speculative_model))
+        if self.speculative_model is not None and (not isinstance(self.speculative_model, str)
+                                                   or not self.speculative_model.strip()):
+            raise ValueError(f"speculative_model must be a checkpoint path, got {self.speculative_model!r}")
+        if self.speculative_method == "draft":
+            if self.speculative_model is None:
+                raise ValueError("speculative_method draft needs speculative_model: the draft model's checkpoint "
+                                 "(a Hugging Face directory or a .gguf file, with the model's vocabulary)")
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+                raise ValueError(
+                    f"speculative_method draft runs in one worker process: tensor_parallel_size and "
+                    f"pipeline_parallel_size must be 1, got {self.tensor_parallel_size} and "
+                    f"{self.pipeline_parallel_size} (speculative_method ngram works with both)"
+                )
+        elif self.speculative_model is not None:
+            raise ValueError(f"speculative_model is the draft model of speculative_method draft; with "
+                             f"speculative_method {self.speculative_method} it is not used: leave it empty")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(
                 f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "

@@ -37,7 +37,7 @@ from orca.core.constraint import TokenConstraint
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from orca.core.request import FinishReason, Request
 from orca.core.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
-from orca.core.speculative import make_proposer
+from orca.core.speculative import DraftProposer, check_draft_model, make_proposer
 from orca.core.timeline import TimelineRecorder
 from orca.executor import Executor, WorkerFailure, make_executor
 from orca.sampling_params import SamplingParams
@@ -139,6 +139,9 @@ class EngineCore:
                 f"max_model_len {config.max_model_len} exceeds the model's context ({mc.max_position_embeddings})"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if config.speculative_method == "draft":  # refused before any weight loads
+            draft = resolve_checkpoint(config.speculative_model)
+            check_draft_model(read_model_config(draft)[0], mc, self.max_model_len, draft)
         n_workers = config.effective_n_workers
         if executor is None:
             pp = config.pipeline_parallel_size
@@ -381,6 +384,7 @@ class EngineCore:
                 sampling = SamplingSpec(p.temperature, p.top_k, p.top_p, req.seed, p.logprobs)
                 self._worker_holds.add(req.request_id)
             proposed = len(m.spec_token_ids)
+            to_propose = self._num_to_propose(req, m)
             planned.append(PlannedRequest(
                 request_id=req.request_id,
                 token_ids=tuple(req.token_ids(m.start, m.num_tokens - proposed)) + tuple(m.spec_token_ids),
@@ -390,6 +394,8 @@ class EngineCore:
                 sample_step=len(req.output_token_ids) if m.sample else None,
                 allowed_tokens=self._allowed_tokens(req, m) if m.sample and req.constraint is not None else None,
                 num_proposed=proposed,
+                num_to_propose=to_propose,
+                max_tokens=req.params.max_tokens if to_propose else 0,
             ))
         free, self._to_free = tuple(self._to_free), []
         return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile)
@@ -428,7 +434,7 @@ class EngineCore:
                         break
                 if req.params.logprobs is not None:
                     out.new_logprobs = result.logprobs[req.request_id][:len(out.new_token_ids)]
-                req.spec_token_ids = self._propose(req)
+                req.spec_token_ids = self._propose(req, result)
             if self.capture_logits:
                 out.logits = result.logits.get(req.request_id)
             outputs.append(out)
@@ -461,15 +467,28 @@ class EngineCore:
         )
         return outputs
 
-    def _propose(self, req: Request) -> list[int]:
+    def _num_to_propose(self, req: Request, m: ScheduledRequest) -> int:
+        """speculative_method draft: how many tokens the worker drafts for a member after drawing its
+        token(s) (an upper bound; _propose takes what the request's length allows). 0 for other methods,
+        members that draw nothing, requests that opt out and while logits are captured."""
+        if not isinstance(self.proposer, DraftProposer) or not m.sample or not req.params.speculate \
+                or self.capture_logits:
+            return 0
+        return self.proposer.num_to_propose(req, len(m.spec_token_ids))
+
+    def _propose(self, req: Request, result: StepResult) -> list[int]:
         """The tokens the request proposes for its next increment (orca/core/speculative.py): none when
         speculation is off, finished, opted out (SamplingParams.speculate), or while logits are captured.
-        A structured output keeps the proposals its grammar allows, and the bitmask at each position."""
+        The draft method takes what the worker drafted (result.proposals), n-gram looks them up. A
+        structured output keeps the proposals its grammar allows, and the bitmask at each position."""
         req.spec_allowed = []
         if (self.proposer is None or req.finish_reason is not None or not req.params.speculate
                 or self.capture_logits):
             return []
-        proposed = self.proposer.propose(req)
+        if isinstance(self.proposer, DraftProposer):
+            proposed = self.proposer.propose(req, result.proposals.get(req.request_id, ()))
+        else:
+            proposed = self.proposer.propose(req)
         if req.constraint is not None and proposed:
             proposed, req.spec_allowed = _allowed_prefix(req.constraint, proposed)
         return proposed

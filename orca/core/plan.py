@@ -48,7 +48,10 @@ class PlannedRequest:
     orca/core/speculative.py): the last num_proposed of ``token_ids`` are proposed tokens, not yet
     drawn: the worker draws a token at each of the last num_proposed + 1 positions (output steps
     sample_step, sample_step + 1, ...) and answers the draws up to the first that differs from the
-    proposal at its position, that one included."""
+    proposal at its position, that one included. ``num_to_propose`` (speculative_method draft): after
+    drawing, the worker drafts up to this many tokens to follow the request's last drawn one with its
+    draft model (StepResult.proposals), never so many that the request's output would pass
+    ``max_tokens`` with them and the token drawn after them."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -58,6 +61,8 @@ class PlannedRequest:
     sample_step: int | None = None
     allowed_tokens: tuple[bytes, ...] | None = None
     num_proposed: int = 0
+    num_to_propose: int = 0
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ class StepResult:
     ``logprobs`` holds, for the requests whose SamplingSpec asks for them, the drawn tokens'
     log-probabilities, one per token of ``sampled``. ``logits`` rows are CPU tensors (plan.return_logits
     only: the row of the last token drawn); ``timings`` are seconds per phase when the plan asked for
-    profiling."""
+    profiling. ``proposals``: the tokens the draft model drafted after ``sampled`` for the requests with a
+    num_to_propose (speculative_method draft)."""
 
     batch_id: int
     sampled: dict[str, list[int]] = field(default_factory=dict)
@@ -87,3 +93,4 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     logits: dict[str, object] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    proposals: dict[str, list[int]] = field(default_factory=dict)

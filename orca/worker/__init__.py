@@ -9,10 +9,16 @@ With parallelism (orca/executor/distributed.py runs one Worker per rank) a worke
 and its tensor-parallel share of their heads, and of their K/V: every rank of every stage prepares the
 same metadata from the same plan; a stage after the first receives the previous stage's [T, hidden]
 activations and the last stage's first tensor-parallel rank samples.
+
+With speculative_method draft the worker also holds the draft model and its K/V pool (``draft_pool``),
+which mirrors the model's: the same blocks and block tables, shaped for the draft's layers and heads. The
+draft runs over every iteration's tokens (so its keys and values follow the model's), and after the
+iteration's draws it drafts each asking request's next tokens (``_draft``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -26,6 +32,7 @@ import torch
 from orca.checkpoint import ModelConfig, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
+from orca.core.speculative import check_draft_model
 from orca.models.attention import AttentionMetadata, PhaseTimer, get_backend, resolve_attention_backend
 from orca.models.attention.flex import FLEX_MIN_HEAD_DIM
 from orca.models.device import upload
@@ -50,6 +57,21 @@ class _RequestState:
 
     sampling: SamplingSpec
     block_table: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Drafting:
+    """A request the draft model drafts for in this iteration (Worker._draft): its latest token, at
+    `position`, is fed next; the token drawn there is its output token number `step`; `k` steps in all,
+    over `table` (its block table, and scratch blocks past it)."""
+
+    request_id: str
+    sampling: SamplingSpec
+    token: int
+    position: int
+    step: int
+    k: int
+    table: list[int]
 
 
 class Worker:
@@ -96,6 +118,16 @@ class Worker:
         self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, kv_dtype, config.block_size)
         self.kv_pool: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None  # a quantized pool's scales (kv_cache.py)
+        # speculative_method draft: the draft model and its K/V pool (same blocks, its own layers and heads),
+        # plus scratch blocks past the mirrored ones, where draft steps write beyond a request's blocks.
+        self.draft_model: torch.nn.Module | None = None
+        self.draft_layout: KVLayout | None = None
+        self.draft_pool: torch.Tensor | None = None
+        self.draft_scales: torch.Tensor | None = None
+        self.draft_scratch_blocks = 0
+        self._draft_scratch_first = 0  # the first scratch block's id in draft_pool
+        if config.speculative_method == "draft":
+            self._load_draft(kv_dtype)
         # CUDA graphs for decode iterations (orca/worker/cuda_graphs.py): captured in init_kv_pool when
         # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
         self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
@@ -114,16 +146,45 @@ class Worker:
         self.load_thread = threading.get_ident()
         self.foreign_thread_iterations = 0
 
+    def _load_draft(self, kv_dtype: torch.dtype) -> None:
+        """The draft model (EngineConfig.speculative_model), with the model's dtype, linear backend and
+        quantization, and the layout of its K/V pool. One worker only (EngineConfig refuses parallelism)."""
+        cfg = self.config
+        checkpoint = resolve_checkpoint(cfg.speculative_model)
+        self.draft_model, dc = load_model(checkpoint, self.dtype, self.device, None, self.linear_backend,
+                                          cfg.quantization, cfg.quantization_group_size)
+        check_draft_model(dc, self.model_config, self._max_len(), checkpoint)
+        if self.attention_backend == "flex" and self.device.type == "cuda" and dc.head_dim < FLEX_MIN_HEAD_DIM:
+            raise ValueError(f"attention_backend flex on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM}; the draft "
+                             f"model's (speculative_model) is {dc.head_dim}: choose batched or reference")
+        self.draft_layout = KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, kv_dtype, cfg.block_size)
+        # Draft steps write up to num_speculative_tokens positions past what a request's blocks hold:
+        # at most that many blocks more, for each of max_bs requests.
+        self.draft_scratch_blocks = cfg.max_bs * -(-cfg.num_speculative_tokens // cfg.block_size)
+        logger.info("speculative_method draft: %s (%d layers, %d bytes per token of K/V beside the model's %d)",
+                    checkpoint, dc.num_layers, self.draft_layout.bytes_per_slot, self.kv_layout.bytes_per_slot)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What one block of the pool costs: the model's K/V, and the draft's beside it."""
+        draft = 0 if self.draft_layout is None else self.draft_layout.bytes_per_block
+        return self.kv_layout.bytes_per_block + draft
+
+    @property
+    def _draft_scratch_bytes(self) -> int:
+        return 0 if self.draft_layout is None else self.draft_scratch_blocks * self.draft_layout.bytes_per_block
+
     # -- the K/V pool ----------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
         """How many K/V blocks this worker can hold: n_slots or kv_cache_bytes when given; on CUDA
         otherwise what gpu_memory_utilization leaves after a profiling forward pass at the largest
-        iteration; on CPU otherwise the default kv_cache_bytes."""
-        cfg, layout = self.config, self.kv_layout
+        iteration; on CPU otherwise the default kv_cache_bytes. With a draft model a block holds the
+        draft's keys and values too (bytes_per_block), and its scratch blocks come off the budget."""
+        cfg = self.config
         if cfg.n_slots is not None:
             return cfg.n_slots // cfg.block_size
         if cfg.kv_cache_bytes is not None or self.device.type != "cuda":
-            return layout.blocks_for_budget(cfg.effective_kv_cache_bytes)
+            return max(0, cfg.effective_kv_cache_bytes - self._draft_scratch_bytes) // self.bytes_per_block
         return self._profile_gpu_blocks()
 
     def _max_len(self) -> int:
@@ -159,14 +220,15 @@ class Worker:
         if result.error:
             raise RuntimeError(f"the profiling iteration ({num_tokens} tokens) failed: {result.error}")
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - blocks * self.kv_layout.bytes_per_block
-        self.kv_pool = self.kv_scales = None
+        peak = (torch.cuda.max_memory_allocated(self.device) - blocks * self.bytes_per_block
+                - self._draft_scratch_bytes)
+        self.kv_pool = self.kv_scales = self.draft_pool = self.draft_scales = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory in use by others (another process, the CUDA context) counts against the budget too.
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        n = blocks_from_gpu_memory(total, max(0, used_by_others) + peak, cfg.gpu_memory_utilization,
-                                   self.kv_layout.bytes_per_block)
+        n = blocks_from_gpu_memory(total, max(0, used_by_others) + peak + self._draft_scratch_bytes,
+                                   cfg.gpu_memory_utilization, self.bytes_per_block)
         logger.info("K/V pool from GPU memory: %d blocks (profiled %d tokens, peak %.2f GiB)", n, num_tokens,
                     peak / 2**30)
         return n
@@ -175,9 +237,10 @@ class Worker:
         if num_blocks < 1:
             raise ValueError("the K/V pool needs at least one block")
         layout = self.kv_layout
-        logger.info("K/V pool: %d blocks of %d tokens, %s%s (%d bytes per token)", num_blocks, layout.block_size,
+        logger.info("K/V pool: %d blocks of %d tokens, %s%s (%d bytes per token%s)", num_blocks, layout.block_size,
                     str(layout.dtype).removeprefix("torch."), " with float32 scales" if layout.quantized else "",
-                    layout.bytes_per_slot)
+                    layout.bytes_per_slot,
+                    "" if self.draft_layout is None else f", and {self.draft_layout.bytes_per_slot} for the draft's")
         if self.no_graphs_reason is None:
             self._allocate_pool(num_blocks + 1)  # the last block: padding rows' slots
         else:
@@ -223,6 +286,16 @@ class Worker:
         zeroed = self.attention.zeroed_pool
         self.kv_pool = self.kv_layout.allocate(num_blocks, self.device, zeroed=zeroed)
         self.kv_scales = self.kv_layout.allocate_scales(num_blocks, self.device, zeroed=zeroed)
+        if self.draft_layout is not None:
+            # The same blocks, then the scratch blocks (zeroed: a backend reading whole blocks needs finite
+            # numbers in the slots it masks).
+            layout, total = self.draft_layout, num_blocks + self.draft_scratch_blocks
+            self.draft_pool = layout.allocate(total, self.device, zeroed=zeroed)
+            self.draft_scales = layout.allocate_scales(total, self.device, zeroed=zeroed)
+            self._draft_scratch_first = num_blocks
+            if not zeroed:
+                scratch = torch.arange(num_blocks, total, dtype=torch.int64, device=self.device)
+                layout.zero_blocks(self.draft_pool, scratch, self.draft_scales)
 
     def _warm_up_flex(self) -> None:
         """Compiles the attention backend's kernels now rather than in a user's request (warm_up_plans with
@@ -339,11 +412,82 @@ class Worker:
             if timer is not None:
                 timer.sync()
             t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        if self.draft_model is not None:
+            # The draft reads its keys and values of every token the model has: it runs over this iteration's
+            # tokens too (the model's padding rows, if any, left out), then drafts.
+            num_tokens = sum(len(pr.token_ids) for pr in ordered)
+            draft_meta = self._draft_metadata(ordered, meta, graph_size is not None, timer)
+            self.draft_model(ids[:num_tokens], pos[:num_tokens], draft_meta)
+            self._draft(ordered, result)
         if timer is not None:
-            t3 = time.perf_counter()
+            timer.sync()
+            t4 = time.perf_counter()
             attention = timer.seconds.get("attention", 0.0)
             result.timings = {"prepare": t1 - t0, "model": t2 - t1, "attention": attention, "sample": t3 - t2}
+            if self.draft_model is not None:
+                result.timings["draft"] = t4 - t3  # (its attention is in "attention" too)
         return result
+
+    # -- the draft model (speculative_method draft) ----------------------------------------------
+    def _draft_metadata(self, ordered: list[PlannedRequest], meta: AttentionMetadata, padded: bool,
+                        timer: PhaseTimer | None) -> AttentionMetadata:
+        """The iteration's attention metadata over the draft's pool: the model's with the pool swapped
+        where nothing else in it depends on the pool (reference and batched: the same slots and blocks),
+        else (flex's layout spans the pool; padding rows of a CUDA graph) built again."""
+        if not padded and meta.flex is None:
+            return dataclasses.replace(meta, kv_pool=self.draft_pool, kv_scales=self.draft_scales)
+        return self.attention.for_iteration(
+            [len(pr.token_ids) for pr in ordered], [pr.start for pr in ordered],
+            [self._requests[pr.request_id].block_table for pr in ordered], self.kv_layout.block_size,
+            self.draft_pool, timer, kv_scales=self.draft_scales,
+        )
+
+    def _draft(self, ordered: list[PlannedRequest], result: StepResult) -> None:
+        """Drafts the next tokens of each request the plan asks to (PlannedRequest.num_to_propose, capped
+        by its max_tokens) into result.proposals, after this iteration's draws. Step j runs the draft
+        over one row per request still drafting: its latest token (its last drawn one, then its previous
+        draft) at the next position, and draws the next token from the draft's logits with the request's
+        sampling options at the output step where the model will draw when verifying it: the sampler's
+        noise at a step is the same for both (orca/worker/sampler.py), so a draft close to the model
+        draws what the model will, sampling too. The steps' keys and values go to the draft's pool at
+        the request's next positions, in its blocks or past them in scratch blocks (never read after this
+        iteration: the next one writes every position it feeds, in both pools)."""
+        block_size = self.kv_layout.block_size
+        scratch, scratch_end = self._draft_scratch_first, self._draft_scratch_first + self.draft_scratch_blocks
+        drafting: list[_Drafting] = []
+        for pr in ordered:
+            kept = result.sampled.get(pr.request_id)
+            if not pr.num_to_propose or not kept:
+                continue
+            step = pr.sample_step + len(kept)  # the output index of the first drafted token
+            k = min(pr.num_to_propose, pr.max_tokens - step - 1)
+            if k <= 0:
+                continue
+            position = pr.start + len(pr.token_ids) - pr.num_proposed + len(kept) - 1  # of the last drawn token
+            table = self._requests[pr.request_id].block_table
+            need = -(-(position + k) // block_size) - len(table)  # blocks the steps write past the table
+            if need > 0:
+                if scratch + need > scratch_end:
+                    raise RuntimeError(f"draft steps need more than the {self.draft_scratch_blocks} scratch blocks")
+                table = table + list(range(scratch, scratch + need))
+                scratch += need
+            drafting.append(_Drafting(pr.request_id, self._requests[pr.request_id].sampling, kept[-1], position,
+                                      step, k, table))
+            result.proposals[pr.request_id] = []
+        for j in range(max((d.k for d in drafting), default=0)):
+            live = [d for d in drafting if d.k > j]
+            meta = self.attention.for_iteration([1] * len(live), [d.position + j for d in live],
+                                                [d.table for d in live], block_size, self.draft_pool,
+                                                kv_scales=self.draft_scales)
+            ids = upload([d.token for d in live], torch.int64, self.device)
+            pos = upload([d.position + j for d in live], torch.int64, self.device)
+            logits = self.draft_model.compute_logits(self.draft_model(ids, pos, meta))  # (B, V)
+            specs, steps = [d.sampling for d in live], [d.step + j for d in live]
+            drawn = sample(logits, SamplingTensors.from_specs(specs, steps, self.device)).tolist()  # host sync
+            for d, token in zip(live, drawn):
+                d.token = token
+                result.proposals[d.request_id].append(token)
 
     # -- pipeline stages -------------------------------------------------------------------------
     def _receive_activations(self, num_tokens: int) -> torch.Tensor:
@@ -422,7 +566,10 @@ class Worker:
                 sampled_ids.append(pr.request_id)
                 proposals.append(pr.token_ids[n - k:] if k else ())
         if new_blocks and self.attention.reads_whole_blocks:  # batched and flex
-            self.kv_layout.zero_blocks(self.kv_pool, upload(new_blocks, torch.int64, self.device), self.kv_scales)
+            fresh_ids = upload(new_blocks, torch.int64, self.device)
+            self.kv_layout.zero_blocks(self.kv_pool, fresh_ids, self.kv_scales)
+            if self.draft_pool is not None:
+                self.draft_layout.zero_blocks(self.draft_pool, fresh_ids, self.draft_scales)
         padding = 0 if padded_to is None else padded_to - len(input_ids)
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
