@@ -2,7 +2,8 @@
 proposer, the scheduler's use of what is left of the budget, and end to end against speculation off and
 transformers: greedy and seeded tokens identical, the sampled distribution the target's, stop rules
 inside an accepted run, logprobs of the kept tokens, the K/V accounting of rejected proposals, tensor
-parallelism."""
+parallelism. Then the draft model (speculative_method draft): the same equalities with the model as its
+own draft and with other tiny models, coupled draws when sampling, the pool's sizing, its options."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from collections import Counter
 
 import pytest
 import torch
-from _fixtures import drain, hf_greedy, tiny_core, tiny_engine, tiny_reference
+from _fixtures import drain, hf_greedy, tiny_checkpoint, tiny_core, tiny_engine, tiny_reference
+from checkpoints import make_gpt2, make_llama
 
 from orca import EngineConfig, SamplingParams
 from orca.core.block_manager import BlockManager
 from orca.core.request import Request
 from orca.core.scheduler import OrcaScheduler
-from orca.core.speculative import SPEC_MISSES_BEFORE_PAUSE, NgramProposer
+from orca.core.speculative import SPEC_MISSES_BEFORE_PAUSE, DraftProposer, NgramProposer
 
 SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4}
 
@@ -314,7 +316,7 @@ def test_timeline_marks_proposed_and_accepted_tokens(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"speculative_method": "eagle"}, "speculative_method must be one of off, ngram"),
+    ({"speculative_method": "eagle"}, "speculative_method must be one of off, ngram, draft"),
     ({"num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
     ({"prompt_lookup_max": 17}, r"prompt_lookup_max must be an integer in \[1, 16\]"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min 3 exceeds prompt_lookup_max 2"),
@@ -373,3 +375,205 @@ def test_structured_outputs_speculate_within_their_grammar() -> None:
     assert on.token_ids == off.token_ids
     jsonschema.validate(json.loads(on.text), schema)
     assert stats.spec_accepted_tokens > 0, stats
+
+
+# -- the draft model (speculative_method draft) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Draft checkpoints for the tiny models: each family's model itself ("self"), and a different tiny
+    model of one layer with the same vocabulary ("other"; a GPT-2 for the Llama, a Llama for the GPT-2:
+    the draft's architecture is its own)."""
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        "gpt2/self": str(tiny_checkpoint("gpt2")),
+        "llama/self": str(tiny_checkpoint("llama")),
+        "llama/other": str(make_llama(root / "llama-1", seed=1, num_hidden_layers=1)),
+        "gpt2/other": str(make_llama(root / "llama-211", seed=1, num_hidden_layers=1, vocab_size=211,
+                                     eos_token_id=210)),
+        "llama/gpt2": str(make_gpt2(root / "gpt2-197", seed=1, n_layer=1, vocab_size=197, eos_token_id=196,
+                                    bos_token_id=196)),
+    }
+
+
+def _draft(model: str) -> dict:
+    return {"speculative_method": "draft", "speculative_model": model, "num_speculative_tokens": 4}
+
+
+def test_the_draft_proposer_takes_the_drafts_within_its_length_and_room_and_pauses() -> None:
+    p = DraftProposer(k=4)
+    req = _request([1, 2, 3], output=[4], max_tokens=20)
+    assert p.num_to_propose(req, verifying=0) == 4
+    assert p.propose(req, [5, 6, 7, 8]) == [5, 6, 7, 8]
+    p.verified(req, 4, 1)  # one kept: next time 2, or 3 when this iteration accepts all it verifies
+    assert p.num_to_propose(req, verifying=2) == 3 and p.num_to_propose(req, verifying=0) == 2
+    assert p.propose(req, [5, 6, 7]) == [5, 6]
+    # never past max_tokens: output 17 of 20, one more drawn at least, so at most 20 - 18 - 1 = 1 drafted
+    near_end = _request([1], output=[2] * 17, max_tokens=20)
+    assert p.num_to_propose(near_end, verifying=0) == 1
+    near_end.output_token_ids.append(3)  # (the iteration kept one token)
+    assert p.propose(near_end, [9, 9, 9]) == [9]
+    for _ in range(SPEC_MISSES_BEFORE_PAUSE):
+        p.verified(req, 1, 0)
+    assert p.num_to_propose(req, verifying=0) == 0  # paused: no draft steps ...
+    assert p.propose(req, []) == []  # ... and the pause counted down at completion
+    assert p.num_to_propose(req, verifying=0) == 4
+
+
+_OFF: dict = {}
+
+
+def _greedy_off(family: str, prompts: tuple, max_tokens: tuple, options: dict) -> dict[str, list[int]]:
+    """Speculation off's tokens, once per family (the draft cases compare to the same run)."""
+    key = (family, prompts, max_tokens, tuple(sorted(options.items())))
+    if key not in _OFF:
+        engine = tiny_engine(family, **options)
+        _OFF[key] = _run(engine, [list(p) for p in prompts],
+                         [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens])
+        engine.shutdown()
+    return _OFF[key]
+
+
+@pytest.mark.parametrize("family, draft", [("gpt2", "self"), ("llama", "self"), ("gpt2", "other"),
+                                           ("llama", "other"), ("llama", "gpt2")])
+def test_draft_greedy_tokens_equal_speculation_off_and_transformers_in_busy_batches(
+    family: str, draft: str, drafts: dict[str, str],
+) -> None:
+    """Preemption (a small pool, on_demand) and chunked prefill (a token budget) together, many requests:
+    the draft's pool follows the model's through recomputations, prompt chunks and rejected proposals."""
+    prompts = _prompts(10, seed=1, vocab=150)
+    params = [SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    options = {"n_slots": 128, "block_size": 4, "max_num_batched_tokens": 24, "kv_admission": "on_demand"}
+    off = _greedy_off(family, tuple(map(tuple, prompts)), tuple(p.max_tokens for p in params), options)
+    engine = tiny_engine(family, **options, **_draft(drafts[f"{family}/{draft}"]))
+    on = _run(engine, prompts, params)
+    stats = engine.core.stats()
+    engine.shutdown()
+    assert on == off
+    ref = tiny_reference(family)
+    for i, p in enumerate(prompts):
+        assert on[str(i)] == hf_greedy(ref, p, params[i].max_tokens), f"request {i}"
+    assert stats.preemptions > 0 and stats.spec_proposed_tokens > 0, stats
+    if draft == "self":  # the model drafting for itself is always right
+        assert stats.spec_accepted_tokens / stats.spec_proposed_tokens > 0.9, stats
+    assert stats.kv_used_tokens == 0 and stats.kv_allocated_blocks == 0
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_draft_seeded_sampling_is_identical_on_and_off_and_coupled_draws_are_accepted(
+    draft: str, drafts: dict[str, str],
+) -> None:
+    """Sampled at temperature 0.8: a seeded request's tokens are the same with and without the draft;
+    the model drafting for itself draws, at each output step, with the noise the verification draws with,
+    so its proposals are accepted (almost) always, though each is a random draw."""
+    prompts = _prompts(8, seed=2, vocab=150)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=20, ignore_eos=True)
+              for i in range(len(prompts))]
+    options = {"n_slots": 160, "block_size": 4, "kv_admission": "on_demand"}
+    off_engine = tiny_engine("llama", **options)
+    off = _run(off_engine, prompts, params)
+    off_engine.shutdown()
+    engine = tiny_engine("llama", **options, **_draft(drafts[f"llama/{draft}"]))
+    on = _run(engine, prompts, params)
+    stats = engine.core.stats()
+    engine.shutdown()
+    assert on == off
+    assert len({tuple(t) for t in on.values()}) == len(prompts)  # (sampled: no two alike)
+    assert stats.spec_proposed_tokens > 0
+    if draft == "self":
+        assert stats.spec_accepted_tokens / stats.spec_proposed_tokens > 0.9, stats
+
+
+@pytest.mark.parametrize("options", [{"attention_backend": "reference"}, {"kv_cache_dtype": "int8"}],
+                         ids=["reference", "int8"])
+def test_draft_over_the_other_attention_paths_and_a_quantized_pool(options: dict, drafts: dict[str, str]) -> None:
+    """The reference attention backend (per request, no batched increments) and an int8 pool (the draft's
+    quantized like the model's): greedy tokens still speculation off's, with preemption."""
+    prompts = _prompts(6, seed=10, vocab=150)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * len(prompts)
+    options = {"n_slots": 96, "block_size": 4, "kv_admission": "on_demand", **options}
+    off_engine = tiny_engine("llama", **options)
+    off = _run(off_engine, prompts, params)
+    off_engine.shutdown()
+    for draft in ("self", "gpt2"):
+        engine = tiny_engine("llama", **options, **_draft(drafts[f"llama/{draft}"]))
+        assert _run(engine, prompts, params) == off, draft
+        stats = engine.core.stats()
+        assert stats.spec_proposed_tokens > 0 and stats.preemptions > 0, stats
+        engine.shutdown()
+
+
+def test_draft_requests_that_opt_out_are_not_drafted_for() -> None:
+    engine = tiny_engine("llama", **_draft(str(tiny_checkpoint("llama"))))
+    _run(engine, _prompts(3, seed=6, vocab=150),
+         [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, speculate=False)] * 3)
+    assert engine.core.stats().spec_proposed_tokens == 0
+    engine.shutdown()
+
+
+def test_the_draft_pool_mirrors_the_blocks_and_shares_the_budget(drafts: dict[str, str]) -> None:
+    """Both pools fit kv_cache_bytes: with a draft the engine has fewer blocks, and the draft's pool has
+    as many (and its scratch blocks), shaped for its own layers and heads."""
+    budget = 1 << 20
+    plain = tiny_core("llama", kv_cache_bytes=budget, block_size=4)
+    blocks = plain.stats().kv_total_blocks
+    plain.shutdown()
+    core = tiny_core("llama", kv_cache_bytes=budget, block_size=4, max_bs=8, **_draft(drafts["llama/gpt2"]))
+    worker = core.executor.worker
+    with_draft = core.stats().kv_total_blocks
+    assert with_draft < blocks
+    assert blocks == budget // worker.kv_layout.bytes_per_block
+    per_block = worker.kv_layout.bytes_per_block + worker.draft_layout.bytes_per_block
+    assert worker.draft_scratch_blocks == 8  # max_bs x ceil(num_speculative_tokens / block_size)
+    scratch = worker.draft_scratch_blocks * worker.draft_layout.bytes_per_block
+    assert with_draft == (budget - scratch) // per_block
+    # the draft (a one-layer GPT-2: 4 K/V heads of 16) has its own pool over the same blocks, then the scratch
+    assert tuple(worker.draft_pool.shape) == (1, 2, 4, (with_draft + 8) * 4, 16)
+    assert worker.kv_pool.shape[3] == with_draft * 4
+    core.shutdown()
+
+
+def test_the_draft_runs_outside_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With decode iterations on CUDA graphs (their reasons lifted on a CPU, flex attention): a decode
+    iteration replays the model's graph (padded) and runs the draft over its own rows, unpadded; the
+    tokens are speculation off's."""
+    import orca.worker
+
+    prompts = _prompts(3, seed=9, vocab=150)
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, speculate=i > 0) for i in range(3)]
+    options = {"n_slots": 128, "block_size": 4, "attention_backend": "flex", "max_bs": 4}
+    off_engine = tiny_engine("llama", **options)
+    off = _run(off_engine, prompts, params)
+    off_engine.shutdown()
+    monkeypatch.setattr(orca.worker, "why_no_graphs", lambda *args: None)
+    engine = tiny_engine("llama", **options, **_draft(str(tiny_checkpoint("llama"))))
+    worker = engine.core.executor.worker
+    on = _run(engine, prompts, params)
+    stats = engine.core.stats()
+    engine.shutdown()
+    assert on == off
+    assert worker.decode_graphs.replays > 0 and stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"speculative_method": "draft"}, "speculative_method draft needs speculative_model"),
+    ({"speculative_model": "/some/draft"}, "speculative_model is the draft model of speculative_method draft; "
+                                           "with speculative_method off"),
+    ({"speculative_method": "draft", "speculative_model": "/some/draft", "tensor_parallel_size": 2},
+     "speculative_method draft runs in one worker process: tensor_parallel_size and pipeline_parallel_size "
+     "must be 1, got 2 and 1"),
+    ({"speculative_method": "draft", "speculative_model": "/some/draft", "pipeline_parallel_size": 2},
+     "must be 1, got 1 and 2"),
+])
+def test_bad_draft_options_are_refused_by_name(bad: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**bad)
+
+
+def test_a_draft_of_another_vocabulary_or_a_shorter_context_is_refused_at_load(tmp_path) -> None:
+    with pytest.raises(ValueError, match="speculative_model .* has a vocabulary of 211 tokens and the model one of "
+                                         "197: a draft model must have the model's vocabulary size"):
+        tiny_core("llama", **_draft(str(tiny_checkpoint("gpt2"))))
+    short = make_llama(tmp_path / "short", max_position_embeddings=64, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="takes 64 positions, fewer than max_model_len 128"):
+        tiny_core("llama", **_draft(str(short)))
+    tiny_core("llama", max_model_len=64, **_draft(str(short))).shutdown()  # within its context: served
