@@ -45,7 +45,8 @@ class InProcessExecutor:
             layout = self.worker.kv_layout
             raise ValueError(
                 f"the K/V pool holds no block of {layout.block_size} tokens ({self.worker.bytes_per_block} "
-                f"bytes each{', with the draft model' if self.worker.draft_layout is not None else ''}): raise kv_cache_bytes or n_slots, or lower block_size"
+                f"bytes each{', with the draft model' if self.worker.draft_layout is not None else ''}): "
+                "raise kv_cache_bytes or n_slots, or lower block_size"
                 + (f"; on this GPU gpu_memory_utilization {config.gpu_memory_utilization} of its memory leaves "
                    "nothing after the weights, the profiled activations and what other processes hold (another "
                    "engine on the same GPU takes its own share)"
