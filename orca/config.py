@@ -23,7 +23,7 @@ _INT_OPTIONS = (
     "max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed", "block_size",
     "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "local_workers",
     "trace_max_bytes", "trace_backups", "quantization_group_size", "num_speculative_tokens", "prompt_lookup_min",
-    "prompt_lookup_max",
+    "prompt_lookup_max", "speculative_disable_by_batch_size",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 _BOOL_OPTIONS = ("enable_prefix_caching",)
@@ -193,6 +193,10 @@ class EngineConfig:
       the model's dtype, quantization and linear_backend. Its K/V pool has the model's blocks (the same
       block tables), so the pool's budget (kv_cache_bytes, or what gpu_memory_utilization leaves) holds
       both: fewer blocks than without a draft (n_slots gives both pools that many slots). None: no draft.
+    - speculative_disable_by_batch_size: an iteration of this many requests or more verifies no proposed
+      tokens (its requests run as plain increments), as vLLM's option of that name: where the iteration's
+      rows are no longer bound by reading the weights (a CPU at several streams), proposals cost more than
+      they save (docs/BENCHMARKS.md, "Results: speculative decoding"). None (the default): never.
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -260,6 +264,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_model: str | None = None
+    speculative_disable_by_batch_size: int | None = None
     max_queue: int = 1024
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -336,6 +341,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SPECULATIVE_TOKENS:
                 raise ValueError(f"{name} must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {value!r}")
+        if self.speculative_disable_by_batch_size is not None:
+            _check_int("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size, 1)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {self.prompt_lookup_min} exceeds prompt_lookup_max "
                              f"{self.prompt_lookup_max}: give min <= max")

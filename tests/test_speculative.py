@@ -577,3 +577,20 @@ def test_a_draft_of_another_vocabulary_or_a_shorter_context_is_refused_at_load(t
     with pytest.raises(ValueError, match="takes 64 positions, fewer than max_model_len 128"):
         tiny_core("llama", **_draft(str(short)))
     tiny_core("llama", max_model_len=64, **_draft(str(short))).shutdown()  # within its context: served
+
+
+@pytest.mark.parametrize("limit, proposes", [(None, True), (3, True), (2, False)])
+def test_an_iteration_of_speculative_disable_by_batch_size_requests_verifies_no_proposal(limit, proposes) -> None:
+    blocks = BlockManager(64, 4)
+    s = OrcaScheduler(8, blocks, kv_admission="on_demand", spec_disable_batch_size=limit)
+    for i, rid in enumerate(("a", "b")):
+        s.add(_increment(rid, i, [5, 6]))
+        blocks.grow(rid, 4)
+    batch = s.schedule()
+    assert [m.num_tokens for m in batch.members] == ([3, 3] if proposes else [1, 1])
+    assert all(bool(m.spec_token_ids) == proposes for m in batch.members)
+
+
+def test_speculative_disable_by_batch_size_is_checked() -> None:
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be an integer >= 1"):
+        EngineConfig(speculative_disable_by_batch_size=0)

@@ -164,7 +164,8 @@ class EngineCore:
             self.executor.num_blocks, config.block_size, enable_caching=config.effective_prefix_caching
         )
         self.scheduler = OrcaScheduler(
-            config.max_bs, self.blocks, n_workers, config.kv_admission, config.max_num_batched_tokens
+            config.max_bs, self.blocks, n_workers, config.kv_admission, config.max_num_batched_tokens,
+            config.speculative_disable_by_batch_size,
         )
         self.failed: str | None = None  # why the workers failed (EngineFailedError), once they have
         # The model's EOS ids: a request that names none (add_request's eos_token_ids) stops at these.

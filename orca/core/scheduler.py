@@ -17,7 +17,8 @@ Selection, every iteration, FCFS by arrival:
 3. Speculative decoding (orca/core/speculative.py): each selected increment with proposed tokens
    (Request.spec_token_ids) is extended with them, in arrival order, as far as what is left of the budget
    and the free blocks allow (never by preempting or by taking blocks a prompt needed): proposals only use
-   what the iteration's real work left over.
+   what the iteration's real work left over; none in an iteration of speculative_disable_by_batch_size
+   requests or more.
 Admission stops at the first waiting request that does not fit (``break``, not ``continue``): a later,
 smaller request never jumps ahead of an earlier one waiting for memory.
 
@@ -94,6 +95,7 @@ class OrcaScheduler:
         n_workers: int = 1,
         kv_admission: str = "reserve",
         max_num_batched_tokens: int | None = None,
+        spec_disable_batch_size: int | None = None,
     ) -> None:
         for name, value in (("max_bs", max_bs), ("n_workers", n_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -110,6 +112,7 @@ class OrcaScheduler:
         self.blocks = blocks
         self.kv_admission = kv_admission
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.spec_disable_batch_size = spec_disable_batch_size  # EngineConfig.speculative_disable_by_batch_size
         # The request pool, in arrival order (insertion order of the dict = arrival order).
         self._pool: OrderedDict[str, Request] = OrderedDict()
         self._in_flight: deque[ScheduledBatch] = deque()
@@ -182,10 +185,11 @@ class OrcaScheduler:
             chosen.add(req.request_id)
             budget -= 1
         budget = self._select_prompt_work(batch, candidates, chosen, budget)
-        # 3. Proposed tokens (speculative decoding) with what is left.
-        for m in batch.members:
-            if m.increment and m.request.spec_token_ids and budget >= 1:
-                budget -= self._add_proposals(m, int(min(len(m.request.spec_token_ids), budget)))
+        # 3. Proposed tokens (speculative decoding) with what is left, unless the batch is too large to gain.
+        if self.spec_disable_batch_size is None or len(batch.members) < self.spec_disable_batch_size:
+            for m in batch.members:
+                if m.increment and m.request.spec_token_ids and budget >= 1:
+                    budget -= self._add_proposals(m, int(min(len(m.request.spec_token_ids), budget)))
         return self._launch(batch)
 
     def _add_proposals(self, m: ScheduledRequest, most: int) -> int:
