@@ -167,6 +167,7 @@ def engine_config(args: argparse.Namespace, method: str) -> Any:
         "torch_compile": args.torch_compile, "max_bs": args.streams, "speculative_method": method,
         "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
+        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
     }
     return EngineConfig(**options)
 
@@ -411,6 +412,9 @@ def add_parser(sub: Any) -> None:
                    help="EngineConfig.prompt_lookup_min: the shortest n-gram matched (default: %(default)s)")
     p.add_argument("--prompt-lookup-max", type=positive_int, default=4,
                    help="EngineConfig.prompt_lookup_max: the longest n-gram matched (default: %(default)s)")
+    p.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None,
+                   help="EngineConfig.speculative_disable_by_batch_size: iterations of this many requests or more "
+                        "verify no proposals (default: never)")
     p.add_argument("--max-tokens", type=positive_int, default=128,
                    help="new tokens per request, EOS ignored (default: %(default)s)")
     p.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy",
