@@ -35,7 +35,15 @@ from hypothesis.extra import numpy as hnp
 
 from orca import LLMEngine, Logprob, RequestOutput
 from orca.frontend.parallel_sampling import child_params
-from orca.sampling_params import MAX_INT64, MAX_LOGPROBS, MAX_N, VLLM_SCALAR_TYPES, SamplingParams, StructuredOutputs
+from orca.sampling_params import (
+    MAX_INT64,
+    MAX_LOGPROBS,
+    MAX_N,
+    ORCA_SCALAR_TYPES,
+    VLLM_SCALAR_TYPES,
+    SamplingParams,
+    StructuredOutputs,
+)
 from orca_triton.generate import (
     INPUT_NAMES,
     PROMPT_INPUTS,
@@ -116,6 +124,7 @@ def check_servable(engine: LLMEngine, request: GenerateRequest) -> None:
     assert not p.stop or engine.tokenizer is not None
     assert isinstance(p.stop_token_ids, tuple) and all(type(t) is int and t >= 0 for t in p.stop_token_ids)
     assert type(p.ignore_eos) is bool
+    assert type(p.speculate) is bool
     assert p.logprobs is None or (type(p.logprobs) is int and 0 <= p.logprobs <= MAX_LOGPROBS)
     assert p.structured_outputs is None or (isinstance(p.structured_outputs, StructuredOutputs)
                                             and engine.tokenizer is not None)
@@ -181,6 +190,7 @@ def valid_value(field: str) -> st.SearchStrategy[Any]:
         "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
         "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),
         "ignore_eos": st.booleans(),
+        "speculate": st.booleans(),
         "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
         "n": st.integers(1, MAX_N),
         "structured_outputs": st.none() | st.sampled_from([
@@ -193,8 +203,9 @@ def valid_value(field: str) -> st.SearchStrategy[Any]:
 def vllm_value(field: str, sent: Any) -> Any:
     """What SamplingParams.from_dict makes of a value it accepts: a string of a scalar field converted to
     the type vLLM declares; null stop and stop_token_ids, and top_k -1, off."""
-    if isinstance(sent, str) and field in VLLM_SCALAR_TYPES:
-        kind, text = VLLM_SCALAR_TYPES[field], sent.strip()
+    kind = VLLM_SCALAR_TYPES.get(field, ORCA_SCALAR_TYPES.get(field))
+    if isinstance(sent, str) and kind is not None:
+        text = sent.strip()
         sent = {"true": True, "false": False, "1": True, "0": False}[text.lower()] if kind is bool else kind(text)
     if field in ("stop", "stop_token_ids") and sent is None:
         return []
