@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from orca_client.trace import PRESETS, TraceSpec, parse_range
@@ -47,6 +47,18 @@ def _number(kind: type, low: float, strict: bool) -> Callable[[str], Any]:
 positive_int = _number(int, 0, strict=True)
 nonnegative_int = _number(int, 0, strict=False)
 positive_float = _number(float, 0.0, strict=True)
+
+
+def comma_choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    """A comma-separated option's values, each one of `allowed` (in allowed's order); ValueError naming an
+    unknown one, or none given, with the allowed values."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    for item in items:
+        if item not in allowed:
+            raise ValueError(f"unknown {what} {item!r} ({', '.join(allowed)})")
+    if not items:
+        raise ValueError(f"give at least one {what} ({', '.join(allowed)})")
+    return [a for a in allowed if a in items]
 
 
 def add_workload_options(sp: argparse.ArgumentParser, preset: str) -> None:

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from orca_client.bench.common import machine_info, write_json
-from orca_client.bench.options import nonnegative_int, positive_int
+from orca_client.bench.options import comma_choices, nonnegative_int, positive_int
 
 WORKLOADS = ("multi-turn", "shared-prefix")
 MODES = ("offline", "serve")
@@ -564,22 +564,12 @@ def vllm_max_model_len(spec: dict[str, Any], template_tokens: int = 16) -> int:
 
 
 # -- the command --------------------------------------------------------------------------------------
-def _choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    for item in items:
-        if item not in allowed:
-            raise ValueError(f"unknown {what} {item!r} ({', '.join(allowed)})")
-    if not items:
-        raise ValueError(f"give at least one {what} ({', '.join(allowed)})")
-    return [a for a in allowed if a in items]
-
-
 def cmd_prefix(args: argparse.Namespace) -> int:
     import torch
 
-    workloads = _choices(args.workload, WORKLOADS, "workload")
-    modes = _choices(args.mode, MODES, "mode")
-    systems = _choices(args.systems, SYSTEMS, "system")
+    workloads = comma_choices(args.workload, WORKLOADS, "workload")
+    modes = comma_choices(args.mode, MODES, "mode")
+    systems = comma_choices(args.systems, SYSTEMS, "system")
     if not has_prefix_caching():
         raise ValueError("this orca has no prefix caching (EngineConfig.enable_prefix_caching)")
     checkpoint, render, hf_tokenizer, vocab = model_text(args.model)

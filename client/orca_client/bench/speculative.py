@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from orca_client.bench.common import machine_info, write_json
-from orca_client.bench.options import nonnegative_int, positive_float, positive_int, token_range
+from orca_client.bench.options import comma_choices, nonnegative_int, positive_float, positive_int, token_range
 
 WORKLOADS = ("repetitive", "random")
 METHODS = ("off", "ngram")
@@ -314,8 +314,8 @@ def cmd_speculative(args: argparse.Namespace) -> int:
     from orca.checkpoint import read_model_config, resolve_checkpoint
     from orca.frontend.tokenizer import Tokenizer
 
-    workloads = _choices(args.workload, WORKLOADS, "workload")
-    methods = _choices(args.methods, METHODS, "method")
+    workloads = comma_choices(args.workload, WORKLOADS, "workload")
+    methods = comma_choices(args.methods, METHODS, "method")
     engine_config(args, methods[-1])  # the engine options' errors before any work
     checkpoint = resolve_checkpoint(args.model)
     tokenizer = Tokenizer.load(checkpoint)
@@ -341,16 +341,6 @@ def cmd_speculative(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result)
     return 0
-
-
-def _choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    for item in items:
-        if item not in allowed:
-            raise ValueError(f"unknown {what} {item!r} ({', '.join(allowed)})")
-    if not items:
-        raise ValueError(f"give at least one {what} ({', '.join(allowed)})")
-    return [a for a in allowed if a in items]
 
 
 # -- the table ----------------------------------------------------------------------------------------
