@@ -37,7 +37,7 @@ from orca.core.constraint import TokenConstraint
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from orca.core.request import FinishReason, Request
 from orca.core.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
-from orca.core.speculative import DraftProposer, check_draft_model, make_proposer
+from orca.core.speculative import check_draft_model, make_proposer
 from orca.core.timeline import TimelineRecorder
 from orca.executor import Executor, WorkerFailure, make_executor
 from orca.sampling_params import SamplingParams
@@ -472,8 +472,7 @@ class EngineCore:
         """speculative_method draft: how many tokens the worker drafts for a member after drawing its
         token(s) (an upper bound; _propose takes what the request's length allows). 0 for other methods,
         members that draw nothing, requests that opt out and while logits are captured."""
-        if not isinstance(self.proposer, DraftProposer) or not m.sample or not req.params.speculate \
-                or self.capture_logits:
+        if self.proposer is None or not m.sample or not req.params.speculate or self.capture_logits:
             return 0
         return self.proposer.num_to_propose(req, len(m.spec_token_ids))
 
@@ -486,10 +485,7 @@ class EngineCore:
         if (self.proposer is None or req.finish_reason is not None or not req.params.speculate
                 or self.capture_logits):
             return []
-        if isinstance(self.proposer, DraftProposer):
-            proposed = self.proposer.propose(req, result.proposals.get(req.request_id, ()))
-        else:
-            proposed = self.proposer.propose(req)
+        proposed = self.proposer.propose(req, result.proposals.get(req.request_id, ()))
         if req.constraint is not None and proposed:
             proposed, req.spec_allowed = _allowed_prefix(req.constraint, proposed)
         return proposed

@@ -95,6 +95,16 @@ class AdaptiveProposer:
         last token drawn is the one after the proposals)."""
         return min(state.k, req.params.max_tokens - len(req.output_token_ids) - 1)
 
+    def num_to_propose(self, req: Request, verifying: int) -> int:
+        """At plan time: how many tokens the worker should draft for the member after its iteration
+        (PlannedRequest.num_to_propose). 0: a proposer of the core's own (n-gram) needs no draft."""
+        return 0
+
+    def propose(self, req: Request, drafted: Sequence[int] = ()) -> list[int]:
+        """After an iteration that drew the request's token(s): the tokens it proposes for its next one.
+        `drafted`: what the worker drafted for it (StepResult.proposals; the draft method's)."""
+        raise NotImplementedError
+
     def verified(self, req: Request, proposed: int, accepted: int) -> None:
         """A verification's outcome: `accepted` of `proposed` tokens kept. Adapts the request's length."""
         state = req.proposer_state
@@ -123,9 +133,9 @@ class NgramProposer(AdaptiveProposer):
         super().__init__(k)
         self.n_min, self.n_max = n_min, n_max
 
-    def propose(self, req: Request) -> list[int]:
+    def propose(self, req: Request, drafted: Sequence[int] = ()) -> list[int]:
         """Up to k tokens to verify after the request's last token (fewer near its max_tokens; none when
-        nothing matches or it is pausing)."""
+        nothing matches or it is pausing). Looked up here: `drafted` is unused."""
         state = self._state(req)
         assert isinstance(state, _NgramState)
         if state.pause > 0:
