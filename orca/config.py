@@ -23,10 +23,10 @@ _INT_OPTIONS = (
     "max_bs", "n_slots", "kv_cache_bytes", "max_queue", "n_workers", "max_model_len", "seed", "block_size",
     "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "local_workers",
     "trace_max_bytes", "trace_backups", "quantization_group_size", "num_speculative_tokens", "prompt_lookup_min",
-    "prompt_lookup_max", "speculative_disable_by_batch_size",
+    "prompt_lookup_max", "speculative_disable_by_batch_size", "max_loras", "max_lora_rank",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
-_BOOL_OPTIONS = ("enable_prefix_caching",)
+_BOOL_OPTIONS = ("enable_prefix_caching", "enable_lora")
 _BOOL_VALUES = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "hybrid", "onednn", "reference")
@@ -41,6 +41,7 @@ TORCH_COMPILE_CHOICES = ("auto", "off")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 """EngineConfig.speculative_method's values (orca/core/speculative.py)."""
 MAX_SPECULATIVE_TOKENS = 16
+MAX_LORA_RANK = 256
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,22 @@ class EngineConfig:
       tokens (its requests run as plain increments), as vLLM's option of that name: where the iteration's
       rows are no longer bound by reading the weights (a CPU at several streams), proposals cost more than
       they save (docs/BENCHMARKS.md, "Results: speculative decoding"). None (the default): never.
+    - enable_lora: serve LoRA adapters (README.md "LoRA adapters"; orca/core/lora.py, orca/models/lora.py):
+      requests name one (SamplingParams.lora_name, vllm_backend's `lora_name`; the OpenAI API's `model`)
+      and one iteration mixes requests of several adapters and of none. true or false (the default: no
+      adapter, and no LoRA code in the forward pass). Adapters are PEFT's format (adapter_config.json,
+      adapter_model.safetensors) on q/k/v/o and gate/up/down (GPT-2: c_attn, c_proj, c_fc), rank at most
+      max_lora_rank, refused at registration otherwise, naming the adapter and the reason. With it the
+      forward pass runs eagerly (neither compiled nor in CUDA graphs).
+    - max_loras: adapters the workers hold at once, in slots (1 to 64; default 4): an iteration mixes at
+      most this many. A request whose adapter is in no slot takes a free one, or the least recently used
+      one no admitted request uses; when every slot serves admitted requests it waits (not the batch).
+      Each slot costs the memory of a rank-max_lora_rank adapter on every target layer.
+    - max_lora_rank: the largest adapter rank served (1 to 256; default 16); the slots are sized for it.
+    - lora_modules: adapters to serve from the start, "name=path" pairs separated by commas (vLLM's
+      --lora-modules); a path is an adapter directory. Needs enable_lora. In Triton a `multi_lora.json`
+      beside the model (vllm_backend's file) adds its adapters to these; at run time the OpenAI server's
+      /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove them. None: none at start.
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -265,6 +282,10 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     speculative_model: str | None = None
     speculative_disable_by_batch_size: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    lora_modules: str | None = None
     max_queue: int = 1024
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -364,6 +385,20 @@ class EngineConfig:
         elif self.speculative_model is not None:
             raise ValueError(f"speculative_model is the draft model of speculative_method draft; with "
                              f"speculative_method {self.speculative_method} it is not used: leave it empty")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
+        _check_int("max_loras", self.max_loras, 1)
+        if self.max_loras > 64:
+            raise ValueError(f"max_loras must be an integer in [1, 64], got {self.max_loras}")
+        _check_int("max_lora_rank", self.max_lora_rank, 1)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be an integer in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, str):
+                raise ValueError(f"lora_modules must be name=path pairs separated by commas, got {self.lora_modules!r}")
+            if not self.enable_lora and self.lora_modules.strip():
+                raise ValueError("lora_modules needs enable_lora true: set it to serve LoRA adapters")
+            parse_lora_modules(self.lora_modules)
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(
                 f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
@@ -474,6 +509,23 @@ class EngineConfig:
         if forced not in TORCH_COMPILE_CHOICES:
             raise ValueError(f"$ORCA_TORCH_COMPILE must be one of {', '.join(TORCH_COMPILE_CHOICES)}, got {forced!r}")
         return forced
+
+
+def parse_lora_modules(text: str | None) -> dict[str, str]:
+    """EngineConfig.lora_modules as {name: path}, in the order given; ValueError naming a malformed pair or a
+    name given twice."""
+    modules: dict[str, str] = {}
+    for pair in (text or "").split(","):
+        if not pair.strip():
+            continue
+        name, sep, path = pair.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules must be name=path pairs separated by commas; {pair.strip()!r} is not one")
+        if name in modules:
+            raise ValueError(f"lora_modules names adapter {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:

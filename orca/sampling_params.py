@@ -49,6 +49,10 @@ class SamplingParams:
 
     speculate (orca's own): false opts this request out of speculative decoding (EngineConfig.
     speculative_method); it changes no token, only whether the request proposes any.
+
+    lora_name (vllm_backend's sampling parameter): the LoRA adapter this request runs with, one of those
+    the engine serves (EngineConfig.lora_modules, or added at run time); None = the base model. The engine
+    refuses a name it does not serve.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -63,6 +67,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     n: int = 1
     speculate: bool = True
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         # Every message names the field, what is wrong and the allowed values or range.
@@ -104,6 +109,9 @@ class SamplingParams:
             _check_int(f"stop_token_ids[{i}]", token_id, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         _check_int("n", self.n, low=1, high=MAX_N, note="sequences generated for the prompt")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name.strip()):
+            raise ValueError(f"lora_name must be the name of a LoRA adapter the engine serves (a non-empty string) "
+                             f"or null for the base model, got {_show(self.lora_name)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.parse(self.structured_outputs))
 
@@ -219,7 +227,6 @@ UNSUPPORTED_VLLM_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "repetition_detection": ((None,), "orca does not detect repetitions"),
     "routed_experts_prompt_start": ((0,), "orca serves no mixture-of-experts routing data"),
     "trace_decode_token_ids": ((None, []), "orca does not force decoded tokens"),
-    "lora_name": ((None,), "orca serves no LoRA adapters"),  # vllm_backend's TritonSamplingParams adds it
 }
 """vLLM's SamplingParams fields orca does not implement: each is accepted at the values listed (its
 default, or another spelling of it), which change nothing, and otherwise refused naming the field and why."""

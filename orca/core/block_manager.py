@@ -40,10 +40,13 @@ from collections.abc import Iterable, Sequence
 PLACEMENTS = ("contiguous", "lowest")
 
 
-def root_hash(cache_salt: str | None) -> bytes:
-    """The parent hash of a request's first block: the same for every request without a salt, and a
-    different one per salt."""
+def root_hash(cache_salt: str | None, lora_id: int = 0) -> bytes:
+    """The parent hash of a request's first block: the same for every request without a salt and without
+    a LoRA adapter, and a different one per salt and per adapter (keys and values computed with an
+    adapter are that adapter's: orca/core/lora.py)."""
     salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+    if lora_id:
+        salt += b"\x02" + lora_id.to_bytes(8, "little")
     return hashlib.sha256(b"orca-prefix-cache-v1" + salt).digest()
 
 

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca.checkpoint import ModelConfig, read_model_config, resolve_checkpoint
-from orca.config import EngineConfig
+from orca.config import EngineConfig, parse_lora_modules
 from orca.core.block_manager import BlockManager
 from orca.core.constraint import TokenConstraint
-from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
+from orca.core.lora import LoRARequest, LoRASlots
+from orca.core.plan import LoRALoad, PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 from orca.core.request import FinishReason, Request
 from orca.core.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
 from orca.core.speculative import check_draft_model, make_proposer
@@ -115,6 +116,9 @@ class EngineStats:
     spec_proposed_tokens: int = 0  # cumulative: speculative decoding's proposed tokens, verified
     spec_accepted_tokens: int = 0  # cumulative: ... and of them, accepted
     spec_verifications: int = 0  # cumulative: request-iterations that verified at least one proposal
+    lora_resident: int = 0  # LoRA adapters in the workers' slots now
+    lora_active: int = 0  # ... of them, used by admitted requests
+    lora_loads: int = 0  # cumulative: adapters put into a slot
 
     @property
     def n_slots(self) -> int:
@@ -163,9 +167,16 @@ class EngineCore:
         self.blocks = BlockManager(
             self.executor.num_blocks, config.block_size, enable_caching=config.effective_prefix_caching
         )
+        # Multi-LoRA (orca/core/lora.py): the adapters served by name, and the workers' slots.
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
+        self.loras: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        self._lora_removed: list[int] = []  # ids whose host copies the workers may drop (next plan)
+        # (adapter, seconds) of each load, for metrics to drain; bounded where nothing does
+        self.lora_load_seconds: deque[tuple[str, float]] = deque(maxlen=4096)
         self.scheduler = OrcaScheduler(
             config.max_bs, self.blocks, n_workers, config.kv_admission, config.max_num_batched_tokens,
-            config.speculative_disable_by_batch_size,
+            config.speculative_disable_by_batch_size, self.lora_slots,
         )
         self.failed: str | None = None  # why the workers failed (EngineFailedError), once they have
         # The model's EOS ids: a request that names none (add_request's eos_token_ids) stops at these.
@@ -194,6 +205,45 @@ class EngineCore:
                 prefix_caching=config.effective_prefix_caching,
             )
 
+        try:
+            for name, path in parse_lora_modules(config.lora_modules).items():
+                self.add_lora(name, path)
+        except Exception:
+            self.executor.shutdown()
+            raise
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Serves the adapter in directory `path` under `name`, after reading it whole and checking it
+        against the model (orca/models/lora.py read_adapter: LoRAError, a ValueError naming the adapter and
+        the reason). A name already served is refused: remove it first."""
+        if self.lora_slots is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora true")
+        if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
+            raise ValueError(f"a LoRA adapter needs a name and a path, got {name!r} and {path!r}")
+        if name in self.loras:
+            raise ValueError(f"LoRA adapter {name!r} is already served (from {self.loras[name].path}): remove it "
+                             "first to replace it")
+        from orca.models.lora import read_adapter  # reads files and tensors only: no model code
+
+        read_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        lora = self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
+        logger.info("LoRA adapter %s (id %d) from %s", name, lora.lora_id, path)
+        return lora
+
+    def remove_lora(self, name: str) -> bool:
+        """Stops serving an adapter: new requests naming it are refused; requests already holding it run
+        to their end. False if no adapter has that name."""
+        lora = self.loras.pop(name, None)
+        if lora is None:
+            return False
+        self.lora_slots.forget(lora.lora_id)  # type: ignore[union-attr]
+        self._lora_removed.append(lora.lora_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras.values())
+
     # -- requests --------------------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
@@ -219,6 +269,8 @@ class EngineCore:
         if params.n != 1:
             raise ValueError(f"n must be 1 in the engine core, got n={params.n}: a front end fans n > 1 out into n "
                              "requests (orca/frontend/parallel_sampling.py; orca_gpt serves it)")
+        if params.lora_name is not None:
+            self._lora(params.lora_name)
         vocab = self.model_config.vocab_size
         if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
@@ -246,6 +298,16 @@ class EngineCore:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the K/V cache of "
                 f"{self.n_slots} slots: max_tokens must be in [1, {self.n_slots - n}]"
             )
+
+    def _lora(self, name: str) -> LoRARequest:
+        """The adapter a request names; ValueError naming the adapters served when it is none of them."""
+        if self.lora_slots is None:
+            raise ValueError(f"lora_name {name!r}: this model serves no LoRA adapters (enable_lora is off)")
+        lora = self.loras.get(name)
+        if lora is None:
+            served = ", ".join(sorted(self.loras)) or "none"
+            raise ValueError(f"lora_name {name!r} is not an adapter this model serves (served: {served})")
+        return lora
 
     def add_request(
         self,
@@ -280,6 +342,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids if eos_token_ids is None else eos_token_ids,
             cache_salt=cache_salt,
             constraint=constraint,
+            lora=None if params.lora_name is None else self._lora(params.lora_name),
         )
         self.scheduler.add(req)
         if self.timeline is not None:
@@ -323,6 +386,9 @@ class EngineCore:
             spec_proposed_tokens=self.spec_proposed_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_verifications=self.spec_verifications,
+            lora_resident=0 if self.lora_slots is None else len(self.lora_slots.resident),
+            lora_active=0 if self.lora_slots is None else self.lora_slots.num_active,
+            lora_loads=0 if self.lora_slots is None else self.lora_slots.num_loads,
         )
 
     # -- the iteration ---------------------------------------------------------------------------
@@ -397,9 +463,12 @@ class EngineCore:
                 num_proposed=proposed,
                 num_to_propose=to_propose,
                 max_tokens=req.params.max_tokens if to_propose else 0,
+                lora_slot=-1 if req.lora is None else self.lora_slots.slot(req.lora.lora_id),  # type: ignore[union-attr]
             ))
         free, self._to_free = tuple(self._to_free), []
-        return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile)
+        loads = tuple(LoRALoad(slot, lora.lora_id, lora.name, lora.path) for slot, lora in batch.lora_loads)
+        removed, self._lora_removed = tuple(self._lora_removed), []
+        return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile, loads, removed)
 
     def _complete(self, batch: ScheduledBatch, result: StepResult, start: float) -> list[EngineCoreOutput]:
         now = time.monotonic()
@@ -443,6 +512,11 @@ class EngineCore:
         used_tokens += sum(m.num_tokens - m.num_rejected for m in batch.members if m.request.admitted)
         allocated = self.blocks.num_allocated_blocks
         finished = self.scheduler.complete(batch)  # (an abort that arrived in flight finishes here too)
+        for slot, lora in batch.lora_loads:
+            if result.error is not None:  # the slot's contents are unknown: reload it at its next use
+                self.lora_slots.forget(lora.lora_id)  # type: ignore[union-attr]
+            elif lora.lora_id in result.lora_load_seconds:
+                self.lora_load_seconds.append((lora.name, result.lora_load_seconds[lora.lora_id]))
         for req in finished:
             self._finish(req, now)
         if self.timeline is not None:

@@ -51,7 +51,8 @@ class PlannedRequest:
     proposal at its position, that one included. ``num_to_propose`` (speculative_method draft): after
     drawing, the worker drafts up to this many tokens to follow the request's last drawn one with its
     draft model (StepResult.proposals), never so many that the request's output would pass
-    ``max_tokens`` with them and the token drawn after them."""
+    ``max_tokens`` with them and the token drawn after them. ``lora_slot``: the slot of the LoRA adapter
+    the request runs with (orca/core/lora.py), -1 for the base model."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -63,18 +64,33 @@ class PlannedRequest:
     num_proposed: int = 0
     num_to_propose: int = 0
     max_tokens: int = 0
+    lora_slot: int = -1
+
+
+@dataclass(frozen=True)
+class LoRALoad:
+    """Put the adapter `lora_id` (named `name`, PEFT files in `path`) into slot `slot` before the plan's
+    forward pass (orca/core/lora.py; the worker reads the files once and keeps a host copy)."""
+
+    slot: int
+    lora_id: int
+    name: str
+    path: str
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """One iteration. ``free_request_ids`` are dropped before the plan runs (their blocks may be reused
-    by this very plan). ``return_logits`` asks for the float32 logits row of every sampled request."""
+    by this very plan). ``return_logits`` asks for the float32 logits row of every sampled request.
+    ``lora_loads`` are carried out before the forward pass (after the frees)."""
 
     batch_id: int
     requests: tuple[PlannedRequest, ...]
     free_request_ids: tuple[str, ...] = ()
     return_logits: bool = False
     profile: bool = False  # time the phases (costs a device sync per phase)
+    lora_loads: tuple[LoRALoad, ...] = ()
+    lora_removed: tuple[int, ...] = ()  # adapters no longer served: the workers drop their host copies
 
 
 @dataclass
@@ -85,7 +101,8 @@ class StepResult:
     log-probabilities, one per token of ``sampled``. ``logits`` rows are CPU tensors (plan.return_logits
     only: the row of the last token drawn); ``timings`` are seconds per phase when the plan asked for
     profiling. ``proposals``: the tokens the draft model drafted after ``sampled`` for the requests with a
-    num_to_propose (speculative_method draft)."""
+    num_to_propose (speculative_method draft). ``lora_load_seconds``: how long each of the plan's
+    lora_loads took (by lora_id; a copy from the host copy, or the first read of the files too)."""
 
     batch_id: int
     sampled: dict[str, list[int]] = field(default_factory=dict)
@@ -94,3 +111,4 @@ class StepResult:
     logits: dict[str, object] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     proposals: dict[str, list[int]] = field(default_factory=dict)
+    lora_load_seconds: dict[int, float] = field(default_factory=dict)

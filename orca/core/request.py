@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orca.core.constraint import TokenConstraint
+from orca.core.lora import LoRARequest
 from orca.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # proposed for its next increment (speculative.py)
     spec_allowed: list[bytes] = field(default_factory=list)  # a structured output's bitmask at each of them
     proposer_state: Any = None  # the proposer's own per-request state (orca/core/speculative.py)
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with (orca/core/lora.py); None = the base model
 
     @property
     def num_prompt_tokens(self) -> int:

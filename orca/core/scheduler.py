@@ -20,7 +20,9 @@ Selection, every iteration, FCFS by arrival:
    what the iteration's real work left over; none in an iteration of speculative_disable_by_batch_size
    requests or more.
 Admission stops at the first waiting request that does not fit (``break``, not ``continue``): a later,
-smaller request never jumps ahead of an earlier one waiting for memory.
+smaller request never jumps ahead of an earlier one waiting for memory. A request whose LoRA adapter
+cannot get a slot (orca/core/lora.py: every slot pinned by admitted requests of other adapters) is passed
+over instead (``continue``): it waits for a slot, later requests of resident adapters go ahead.
 
 Prefix caching (the block manager's ``enable_caching``): a request being admitted first takes, by
 reference, the cached blocks of the longest prefix of its tokens found in the cache (full blocks only, and
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 
 from orca.config import KV_ADMISSION_POLICIES
 from orca.core.block_manager import BlockManager, hash_block, root_hash
+from orca.core.lora import LoRARequest, LoRASlots
 from orca.core.request import FinishReason, Request
 
 
@@ -77,6 +80,7 @@ class ScheduledBatch:
     members: list[ScheduledRequest]
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)  # (slot, adapter) to put in first
 
     @property
     def requests(self) -> list[Request]:
@@ -96,6 +100,7 @@ class OrcaScheduler:
         kv_admission: str = "reserve",
         max_num_batched_tokens: int | None = None,
         spec_disable_batch_size: int | None = None,
+        loras: LoRASlots | None = None,
     ) -> None:
         for name, value in (("max_bs", max_bs), ("n_workers", n_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -113,6 +118,7 @@ class OrcaScheduler:
         self.kv_admission = kv_admission
         self.max_num_batched_tokens = max_num_batched_tokens
         self.spec_disable_batch_size = spec_disable_batch_size  # EngineConfig.speculative_disable_by_batch_size
+        self.loras = loras  # the workers' LoRA slots (orca/core/lora.py); None = LoRA off
         # The request pool, in arrival order (insertion order of the dict = arrival order).
         self._pool: OrderedDict[str, Request] = OrderedDict()
         self._in_flight: deque[ScheduledBatch] = deque()
@@ -225,6 +231,8 @@ class OrcaScheduler:
                     if new_blocks is None:
                         return budget
                 else:
+                    if req.lora is not None and not self.loras.can_acquire(req.lora.lora_id):  # type: ignore[union-attr]
+                        continue  # its adapter waits for a slot; requests of resident adapters go ahead
                     cached = self._cached_prefix(req) if self.blocks.enable_caching else []
                     if cached:
                         start = len(cached) * self.blocks.block_size
@@ -233,6 +241,10 @@ class OrcaScheduler:
                     if not self.blocks.can_grow(req.request_id, target, cached):
                         return budget  # no queue jumping: later requests wait behind this one
                     new_blocks = self.blocks.grow(req.request_id, target, cached)
+                    if req.lora is not None:
+                        slot, load = self.loras.acquire(req.lora.lora_id)  # type: ignore[union-attr]
+                        if load:
+                            batch.lora_loads.append((slot, req.lora))
                     req.admitted = True
                     req.num_computed_tokens = start
                     if req.num_preemptions == 0:
@@ -287,12 +299,13 @@ class OrcaScheduler:
         """The request's hash chain over its first num_blocks full blocks (computed once per block)."""
         hashes, size = req.block_hashes, self.blocks.block_size
         while len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else root_hash(req.cache_salt)
+            parent = hashes[-1] if hashes else root_hash(req.cache_salt, req.lora.lora_id if req.lora else 0)
             hashes.append(hash_block(parent, req.token_ids(len(hashes) * size, size)))
         return hashes
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free(req.request_id)
+        self._release_lora(req)
         req.admitted = False
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -346,4 +359,10 @@ class OrcaScheduler:
     def _remove(self, req: Request) -> None:
         del self._pool[req.request_id]
         self.blocks.free(req.request_id)
+        self._release_lora(req)
         req.admitted = False
+
+    def _release_lora(self, req: Request) -> None:
+        """An admitted request leaves: its adapter's slot loses a user (orca/core/lora.py)."""
+        if req.admitted and req.lora is not None:
+            self.loras.release(req.lora.lora_id)  # type: ignore[union-attr]

@@ -38,6 +38,7 @@ from orca.models.attention.flex import FLEX_MIN_HEAD_DIM
 from orca.models.device import upload
 from orca.models.layers import resolve_linear_backend
 from orca.models.loader import checkpoint_bytes, load_model
+from orca.models.lora import LoRAModel
 from orca.models.quantization import QuantizedLinear
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.worker.compiled import CompiledForward, why_not_compiled
@@ -102,6 +103,15 @@ class Worker:
                     "; hybrid keeps them twice" if self.linear_backend == "hybrid" else "")
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend,
                                                    config.quantization, config.quantization_group_size)
+        mc: ModelConfig = self.model_config
+        self.par = par or ParallelContext.single(mc.num_layers)
+        # Multi-LoRA (enable_lora): every adaptable linear gets max_loras slots (orca/models/lora.py).
+        self.lora: LoRAModel | None = None
+        if config.enable_lora:
+            self.lora = LoRAModel(self.model, mc, self.par, config.max_loras, config.max_lora_rank, self.dtype,
+                                  self.device)
+            logger.info("LoRA: %d adapted linear layers, %d slots of rank %d (%.1f MB each)", len(self.lora.layers),
+                        config.max_loras, config.max_lora_rank, self.lora.bytes_per_slot / 1e6)
         kinds = Counter(m.kind for m in self.model.modules() if isinstance(m, QuantizedLinear))
         logger.info("quantization %s -> %s", config.quantization,
                     ", ".join(f"{k} ({n} linear layers)" for k, n in sorted(kinds.items())) or "none (float weights)")
@@ -112,8 +122,6 @@ class Worker:
         warning = self.attention.device_warning(self.device)
         if warning is not None:
             logger.warning("%s", warning)
-        mc: ModelConfig = self.model_config
-        self.par = par or ParallelContext.single(mc.num_layers)
         kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
         self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, kv_dtype, config.block_size)
         self.kv_pool: torch.Tensor | None = None
@@ -132,11 +140,15 @@ class Worker:
         # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
         self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
                                               self.par.layout.world_size, self.model)
+        if self.no_graphs_reason is None and self.lora is not None:
+            self.no_graphs_reason = "LoRA adapters (enable_lora) run eagerly"
         self.decode_graphs: DecodeGraphs | None = None
         # The compiled forward pass (orca/worker/compiled.py): compiled in init_kv_pool when why_not_compiled
         # finds no reason against.
         self.no_compile_reason = why_not_compiled(config.effective_torch_compile, self.device,
                                                   self.attention_backend, self.par.layout.world_size, self.model)
+        if self.no_compile_reason is None and self.lora is not None:
+            self.no_compile_reason = "LoRA adapters (enable_lora) run eagerly"
         self.compiled: CompiledForward | None = None
         self._requests: dict[str, _RequestState] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []  # activations on their way to the next stage
@@ -360,6 +372,7 @@ class Worker:
         t0 = time.perf_counter()
         for request_id in plan.free_request_ids:
             self._requests.pop(request_id, None)
+        lora_seconds = self._load_loras(plan) if plan.lora_loads or plan.lora_removed else {}
         ordered = _execution_order(plan.requests)
         graph_size = self._graph_size(ordered) if timer is None else None
         ids, pos, meta, sample_rows = self._prepare(ordered, timer, graph_size)
@@ -375,7 +388,7 @@ class Worker:
         if self._fault is not None:
             message, self._fault = self._fault, None
             raise RuntimeError(message)
-        result = StepResult(plan.batch_id)
+        result = StepResult(plan.batch_id, lora_load_seconds=lora_seconds)
         if not par.is_last_stage:
             self._send_activations(hidden)
             return result
@@ -428,6 +441,20 @@ class Worker:
             if self.draft_model is not None:
                 result.timings["draft"] = t4 - t3  # (its attention is in "attention" too)
         return result
+
+    def _load_loras(self, plan: StepPlan) -> dict[int, float]:
+        """Puts the plan's adapters into their slots (orca/core/lora.py) and drops the host copies of those
+        removed; returns each load's seconds by lora_id."""
+        if self.lora is None:
+            raise RuntimeError("the plan loads LoRA adapters, but this worker was started without enable_lora")
+        self.lora.forget(set(plan.lora_removed))
+        seconds = {}
+        for load in plan.lora_loads:
+            t0 = time.perf_counter()
+            self.lora.load(load.slot, load.lora_id, load.name, load.path)
+            seconds[load.lora_id] = time.perf_counter() - t0
+            logger.info("LoRA adapter %s into slot %d in %.1f ms", load.name, load.slot, 1e3 * seconds[load.lora_id])
+        return seconds
 
     # -- the draft model (speculative_method draft) ----------------------------------------------
     def _draft_metadata(self, ordered: list[PlannedRequest], meta: AttentionMetadata, padded: bool,
@@ -537,7 +564,10 @@ class Worker:
         proposals: list[tuple[int, ...]] = []  # per sampling request, its proposed tokens (none mostly)
         masks: list[tuple[int, bytes]] = []  # (sampling row, allowed-token bitmask) of constrained requests
         new_blocks: list[int] = []
+        lora_rows: dict[int, list[int]] = {}  # slot -> this iteration's rows of its adapter
         for pr, end in zip(ordered, itertools.accumulate(len(p.token_ids) for p in ordered)):
+            if pr.lora_slot >= 0:
+                lora_rows.setdefault(pr.lora_slot, []).extend(range(end - len(pr.token_ids), end))
             state = self._requests.get(pr.request_id)
             if pr.sampling is not None:
                 state = self._requests[pr.request_id] = _RequestState(pr.sampling)
@@ -576,6 +606,11 @@ class Worker:
         pad_slot = self.decode_graphs.pad_slot if padding else 0
         meta = self.attention.for_iteration(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool,
                                             timer, padding=padding, pad_slot=pad_slot, kv_scales=self.kv_scales)
+        if self.lora is not None:
+            self.lora.batch.set_rows(lora_rows, self.device, self.dtype)
+        elif lora_rows:
+            raise RuntimeError("the plan runs requests with LoRA adapters, but this worker was started without "
+                               "enable_lora")
         ids = upload(input_ids, torch.int64, self.device)  # (T,)
         pos = upload(positions, torch.int64, self.device)  # (T,)
         sample_rows = None

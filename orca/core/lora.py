@@ -1,0 +1,101 @@
+"""Multi-LoRA in the engine core: which adapters exist and which of them sit in the workers' slots.
+
+A LoRA adapter (PEFT's format: orca/models/lora.py reads and applies it) is registered under a name and
+gets an id (LoRARequest); a request names it (SamplingParams.lora_name) and carries it (Request.lora).
+The workers hold `max_loras` adapters at once, in slots (EngineConfig.max_loras). The core decides which
+adapter sits in which slot, here, with plain numbers:
+
+- A request is admitted only when its adapter is resident or can be made so: a free slot, or one whose
+  adapter no admitted request uses (the least recently used of those is evicted). Otherwise the request
+  waits and later requests may pass it (the scheduler's ``continue``): a request waits for a slot, never
+  the batch. An admitted request pins its adapter's slot until it leaves (finishes, is preempted or
+  aborted), so the adapters of admitted requests never number more than max_loras and never thrash.
+- Putting an adapter into a slot is part of the next plan (StepPlan.lora_loads): every worker copies it
+  there (from its host copy, read from disk the first time) before that iteration's forward pass.
+  Batches are executed in order on every worker, so a slot is never rewritten under a batch in flight:
+  the slots that can be evicted are those no admitted request (and so no batch in flight) uses.
+
+Slot ids are 0 .. max_loras - 1; PlannedRequest.lora_slot is -1 for the base model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A registered adapter: its name (what requests and the OpenAI API's `model` say), its id (unique
+    for the engine's life: an adapter removed and added again under the same name gets a new one, so no
+    cached K/V of the old one is ever reused) and its directory (adapter_config.json and
+    adapter_model.safetensors)."""
+
+    name: str
+    lora_id: int
+    path: str
+
+
+class LoRASlots:
+    """Which adapter (by id) each of `max_loras` slots holds, and how many admitted requests use each."""
+
+    def __init__(self, max_loras: int) -> None:
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+            raise ValueError(f"max_loras must be an integer >= 1, got {max_loras!r}")
+        self.max_loras = max_loras
+        self._slot_of: dict[int, int] = {}  # lora_id -> slot
+        self._users: dict[int, int] = {}  # lora_id -> admitted requests using it (resident ids only)
+        self._idle: OrderedDict[int, None] = OrderedDict()  # resident ids no request uses, least recent first
+        self._free = list(range(max_loras - 1, -1, -1))  # never used yet; popped lowest first
+        self.num_loads = 0  # cumulative: adapters put into a slot
+
+    @property
+    def resident(self) -> dict[int, int]:
+        """lora_id -> slot of every adapter in a slot now."""
+        return dict(self._slot_of)
+
+    @property
+    def num_active(self) -> int:
+        """Adapters used by at least one admitted request."""
+        return sum(1 for n in self._users.values() if n > 0)
+
+    def slot(self, lora_id: int) -> int:
+        return self._slot_of[lora_id]
+
+    def can_acquire(self, lora_id: int) -> bool:
+        """Whether a request of this adapter can be admitted now."""
+        return lora_id in self._slot_of or bool(self._free) or bool(self._idle)
+
+    def acquire(self, lora_id: int) -> tuple[int, bool]:
+        """One more admitted request uses the adapter: (its slot, whether the adapter must be put there,
+        i.e. it was not resident). Evicts the least recently used idle adapter when no slot is free."""
+        if lora_id in self._slot_of:
+            self._idle.pop(lora_id, None)
+            self._users[lora_id] += 1
+            return self._slot_of[lora_id], False
+        if self._free:
+            slot = self._free.pop()
+        elif self._idle:
+            victim, _ = self._idle.popitem(last=False)
+            slot = self._slot_of.pop(victim)
+            del self._users[victim]
+        else:
+            raise RuntimeError(f"no LoRA slot for adapter {lora_id}: all {self.max_loras} are in use")
+        self._slot_of[lora_id] = slot
+        self._users[lora_id] = 1
+        self.num_loads += 1
+        return slot, True
+
+    def release(self, lora_id: int) -> None:
+        """An admitted request of the adapter left (finished, preempted or aborted); the adapter stays in
+        its slot, idle once no request uses it, until a slot is needed for another."""
+        self._users[lora_id] -= 1
+        if self._users[lora_id] == 0:
+            self._idle[lora_id] = None
+
+    def forget(self, lora_id: int) -> None:
+        """The adapter was removed from the engine: its slot, if it is idle, becomes free."""
+        if lora_id in self._idle:
+            del self._idle[lora_id]
+            self._free.append(self._slot_of.pop(lora_id))
+            del self._users[lora_id]
