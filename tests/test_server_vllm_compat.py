@@ -210,7 +210,7 @@ def test_string_sampling_values_with_the_same_request_parameters(orca_server: An
 @pytest.mark.parametrize(("sampling", "message"), [
     ({"n": "0"}, "n must be >= 1 and <= 128 (sequences generated for the prompt), got 0"),
     ({"presence_penalty": "0.5"}, "presence_penalty is not supported: orca's sampler applies no penalties"),
-    ({"lora_name": "sql-lora"}, "lora_name is not supported: orca serves no LoRA adapters"),
+    ({"lora_name": "sql-lora"}, "lora_name 'sql-lora': this model serves no LoRA adapters (enable_lora is off)"),
     ({"temperature": "warm"}, "temperature must be a number >= 0 (0 = greedy), got string 'warm'"),
 ])
 def test_vllm_fields_orca_lacks_and_bad_strings_are_refused_by_name(

@@ -84,7 +84,6 @@ def test_vllm_fields_at_their_defaults_are_accepted() -> None:
     ({"prompt_logprobs": 1}, "prompt_logprobs is not supported"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias is not supported"),
     ({"include_stop_str_in_output": "true"}, "include_stop_str_in_output is not supported"),
-    ({"lora_name": "adapter"}, "lora_name is not supported: orca serves no LoRA adapters"),
     ({"best_of": 2}, "best_of is not supported"),
 ])
 def test_an_unsupported_vllm_field_is_refused_by_name(values: dict[str, Any], message: str) -> None:
