@@ -512,7 +512,7 @@ class EngineCore:
         used_tokens += sum(m.num_tokens - m.num_rejected for m in batch.members if m.request.admitted)
         allocated = self.blocks.num_allocated_blocks
         finished = self.scheduler.complete(batch)  # (an abort that arrived in flight finishes here too)
-        for slot, lora in batch.lora_loads:
+        for _slot, lora in batch.lora_loads:
             if result.error is not None:  # the slot's contents are unknown: reload it at its next use
                 self.lora_slots.forget(lora.lora_id)  # type: ignore[union-attr]
             elif lora.lora_id in result.lora_load_seconds:

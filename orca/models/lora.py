@@ -367,7 +367,7 @@ def add_lora_layers(model: nn.Module, cfg: ModelConfig, par: ParallelContext, nu
         base = modules[module_name]
         parts, offset = [], 0
         row_parallel = any(s.shard.kind == "row" for s in sources)
-        for s, (layer, inner) in zip(sources, inners):
+        for s, (_, inner) in zip(sources, inners):
             out, cols = shapes[inner]
             size = out if row_parallel else shard_tensor(torch.empty(out, 1, device="meta"), s.shard,
                                                          par.tp_rank, par.tp_size).shape[0]
