@@ -164,12 +164,14 @@ def test_prefix_cache_never_shares_keys_across_adapters(adapter_root: str) -> No
         assert (hits > 0) == (i == 2), (i, adapter, hits)
 
 
-def test_tensor_parallel_adapters_match_peft(adapter_root: str) -> None:
-    # tp 2 on gloo: column-parallel layers split B by output rows, row-parallel ones A by input columns.
-    engine = lora_engine("llama", adapter_root, tensor_parallel_size=2, max_loras=3)
+@pytest.mark.parametrize("family,tp,pp", [("llama", 2, 1), ("gpt2", 2, 1), ("llama", 1, 2)])
+def test_parallel_adapters_match_peft(family: str, tp: int, pp: int, adapter_root: str) -> None:
+    # tp 2 on gloo: column-parallel layers split B by output rows, row-parallel ones A by input columns
+    # (their x A^T all-reduced); pp 2: each stage adapts its own layers.
+    engine = lora_engine(family, adapter_root, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_loras=3)
     try:
-        jobs = mixed_jobs("llama", n=6)
-        check("llama", adapter_root, jobs, run(engine, jobs))
+        jobs = mixed_jobs(family, n=6)
+        check(family, adapter_root, jobs, run(engine, jobs))
     finally:
         engine.shutdown()
 
