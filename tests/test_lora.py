@@ -262,3 +262,28 @@ def test_slots_evict_the_least_recently_used_idle_adapter() -> None:
     slots.release(3)
     slots.forget(3)  # removed while idle: its slot is free again
     assert slots.acquire(4) == (0, True)
+
+
+def test_a_compiled_engine_runs_adapter_iterations_eagerly(adapter_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch_compile auto as shipped: base-only iterations run the compiled graph (traced without adapter
+    # rows, and never compiled again: fail_on_recompile), iterations with adapter rows the eager model.
+    monkeypatch.delenv("ORCA_TORCH_COMPILE")
+    engine = lora_engine("llama", adapter_root, max_loras=3)
+    compiled = engine.executor.worker.compiled
+    assert compiled is not None and compiled.ready
+    compiled.stance = "fail_on_recompile"
+    calls = {"compiled": 0}
+    original = type(compiled).__call__
+
+    def counting(self: Any, *args: Any) -> Any:
+        calls["compiled"] += 1
+        return original(self, *args)
+
+    monkeypatch.setattr(type(compiled), "__call__", counting)
+    base_only = [("b0", [1, 2, 3], None), ("b1", [4, 5], None)]
+    check("llama", adapter_root, base_only, run(engine, base_only))
+    assert calls["compiled"] == MAX_TOKENS  # every iteration of the base-only run
+    calls["compiled"] = 0
+    jobs = mixed_jobs("llama", n=6)
+    check("llama", adapter_root, jobs, run(engine, jobs))
+    assert calls["compiled"] == 0  # every iteration had adapter rows

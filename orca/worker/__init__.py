@@ -140,15 +140,11 @@ class Worker:
         # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
         self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
                                               self.par.layout.world_size, self.model)
-        if self.no_graphs_reason is None and self.lora is not None:
-            self.no_graphs_reason = "LoRA adapters (enable_lora) run eagerly"
         self.decode_graphs: DecodeGraphs | None = None
         # The compiled forward pass (orca/worker/compiled.py): compiled in init_kv_pool when why_not_compiled
         # finds no reason against.
         self.no_compile_reason = why_not_compiled(config.effective_torch_compile, self.device,
                                                   self.attention_backend, self.par.layout.world_size, self.model)
-        if self.no_compile_reason is None and self.lora is not None:
-            self.no_compile_reason = "LoRA adapters (enable_lora) run eagerly"
         self.compiled: CompiledForward | None = None
         self._requests: dict[str, _RequestState] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []  # activations on their way to the next stage
@@ -380,8 +376,8 @@ class Worker:
         par = self.par
         if graph_size is not None:
             hidden = self.decode_graphs.run(ids, pos, meta)  # (graph_size, E), padding rows last
-        elif self.compiled is not None:
-            hidden = self.compiled(ids, pos, meta)  # (T, E)
+        elif self.compiled is not None and not (self.lora is not None and self.lora.batch.active):
+            hidden = self.compiled(ids, pos, meta)  # (T, E); traced without adapter rows: those run eagerly
         else:
             received = None if par.is_first_stage else self._receive_activations(ids.shape[0])
             hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)
@@ -540,6 +536,8 @@ class Worker:
         """The CUDA graph size a decode iteration of these requests pads to; None when graphs are off or
         some request feeds more than one token (or none after a cached prefix)."""
         if self.decode_graphs is None or not all(len(pr.token_ids) == 1 and pr.start > 0 for pr in ordered):
+            return None
+        if any(pr.lora_slot >= 0 for pr in ordered):  # captured without adapter rows: those run eagerly
             return None
         return graph_size_for(len(ordered), self.decode_graphs.sizes)
 
