@@ -13,8 +13,10 @@ GPT-2's c_attn) are adapted part by part: each part's A and B go into the fused 
 side (its delta's rows are the part's output rows).
 
 Slots (orca/core/lora.py decides which adapter sits in which): every adapted linear holds, for each of
-max_loras slots, the parts' A stacked (P r_max, in) and their B transposed (P r_max, out), B scaled by s,
-zeros where an adapter's rank is below r_max or it does not adapt the part. Under tensor parallelism a
+max_loras slots, room for P parts of rank r_max: the A of each part the adapter adapts, stacked from the
+slot's first row, (sum of their ranks, in), and their B transposed over each part's output columns,
+(same rows, out), B scaled by s. The deltas read only the rows an adapter fills: an adapter of rank 8 on
+q and v costs 16 rows of the fused q|k|v layer's 3 x r_max. Under tensor parallelism a
 slot holds this rank's share: a column-parallel layer's B splits like its weight's output rows and A is
 whole; a row-parallel layer's A splits like its weight's input columns, B is whole, and the (T, P r)
 products x A^T are all-reduced before B (a few columns, where the base layer all-reduces its whole
@@ -258,17 +260,21 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("lora_bt", torch.zeros(num_slots * self.pr, out_features, dtype=dtype, device=device),
                              persistent=False)
-        self.adapted = [False] * num_slots  # whether the adapter in the slot adapts this layer
+        # Rows of each slot its adapter fills: its parts' ranks, packed from the slot's first row (0: the
+        # adapter leaves this layer alone). The deltas read only these.
+        self.used = [0] * num_slots
 
     def load_slot(self, slot: int, adapter: LoRAAdapter | None, prefix: str, tp_rank: int, tp_size: int) -> None:
-        """Puts the adapter's matrices for this layer into the slot (zeros where it has none); None empties it."""
+        """Puts the adapter's matrices for this layer into the slot, the parts it adapts one after the other
+        (A's rows, and B^T's rows over the part's output columns); None empties it."""
         rows = slice(slot * self.pr, (slot + 1) * self.pr)
         self.lora_a[rows].zero_()
         self.lora_bt[rows].zero_()
-        self.adapted[slot] = False
+        self.used[slot] = 0
         if adapter is None:
             return
-        for p, part in enumerate(self.parts):
+        start = slot * self.pr
+        for part in self.parts:
             module = f"{prefix}{self.layer}.{part.inner}"
             if module not in adapter.weights:
                 continue
@@ -278,33 +284,39 @@ class LoRALinear(nn.Module):
                 a = shard_tensor(a, ROW, tp_rank, tp_size)  # this rank's input columns
             else:
                 b = shard_tensor(b, part.rule, tp_rank, tp_size)  # this rank's output rows
-            start = slot * self.pr + p * self.max_rank
             self.lora_a[start:start + r].copy_(a)
             self.lora_bt[start:start + r, part.offset:part.offset + part.size].copy_(b.t() * adapter.scaling[module])
-            self.adapted[slot] = True
+            start += r
+        self.used[slot] = start - slot * self.pr
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.batch
-        if not batch.active or not any(self.adapted[batch.lo:batch.hi]):
+        if not batch.active:
+            return y
+        used = max(self.used[batch.lo:batch.hi])  # rows the widest adapter in the range fills
+        if used == 0:  # none of them adapts this layer
             return y
         pr = self.pr
         if batch.grouped:
             n = batch.hi - batch.lo
-            a = self.lora_a[batch.lo * pr:batch.hi * pr].view(n, pr, self.in_features)
-            bt = self.lora_bt[batch.lo * pr:batch.hi * pr].view(n, pr, self.out_features)
+            a = self.lora_a[batch.lo * pr:batch.hi * pr].view(n, pr, self.in_features)[:, :used]
+            bt = self.lora_bt[batch.lo * pr:batch.hi * pr].view(n, pr, self.out_features)[:, :used]
             xs = x.index_select(0, batch.gather).view(n, batch.max_rows, self.in_features)
-            xa = torch.bmm(xs, a.transpose(1, 2))  # (n, rows, P r)
+            xa = torch.bmm(xs, a.transpose(1, 2))  # (n, rows, used)
             if self.row_parallel:
                 self.par.all_reduce(xa)  # type: ignore[union-attr]
             xa.mul_(batch.valid)  # padding rows add nothing
             y.index_add_(0, batch.gather, torch.bmm(xa, bt).view(-1, self.out_features))
             return y
         for slot, rows in batch.segments:
-            xa = x.index_select(0, rows) @ self.lora_a[slot * pr:(slot + 1) * pr].t()  # (rows, P r)
+            used = self.used[slot]  # (the same on every rank: all or none join a row-parallel all-reduce)
+            if used == 0:
+                continue
+            xa = x.index_select(0, rows) @ self.lora_a[slot * pr:slot * pr + used].t()  # (rows, used)
             if self.row_parallel:
                 self.par.all_reduce(xa)  # type: ignore[union-attr]
-            y.index_add_(0, rows, xa @ self.lora_bt[slot * pr:(slot + 1) * pr])
+            y.index_add_(0, rows, xa @ self.lora_bt[slot * pr:slot * pr + used])
         return y
 
     def extra_repr(self) -> str:
