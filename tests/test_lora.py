@@ -19,6 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from orca import EngineConfig, LLMEngine, SamplingParams
+from orca.checkpoint import read_model_config
 from orca.core.lora import LoRASlots
 from orca.models import lora as lora_layers
 from orca.models.lora import LoRAError, read_adapter
@@ -287,3 +288,32 @@ def test_a_compiled_engine_runs_adapter_iterations_eagerly(adapter_root: str, mo
     jobs = mixed_jobs("llama", n=6)
     check("llama", adapter_root, jobs, run(engine, jobs))
     assert calls["compiled"] == 0  # every iteration had adapter rows
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+def test_every_llama_style_family_matches_peft(family: str, tmp_path: Path) -> None:
+    # One adapter on attention and (where the layer is dense) the MLP, beside the base model: a sliding
+    # window (Mistral, Qwen2), q/k/v biases (Qwen2), q/k norms and a head_dim of its own (Qwen3), and
+    # mixtures whose experts stay the base's (an adapter on experts is refused: tested above by name).
+    import checkpoints
+
+    checkpoint = getattr(checkpoints, f"make_{family}")(tmp_path / family)
+    attention, mlp = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+    moe = family in ("mixtral", "qwen3_moe")
+    adapter = make_adapter(checkpoint, tmp_path / "adapter", 4, attention if moe else attention + mlp, 1)
+    if family == "qwen3_moe":  # PEFT maps the MLP targets onto the experts' parameters: refused by name
+        experts = make_adapter(checkpoint, tmp_path / "experts", 4, attention + mlp, 1)
+        with pytest.raises(LoRAError, match=r"'experts' .*target_parameters \(adapters on parameters, such as a "
+                                            r"mixture's experts\) is not supported"):
+            read_adapter("experts", experts, read_model_config(checkpoint)[0], 16)
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", enable_lora=True,
+                                    lora_modules=f"a={adapter}"))
+    pi, e = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8]
+    jobs = [("x", pi, "a"), ("w", pi, None), ("y", e, None), ("z", e, "a")]
+    outputs = run(engine, jobs)
+    for request_id, prompt, name in jobs:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        if name is not None:
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        assert outputs[request_id] == hf_greedy(model.eval(), prompt, MAX_TOKENS), request_id
+    assert outputs["y"] != outputs["z"] or outputs["x"] != outputs["w"]  # the adapter changes the model

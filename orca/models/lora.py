@@ -122,6 +122,7 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise LoRAError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     unsupported = [
+        (config.get("target_parameters"), "target_parameters (adapters on parameters, such as a mixture's experts)"),
         (config.get("use_dora"), "use_dora (DoRA)"),
         (config.get("bias", "none") != "none", f"bias {config.get('bias')!r} (only \"none\")"),
         (config.get("modules_to_save"), "modules_to_save (fully trained layers)"),
