@@ -33,6 +33,9 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     required_models: tuple[str, ...] = ()  # /health is 503 unless these are ready (always: Triton, one orca model)
     tool_call_parser: str = "auto"  # how tool_choice "auto" finds calls in the text (orca_openai.tools.PARSERS)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind the same switch: its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they answer 404
+    allow_runtime_lora_updating: bool = False
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -138,12 +141,47 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         models = await triton().models(refresh=True)
-        return {"object": "list", "data": [_model_card(m.name, m.created) for m in models.values()]}
+        cards = []
+        for m in models.values():  # each model, then the LoRA adapters it serves (as vLLM lists them)
+            cards.append(_model_card(m.name, m.created))
+            cards += [_model_card(name, m.created, path, m.name) for name, path in m.adapters.items()
+                      if name not in models]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str) -> dict[str, Any]:
-        info = await triton().model(name)
+        info, lora = await triton().resolve(name)
+        if lora is not None:
+            return _model_card(lora, info.created, info.adapters[lora], info.name)
         return _model_card(info.name, info.created)
+
+    def _lora_updating(body: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+        if not settings.allow_runtime_lora_updating:
+            raise APIError(404, "Not Found: loading and unloading LoRA adapters at run time is off (start orca-openai "
+                           "with --allow-runtime-lora-updating)", "not_found_error")
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        unknown = set(body) - {*keys, "model", "load_inplace"}
+        if unknown:
+            raise APIError(400, f"unrecognized request argument supplied: {', '.join(sorted(unknown))}")
+        for key in keys:
+            if not isinstance(body.get(key), str) or not body[key].strip():
+                raise APIError(400, f"{key} must be a non-empty string", param=key)
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise APIError(400, "model must be a string: the model that serves the adapter", param="model")
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = _lora_updating(await body_of(request), ("lora_name", "lora_path"))
+        await triton().load_lora(body.get("model"), body["lora_name"], body["lora_path"])
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = _lora_updating(await body_of(request), ("lora_name",))
+        await triton().unload_lora(body.get("model"), body["lora_name"])
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -156,7 +194,9 @@ def create_app(settings: Settings) -> FastAPI:
         return await _serve(request, req, chat=True)
 
     async def _serve(request: Request, req: protocol.Request, chat: bool) -> Response:
-        info = await triton().model(req.model)
+        info, lora = await triton().resolve(req.model)
+        if lora is not None:  # a LoRA adapter: its base model runs the request with it
+            req.sampling["lora_name"] = lora
         if req.logprobs is not None:
             if not info.has_logprobs:
                 raise APIError(400, f"logprobs are not supported by this model ({info.name} has no logprobs output)",
@@ -174,7 +214,7 @@ def create_app(settings: Settings) -> FastAPI:
         kind = "chatcmpl" if chat else "cmpl"
         ident = f"{kind}-{uuid.uuid4().hex}"
         created = int(time.time())
-        gen = triton().generate(req.model, inputs)
+        gen = triton().generate(info.name, inputs)
         if not req.stream:
             try:
                 chunks = await _collect_unless_disconnected(request, gen)
@@ -195,8 +235,10 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def _model_card(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "orca"}
+def _model_card(name: str, created: int, root: str | None = None, parent: str | None = None) -> dict[str, Any]:
+    """A model's card; a LoRA adapter's, as vLLM's: root its directory, parent the model serving it."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "orca", "root": root or name,
+            "parent": parent}
 
 
 async def _collect_unless_disconnected(request: Request, gen: AsyncIterator[Chunk]) -> list[Chunk]:

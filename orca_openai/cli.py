@@ -55,6 +55,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "objects, ;-separated), auto: any of them (default: %(default)s). tool_choice required or naming a "
         "function is grammar-enforced and needs no parser",
     )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), which load and unload LoRA "
+        "adapters of a model with enable_lora true (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING; off: 404)",
+    )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
     return parser.parse_args(argv)
 
@@ -88,7 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_url = f"http://{host}:8002/metrics"
     settings = Settings(triton_url=args.triton_url, metrics_url=metrics_url, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, required_models=tuple(args.require_model),
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = QuietServer(config)

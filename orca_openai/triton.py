@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
 from orca_client import client as orca_client
@@ -22,6 +24,9 @@ from tritonclient.utils import InferenceServerException
 
 ORCA_INPUTS = frozenset({"input_ids", "text_input", "messages", "stream", "sampling_parameters"})
 """A model is served here when it is decoupled and takes (at least) these inputs of orca_gpt's."""
+
+LORA_CONTROL = "lora_control"
+"""orca_gpt's input of LoRA control requests (orca_triton/lora.py): list, load and unload adapters in-band."""
 
 _IDS = itertools.count()
 
@@ -60,6 +65,8 @@ class ModelInfo:
     outputs: frozenset[str]
     inputs: frozenset[str] = ORCA_INPUTS
     created: int = field(default_factory=lambda: int(time.time()))
+    lora: bool = False  # serves LoRA adapters (enable_lora, and the lora_control input)
+    adapters: dict[str, str] = field(default_factory=dict)  # the adapters it serves: name -> path on Triton's host
 
     @property
     def has_logprobs(self) -> bool:
@@ -153,8 +160,100 @@ class Triton:
             inputs = {i["name"] for i in config.get("input", [])}
             if policy.get("decoupled") and ORCA_INPUTS <= inputs:
                 outputs = frozenset(o["name"] for o in config.get("output", []))
-                found[name] = ModelInfo(name, ready, outputs, frozenset(inputs))
+                enable_lora = config.get("parameters", {}).get("enable_lora", {}).get("string_value", "")
+                lora = LORA_CONTROL in inputs and enable_lora.strip().lower() == "true"
+                info = found[name] = ModelInfo(name, ready, outputs, frozenset(inputs), lora=lora)
+                if lora:
+                    try:
+                        answer = await self._control(name, {"action": "list"})
+                    except APIError:
+                        continue  # unloaded or failed meanwhile: not served
+                    info.adapters = {a["name"]: a["path"] for a in answer.get("adapters", [])}
         return found
+
+    async def resolve(self, name: str) -> tuple[ModelInfo, str | None]:
+        """The model a request's `model` names and its LoRA adapter: a model by its name (adapter None), or an
+        adapter (as vLLM lists them) by its name, with the model serving it; 404 for neither."""
+        for refresh in (False, True):
+            models = await self.models(refresh=refresh)
+            if name in models:
+                return models[name], None
+            for info in models.values():
+                if name in info.adapters:
+                    return info, name
+        raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
+                       "model_not_found")
+
+    async def load_lora(self, model: str | None, name: str, path: str) -> ModelInfo:
+        """Loads an adapter into `model` (None: the one orca model serving LoRA adapters) through its
+        lora_control input; 400 naming the adapter and the reason when it is refused."""
+        models = await self.models(refresh=True)
+        if name in models:
+            raise APIError(400, f"The lora adapter '{name}' cannot be loaded: a model has that name", param="lora_name")
+        if any(name in info.adapters for info in models.values()):
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        info = self._lora_model(models, model)
+        await self._control(info.name, {"action": "load", "lora_name": name, "lora_path": path})
+        await self.models(refresh=True)
+        return info
+
+    async def unload_lora(self, model: str | None, name: str) -> ModelInfo:
+        """Unloads an adapter from the model serving it (or `model`); 404 when none serves it."""
+        models = await self.models(refresh=True)
+        serving = [info for info in models.values() if name in info.adapters and model in (None, info.name)]
+        if not serving:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error", "lora_name",
+                           "lora_adapter_not_found")
+        await self._control(serving[0].name, {"action": "unload", "lora_name": name})
+        await self.models(refresh=True)
+        return serving[0]
+
+    @staticmethod
+    def _lora_model(models: dict[str, ModelInfo], model: str | None) -> ModelInfo:
+        if model is not None:
+            if model not in models:
+                raise APIError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+                               "model_not_found")
+            if not models[model].lora:
+                raise APIError(400, f"The model `{model}` serves no LoRA adapters (its parameter enable_lora is not "
+                               "true)", param="model")
+            return models[model]
+        lora = [info for info in models.values() if info.lora]
+        if not lora:
+            raise APIError(400, "No model serves LoRA adapters: set the parameter enable_lora to \"true\" in a "
+                           "model's config.pbtxt")
+        if len(lora) > 1:
+            raise APIError(400, "Several models serve LoRA adapters "
+                           f"({', '.join(sorted(i.name for i in lora))}): say which with \"model\"", param="model")
+        return lora[0]
+
+    async def _control(self, model: str, request: dict[str, Any]) -> dict[str, Any]:
+        """One lora_control request (orca_triton/lora.py) and its JSON answer; its error as an APIError (404:
+        an adapter that is not served; 400: a refused adapter or request; 503: the model is unavailable)."""
+        control = grpcclient.InferInput(LORA_CONTROL, [1], "BYTES")
+        control.set_data_from_numpy(np.array([json.dumps(request).encode()], dtype=np.object_))
+        request_id = f"lora-{next(_IDS)}"
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": model, "inputs": [control], "request_id": request_id}
+
+        stream = self.client.stream_infer(requests())
+        try:
+            result, error = await asyncio.wait_for(stream.__anext__(), timeout=300)
+        except (StopAsyncIteration, asyncio.TimeoutError):
+            raise APIError(503, f"{model} did not answer its LoRA control request", "service_unavailable") from None
+        except grpc.RpcError as exc:
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            raise APIError(503, f"Triton at {self.url}: {details}", "service_unavailable") from None
+        finally:
+            stream.cancel()
+        if error is not None:
+            message = error.message()
+            if "is not served" in message:
+                raise APIError(404, message, "not_found_error", "lora_name", "lora_adapter_not_found")
+            raise classify(message)
+        value = result.as_numpy("text_output").reshape(-1)[0]
+        return json.loads(value.decode() if isinstance(value, bytes) else str(value))
 
     async def model(self, name: str) -> ModelInfo:
         models = await self.models()

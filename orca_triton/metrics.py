@@ -17,9 +17,10 @@ from orca.core.engine import EngineStats
 COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+LORA_LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 # The gauges, each named (in Metrics' families) by the EngineStats field or property it shows.
 _GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
-           "n_slots", "prefix_cache_blocks")
+           "n_slots", "prefix_cache_blocks", "lora_resident", "lora_active")
 # The counters published from EngineStats' cumulative fields, each named by its field: incremented by
 # what the field grew since the last publish.
 _COUNTERS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_verifications", "spec_proposed_tokens",
@@ -107,6 +108,13 @@ class Metrics:
                                "(JSON schema, json_object, regex, choice or grammar) submitted", C),
             "grammar_compile": fam("orca_grammar_compile_seconds", "Time to compile a structured output's grammar "
                                    "(cache hits are not compiles)", H),
+            "lora_requests": fam("orca_lora_requests_total", "Requests submitted per LoRA adapter (label adapter; the "
+                                 "base model's are not counted)", C),
+            "lora_resident": fam("orca_lora_adapters_resident", "LoRA adapters in the workers' slots (max_loras)", G),
+            "lora_active": fam("orca_lora_adapters_active", "LoRA adapters in a slot that admitted requests use", G),
+            "lora_loads": fam("orca_lora_loads_total", "LoRA adapters put into a slot (from the host copy, read from "
+                              "disk the first time)", C),
+            "lora_load": fam("orca_lora_load_seconds", "Time to put a LoRA adapter into a slot, in the workers", H),
         }
         f = self._families
         self.prompt = f["prompt"].Metric(labels=labels)
@@ -119,6 +127,10 @@ class Metrics:
         self.iteration = f["iteration"].Metric(labels=labels, buckets=LATENCY_BUCKETS)
         self.constrained = f["constrained"].Metric(labels=labels)
         self.grammar_compile = f["grammar_compile"].Metric(labels=labels, buckets=COMPILE_BUCKETS)
+        self._lora_requests = _PerLabel(f["lora_requests"], labels, "adapter")
+        self.lora_load = f["lora_load"].Metric(labels=labels, buckets=LORA_LOAD_BUCKETS)
+        self._lora_loads = f["lora_loads"].Metric(labels=labels)
+        self._lora_loads_counted = 0
         self._gauges = {key: f[key].Metric(labels=labels) for key in _GAUGES}
         self._counters = {key: f[key].Metric(labels=labels) for key in _COUNTERS}
         self._shown: dict[str, int] = {}
@@ -135,7 +147,15 @@ class Metrics:
                 counter.increment(grown)
                 self.vllm.counters[key].increment(grown)
             self._counted[key] = value
+        if stats.lora_loads > self._lora_loads_counted:
+            self._lora_loads.increment(stats.lora_loads - self._lora_loads_counted)
+        self._lora_loads_counted = stats.lora_loads
         self.vllm.publish(stats)
+
+    def lora_request(self, adapter: str | None) -> None:
+        """A request submitted with a LoRA adapter (None: the base model, not counted)."""
+        if adapter is not None:
+            self._lora_requests[adapter].increment(1)
 
     def finished(self, reason: str) -> Any:
         return self._finished[reason]

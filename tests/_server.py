@@ -5,11 +5,12 @@ and the request-level baseline (request_level_gpt's config and model.py) on the 
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
 
-from checkpoints import make_gpt2
+from checkpoints import make_gpt2, make_lora_adapter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "orca_gpt"
@@ -45,7 +46,13 @@ TINY_MODELS = {
                            "REPORT_CUSTOM_METRICS": "false"},
     # tests/test_server_e2e.py: speculative decoding (n-gram), otherwise orca_tiny.
     "orca_tiny_spec": {"max_bs": "8", "n_slots": "8192", "speculative_method": "ngram"},
+    # tests/test_server_lora.py: LoRA adapters, two slots. lora_a comes from lora_modules, lora_b from
+    # vllm_backend's multi_lora.json (a path relative to the file): LORA_ADAPTERS, added by
+    # build_test_repository; the test loads and unloads others at run time.
+    "orca_tiny_lora": {"max_bs": "8", "n_slots": "4096", "enable_lora": "true", "max_loras": "2"},
 }
+LORA_MODEL = "orca_tiny_lora"
+LORA_ADAPTERS = {"lora_a": 1, "lora_b": 2}  # adapter name -> the seed of its random weights
 # Models the failure tests make fail (they unload themselves): no other test may rely on them.
 FAILING_MODELS = ("orca_tiny_tp2", "orca_tiny_hang", "orca_tiny_crash")
 # $ORCA_ENGINE_FAULT for the test server (orca.core.engine_loop.fault_from_env): only these models fail.
@@ -91,10 +98,22 @@ def build_test_repository(root: Path) -> tuple[Path, Path]:
     for name, params in TINY_MODELS.items():
         (repo / name / "1").mkdir(parents=True)
         shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / name / "1" / "model.py")
+        if name == LORA_MODEL:
+            params = {**params, "lora_modules": f"lora_a={_add_adapters(repo / name / '1', tiny)['lora_a']}"}
         text = _with_parameters(config, name, {"model": str(tiny), **TINY_ENGINE_DEFAULTS, **params})
         (repo / name / "config.pbtxt").write_text(text)
     _add_request_level_tiny(repo, tiny)
     return repo, tiny
+
+
+def _add_adapters(version_dir: Path, tiny: Path) -> dict[str, Path]:
+    """LORA_ADAPTERS of the tiny checkpoint: lora_a outside the repository (for lora_modules), lora_b in the
+    version directory, listed in its multi_lora.json by a relative path."""
+    paths = {"lora_a": version_dir.parent.parent.parent / "adapters" / "lora_a", "lora_b": version_dir / "lora_b"}
+    for name, path in paths.items():
+        make_lora_adapter(tiny, path, seed=LORA_ADAPTERS[name])
+    (version_dir / "multi_lora.json").write_text(json.dumps({"lora_b": "lora_b"}))
+    return paths
 
 
 def _add_request_level_tiny(repo: Path, tiny: Path) -> None:

@@ -236,3 +236,22 @@ def with_generation_config(source: Path, path: Path, **values: Any) -> Path:
     config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     gen_path.write_text(json.dumps({**config, **values}, indent=2))
     return path
+
+
+def make_lora_adapter(base: Path, path: Path, seed: int = 0, rank: int = 4) -> Path:
+    """A PEFT LoRA adapter of the checkpoint `base` with random (nonzero) A and B, saved as safetensors in
+    `path`: GPT-2's Conv1D layers (c_attn, c_proj, c_fc, fan_in_fan_out) or Llama-style projections."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if model.config.model_type == "gpt2":
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["c_attn", "c_proj", "c_fc"],
+                            fan_in_fan_out=True, init_lora_weights=False)
+    else:
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"])
+    get_peft_model(model, config).save_pretrained(path, safe_serialization=True)
+    return path

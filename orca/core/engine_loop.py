@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,6 +61,15 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call into the core made on the loop's thread between iterations (add_lora, remove_lora): its
+    result, or what it raised, goes to `future`."""
+
+    fn: Callable[[], Any]
+    future: Future
 
 
 _STOP = object()
@@ -173,6 +183,30 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    # -- LoRA adapters (orca/core/lora.py), changed on the loop's thread between iterations -----------
+    def add_lora(self, name: str, path: str, timeout: float | None = 120.0) -> Any:
+        """EngineCore.add_lora on the loop's thread, between iterations; waits for it and returns its
+        LoRARequest, or raises what it raised (ValueError, LoRAError among them: the adapter is refused)."""
+        return self._call_on_loop(lambda: self.core.add_lora(name, path), timeout)
+
+    def remove_lora(self, name: str, timeout: float | None = 120.0) -> bool:
+        """EngineCore.remove_lora on the loop's thread, between iterations: False if no adapter has that
+        name. Requests already running with it run to their end."""
+        return self._call_on_loop(lambda: self.core.remove_lora(name), timeout)
+
+    def list_loras(self) -> list[Any]:
+        """The adapters served now (a copy: any thread may call it)."""
+        return list(self.core.loras.values())
+
+    def _call_on_loop(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+        if self._failed is not None:
+            raise EngineFailedError(f"the engine has failed and serves no more requests: {self._failed}")
+        if not self._thread.is_alive():
+            raise EngineFailedError("the engine has stopped")
+        future: Future = Future()
+        self._commands.put(_Call(fn, future))
+        return future.result(timeout)
+
     def drain(self) -> None:
         """Refuses new requests from now on (QueueFullError, "shutting down"); those submitted go on."""
         with self._lock:
@@ -240,9 +274,20 @@ class EngineLoop:
             self._emit(outputs)
             if self.core.failed is not None:
                 self._fail(self.core.failed)
+        self._refuse_calls("the engine is shutting down")
         outputs = self._cancel_all()
         self._refresh_stats()
         self._emit(outputs)
+
+    def _refuse_calls(self, reason: str) -> None:
+        """Answers the calls (add_lora, remove_lora) still queued when the loop stops: they never run."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(EngineFailedError(reason))
 
     def _fail(self, reason: str) -> None:
         with self._lock:
@@ -288,6 +333,13 @@ class EngineLoop:
                 self._refresh_stats()
             elif isinstance(cmd, _Abort):
                 self.core.abort_request(cmd.request_id)
+            elif isinstance(cmd, _Call):
+                if cmd.future.set_running_or_notify_cancel():
+                    try:
+                        cmd.future.set_result(cmd.fn())
+                    except Exception as exc:  # noqa: BLE001 - the caller's to handle
+                        cmd.future.set_exception(exc)
+                self._refresh_stats()
 
     def _refresh_stats(self) -> None:
         stats = self.core.stats()

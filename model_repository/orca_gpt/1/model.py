@@ -32,8 +32,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from orca import (
@@ -60,6 +62,7 @@ from orca_triton.generate import (
 )
 from orca_triton.lifecycle import HttpProbe, cmdline, log_to_stderr, start_reaper
 from orca_triton.lifecycle import exit_timeout as triton_exit_timeout
+from orca_triton.lora import CONTROL_INPUT, ControlRequest, adapters_json, parse_control, read_multi_lora
 from orca_triton.metrics import Metrics
 
 logger = logging.getLogger("orca_gpt")
@@ -106,6 +109,11 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("orca_gpt must be decoupled (model_transaction_policy)")
         config = _engine_config(model_config)
+        # vllm_backend's multi_lora.json (in the version directory, beside model.py), merged with lora_modules.
+        try:
+            multi_lora = read_multi_lora(Path(args["model_repository"]) / args["model_version"], config)
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(str(exc)) from None
         report_vllm = _report_custom_metrics(model_config)
         self._ids = itertools.count()
         self._id_prefix = f"{args['model_name']}-{args['model_instance_name']}-"
@@ -115,8 +123,8 @@ class TritonPythonModel:
         # The core is built (loaded, compiled, warmed up) on the loop's own thread, which then steps it:
         # this thread (the stub's, which calls execute) never runs torch's ops (orca/core/engine_loop.py).
         self.loop = EngineLoop(
-            lambda: EngineCore(config), on_output=self._responses.put, on_iteration=self._on_iteration,
-            on_stats=lambda stats: self.metrics.publish(stats), on_failure=self._on_engine_failure,
+            lambda: _build_core(config, multi_lora), on_output=self._responses.put, on_iteration=self._on_iteration,
+            on_stats=self._on_stats, on_failure=self._on_engine_failure,
             fault=fault_from_env(args["model_name"]),
         )
         self.core = self.loop.core
@@ -150,7 +158,11 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            self._submit(request)
+            control = pb_utils.get_input_tensor_by_name(request, CONTROL_INPUT)
+            if control is not None:
+                self._control(request.get_response_sender(), control.as_numpy())
+            else:
+                self._submit(request)
         return None  # decoupled: responses go out through each request's sender
 
     def finalize(self) -> None:
@@ -195,6 +207,51 @@ class TritonPythonModel:
         logger.warning("%s: the exit timeout is ending: cancelling the %d requests still in flight",
                        self._model_name, left)
         self.loop.abort_all()
+
+    # -- LoRA adapters: the in-band control requests (orca_triton/lora.py) --------------------------
+    def _control(self, sender: Any, tensor: Any) -> None:
+        """A lora_control request: list answers at once; load and unload run on the engine's thread between
+        iterations (EngineLoop.add_lora, remove_lora), waited for on a thread of their own so execute
+        returns. Every answer is one FINAL response: a JSON object in text_output, or an error naming the
+        adapter and the reason (INVALID_ARG: a bad request or adapter; NOT_FOUND: unload of an adapter not
+        served; UNAVAILABLE: the engine failed or stops)."""
+        try:
+            value = tensor.reshape(-1)[0] if tensor.size else b""
+            req = parse_control(value.decode() if isinstance(value, bytes) else str(value))
+            if req.action != "list" and not self.core.config.enable_lora:
+                raise ValueError(f"{self._model_name} serves no LoRA adapters: set its parameter enable_lora to "
+                                 '"true" to load them')
+        except Exception as exc:  # noqa: BLE001
+            _answer_failure(sender, exc)
+            return
+        if req.action == "list":
+            self._control_answer(sender, req)
+            return
+        threading.Thread(target=self._control_answer, args=(sender, req), name="orca-lora-control",
+                         daemon=True).start()
+
+    def _control_answer(self, sender: Any, req: ControlRequest) -> None:
+        try:
+            if req.action == "load":
+                lora = self.loop.add_lora(req.lora_name, req.lora_path)
+                answer: dict[str, Any] = {"loaded": {"name": lora.name, "path": lora.path}}
+                logger.info("%s: LoRA adapter %s loaded from %s", self._model_name, lora.name, lora.path)
+            elif req.action == "unload":
+                if not self.loop.remove_lora(req.lora_name):
+                    served = ", ".join(sorted(lora.name for lora in self.loop.list_loras())) or "none"
+                    _send_error(sender, f"LoRA adapter {req.lora_name!r} is not served (served: {served})",
+                                pb_utils.TritonError.NOT_FOUND)
+                    return
+                answer = {"unloaded": req.lora_name}
+                logger.info("%s: LoRA adapter %s unloaded", self._model_name, req.lora_name)
+            else:
+                answer = {}
+            answer["adapters"] = adapters_json(self.loop.list_loras())
+            answer["enable_lora"] = self.core.config.enable_lora
+            text = np.array([json.dumps(answer).encode()], dtype=np.object_)
+            _send(sender, {"text_output": text}, True)
+        except Exception as exc:  # noqa: BLE001 - a refused adapter (LoRAError: a ValueError) or a stopped engine
+            _answer_failure(sender, exc)
 
     # -- execute's side --------------------------------------------------------------------------
     def _submit(self, request: Any) -> None:
@@ -244,6 +301,7 @@ class TritonPythonModel:
         arrival = time.monotonic()
         if parsed.params.n > 1:
             self._submit_children(sender, parsed, request_id, arrival)
+            self.metrics.lora_request(parsed.params.lora_name)
             return
         with self._active_lock:
             self._active[request_id] = _Active(sender, parsed)
@@ -256,6 +314,7 @@ class TritonPythonModel:
                 self._active.pop(request_id, None)
                 self.outputs.forget(request_id)
             raise
+        self.metrics.lora_request(parsed.params.lora_name)
 
     def _submit_children(self, sender: Any, parsed: GenerateRequest, request_id: str, arrival: float) -> None:
         """n > 1: n engine requests sharing the sender (child ids and seeds: orca/frontend/parallel_sampling)."""
@@ -286,6 +345,19 @@ class TritonPythonModel:
     def _on_iteration(self, stats: IterationStats) -> None:
         self.metrics.batch.observe(stats.batch_size)
         self.metrics.iteration.observe(stats.duration)
+        self._drain_lora_loads()
+
+    def _on_stats(self, stats: Any) -> None:
+        self.metrics.publish(stats)
+        self._drain_lora_loads()
+
+    def _drain_lora_loads(self) -> None:
+        """The adapter loads into slots since the last call (EngineCore.lora_load_seconds, appended on this
+        thread) into their histogram."""
+        loads = self.core.lora_load_seconds
+        while loads:
+            _, seconds = loads.popleft()
+            self.metrics.lora_load.observe(seconds)
 
     def _on_engine_failure(self, reason: str) -> None:
         """The engine failed (workers died or hung, the scheduler thread died, an iteration hung): hands
@@ -516,6 +588,18 @@ def _report_custom_metrics(model_config: dict[str, Any]) -> bool:
     if raw.strip().lower() not in ("", "true", "false"):
         raise pb_utils.TritonModelException(f"parameter {REPORT_CUSTOM_METRICS} must be true or false, got {raw!r}")
     return raw.strip().lower() == "true"
+
+
+def _build_core(config: EngineConfig, multi_lora: dict[str, str]) -> EngineCore:
+    """The engine core serving `config`'s lora_modules and multi_lora.json's adapters (on the loop's thread)."""
+    core = EngineCore(config)
+    try:
+        for name, path in multi_lora.items():
+            core.add_lora(name, path)
+    except BaseException:
+        core.shutdown()
+        raise
+    return core
 
 
 def _engine_config(model_config: dict[str, Any]) -> EngineConfig:

@@ -1,0 +1,81 @@
+"""LoRA adapters in the Triton model (README.md, "LoRA adapters in Triton and the OpenAI API"): which adapters it
+serves at load (vllm_backend's multi_lora.json beside the config's lora_modules) and the in-band control requests
+that list, load and unload adapters while it runs (the `lora_control` input; orca-openai's /v1/models,
+/v1/load_lora_adapter and /v1/unload_lora_adapter use them). Nothing here calls into Triton."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orca.config import EngineConfig, parse_lora_modules
+
+MULTI_LORA_FILENAME = "multi_lora.json"
+"""vllm_backend's file of adapters, {"adapter name": "adapter directory"}, in the model's version directory
+(beside model.py, where vllm_backend reads it: pb_utils.get_model_dir())."""
+
+CONTROL_INPUT = "lora_control"
+"""The optional input of a control request: a JSON object {"action": "list" | "load" | "unload", "lora_name",
+"lora_path"}; its one response carries a JSON object in text_output."""
+
+CONTROL_ACTIONS = ("list", "load", "unload")
+
+
+def read_multi_lora(version_dir: str | Path, config: EngineConfig) -> dict[str, str]:
+    """The adapters of `version_dir`/multi_lora.json ({} without one), paths made absolute against the file's
+    directory. ValueError naming the fix for a file without enable_lora true, a malformed one, or a name the
+    config's lora_modules also gives (the two lists are merged: each name once)."""
+    path = Path(version_dir) / MULTI_LORA_FILENAME
+    if not path.is_file():
+        return {}
+    if not config.enable_lora:
+        raise ValueError(f"{path} lists LoRA adapters but enable_lora is off: set the parameter enable_lora to "
+                         '"true" in config.pbtxt to serve them (or remove the file)')
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a JSON object of adapter names and paths: {exc}") from None
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and k.strip() and isinstance(v, str) and v.strip()
+                                            for k, v in raw.items()):
+        raise ValueError(f'{path} must be a JSON object {{"adapter name": "adapter directory", ...}}, got {raw!r}')
+    in_config = parse_lora_modules(config.lora_modules)
+    if both := sorted(set(raw) & set(in_config)):
+        raise ValueError(f"{path} and the parameter lora_modules both name adapter(s) {', '.join(both)}: name each "
+                         "adapter once")
+    return {name: str((path.parent / p).resolve()) for name, p in raw.items()}
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    action: str
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+def parse_control(text: str) -> ControlRequest:
+    """The lora_control input's JSON; ValueError naming what is wrong."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{CONTROL_INPUT} must be a JSON object: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{CONTROL_INPUT} must be a JSON object, got {raw!r}")
+    unknown = set(raw) - {"action", "lora_name", "lora_path"}
+    if unknown:
+        raise ValueError(f"{CONTROL_INPUT}: unknown key(s) {', '.join(sorted(unknown))}")
+    action = raw.get("action")
+    if action not in CONTROL_ACTIONS:
+        raise ValueError(f"{CONTROL_INPUT}: action must be one of {', '.join(CONTROL_ACTIONS)}, got {action!r}")
+    name, path = raw.get("lora_name"), raw.get("lora_path")
+    if action != "list" and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"{CONTROL_INPUT}: {action} needs lora_name, the adapter's name (a non-empty string)")
+    if action == "load" and (not isinstance(path, str) or not path.strip()):
+        raise ValueError(f"{CONTROL_INPUT}: load needs lora_path, the adapter's directory on the Triton host")
+    return ControlRequest(action, name, path)
+
+
+def adapters_json(loras: list[Any]) -> list[dict[str, str]]:
+    """The served adapters (LoRARequests) as the list action answers them."""
+    return [{"name": lora.name, "path": lora.path} for lora in loras]
