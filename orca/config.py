@@ -26,7 +26,7 @@ _INT_OPTIONS = (
     "prompt_lookup_max", "speculative_disable_by_batch_size", "max_loras", "max_lora_rank",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
-_BOOL_OPTIONS = ("enable_prefix_caching", "enable_lora")
+_BOOL_OPTIONS = ("enable_prefix_caching", "enable_lora", "allow_runtime_lora_updating")
 _BOOL_VALUES = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
 LINEAR_BACKENDS = ("auto", "hybrid", "onednn", "reference")
@@ -214,6 +214,12 @@ class EngineConfig:
       --lora-modules); a path is an adapter directory. Needs enable_lora. In Triton a `multi_lora.json`
       beside the model (vllm_backend's file) adds its adapters to these; at run time the OpenAI server's
       /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove them. None: none at start.
+    - allow_runtime_lora_updating: whether a Triton model's `lora_control` input may load and unload
+      adapters while it runs (README.md "LoRA adapters in Triton and the OpenAI API"; orca-openai's
+      /v1/load_lora_adapter goes through it). false (the default): only listing is answered, so no Triton
+      client can make the server read adapter files from paths of its choosing; the adapters are those of
+      lora_modules and multi_lora.json. true needs enable_lora. The offline API (EngineCore.add_lora) is not
+      affected.
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -286,6 +292,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     lora_modules: str | None = None
+    allow_runtime_lora_updating: bool = False
     max_queue: int = 1024
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -399,6 +406,11 @@ class EngineConfig:
             if not self.enable_lora and self.lora_modules.strip():
                 raise ValueError("lora_modules needs enable_lora true: set it to serve LoRA adapters")
             parse_lora_modules(self.lora_modules)
+        if not isinstance(self.allow_runtime_lora_updating, bool):
+            raise ValueError("allow_runtime_lora_updating must be true or false, got "
+                             f"{self.allow_runtime_lora_updating!r}")
+        if self.allow_runtime_lora_updating and not self.enable_lora:
+            raise ValueError("allow_runtime_lora_updating needs enable_lora true: set it to serve LoRA adapters")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(
                 f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "

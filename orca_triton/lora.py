@@ -76,6 +76,18 @@ def parse_control(text: str) -> ControlRequest:
     return ControlRequest(action, name, path)
 
 
+def check_control(req: ControlRequest, config: EngineConfig, model_name: str) -> None:
+    """ValueError naming the fix when the model may not carry out `req`: load and unload need enable_lora and
+    allow_runtime_lora_updating (list is always answered)."""
+    if req.action == "list":
+        return
+    if not config.enable_lora:
+        raise ValueError(f'{model_name} serves no LoRA adapters: set its parameter enable_lora to "true" to load them')
+    if not config.allow_runtime_lora_updating:
+        raise ValueError(f"{model_name} does not load or unload LoRA adapters at run time: set its parameter "
+                         'allow_runtime_lora_updating to "true" to allow it')
+
+
 def adapters_json(loras: list[Any]) -> list[dict[str, str]]:
     """The served adapters (LoRARequests) as the list action answers them."""
     return [{"name": lora.name, "path": lora.path} for lora in loras]

@@ -49,7 +49,8 @@ TINY_MODELS = {
     # tests/test_server_lora.py: LoRA adapters, two slots. lora_a comes from lora_modules, lora_b from
     # vllm_backend's multi_lora.json (a path relative to the file): LORA_ADAPTERS, added by
     # build_test_repository; the test loads and unloads others at run time.
-    "orca_tiny_lora": {"max_bs": "8", "n_slots": "4096", "enable_lora": "true", "max_loras": "2"},
+    "orca_tiny_lora": {"max_bs": "8", "n_slots": "4096", "enable_lora": "true", "max_loras": "2",
+                       "allow_runtime_lora_updating": "true"},
 }
 LORA_MODEL = "orca_tiny_lora"
 LORA_ADAPTERS = {"lora_a": 1, "lora_b": 2}  # adapter name -> the seed of its random weights

@@ -224,3 +224,18 @@ def test_lora_updating_is_off_unless_asked(orca_server: Any) -> None:
     with TestClient(create_app(Settings(triton_url=orca_server.grpc_url))) as app:
         r = app.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"})
         assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+
+
+def test_run_time_updating_needs_enable_lora_and_its_own_parameter() -> None:
+    from orca import EngineConfig
+    from orca_triton.lora import ControlRequest, check_control
+
+    load = ControlRequest("load", "x", "/x")
+    check_control(ControlRequest("list"), EngineConfig(), "m")  # listing is always answered
+    with pytest.raises(ValueError, match='m serves no LoRA adapters: set its parameter enable_lora to "true"'):
+        check_control(load, EngineConfig(), "m")
+    with pytest.raises(ValueError, match='set its parameter allow_runtime_lora_updating to "true" to allow it'):
+        check_control(ControlRequest("unload", "x"), EngineConfig(enable_lora=True), "m")
+    check_control(load, EngineConfig(enable_lora=True, allow_runtime_lora_updating=True), "m")
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating needs enable_lora true"):
+        EngineConfig(allow_runtime_lora_updating=True)

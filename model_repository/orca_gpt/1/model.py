@@ -62,7 +62,14 @@ from orca_triton.generate import (
 )
 from orca_triton.lifecycle import HttpProbe, cmdline, log_to_stderr, start_reaper
 from orca_triton.lifecycle import exit_timeout as triton_exit_timeout
-from orca_triton.lora import CONTROL_INPUT, ControlRequest, adapters_json, parse_control, read_multi_lora
+from orca_triton.lora import (
+    CONTROL_INPUT,
+    ControlRequest,
+    adapters_json,
+    check_control,
+    parse_control,
+    read_multi_lora,
+)
 from orca_triton.metrics import Metrics
 
 logger = logging.getLogger("orca_gpt")
@@ -218,9 +225,7 @@ class TritonPythonModel:
         try:
             value = tensor.reshape(-1)[0] if tensor.size else b""
             req = parse_control(value.decode() if isinstance(value, bytes) else str(value))
-            if req.action != "list" and not self.core.config.enable_lora:
-                raise ValueError(f"{self._model_name} serves no LoRA adapters: set its parameter enable_lora to "
-                                 '"true" to load them')
+            check_control(req, self.core.config, self._model_name)
         except Exception as exc:  # noqa: BLE001
             _answer_failure(sender, exc)
             return
