@@ -9,8 +9,10 @@ Two initialisations:
 - ``random``: PEFT's ``init_lora_weights=False`` (A and B both drawn as nn.Linear's weights are), then, in
   every adapted layer, B rescaled so that the delta s B A (s = lora_alpha / r) has ``scale`` times the
   Frobenius norm of the layer's base weight W. Unscaled, PEFT's random B makes deltas far larger than W (the
-  model babbles); the default scale, RANDOM_SCALE = 0.1 on q_proj and v_proj, changes a model's greedy
-  output within its first few tokens while the text stays fluent-ish (SmolLM2-135M-Instruct). Fast: no
+  model babbles). RANDOM_SCALE = 0.1 is the default: on q_proj and v_proj of SmolLM2-135M-Instruct
+  (int4 engine, greedy, chat template) one adapter's answers differ from the base model's within their
+  first tokens yet stay fluent ("The capital of France is Paris, France."; a different sea poem), where
+  0.2 already repeats itself ("The sea, a river, a river, a river") and 0.4 is gibberish. Fast: no
   training, one base model for every adapter.
 - ``fitted``: PEFT's default initialisation (B zero: the adapter starts as the base model), then a short
   fine-tune, ``steps`` AdamW steps (lr ``lr``) on CPU over batches of ``batch_size`` sequences of
