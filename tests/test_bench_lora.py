@@ -30,6 +30,14 @@ def test_adapter_counts_are_sorted_distinct_positive_integers() -> None:
             lora.adapter_counts(bad)
 
 
+def test_summarize_takes_the_median_round_and_every_load() -> None:
+    rounds = [{"tokens_per_second": t, "seconds": 1 / t, "adapter_loads": 1} for t in (3.0, 1.0, 2.0)]
+    summary = lora.summarize(rounds)
+    assert summary["tokens_per_second"] == 2.0 and summary["seconds"] == 0.5 and summary["adapter_loads"] == 3
+    assert summary["rounds_tokens_per_second"] == [3.0, 1.0, 2.0]
+    assert lora.summarize(rounds[:2])["tokens_per_second"] == 1.0  # an even count: the lower middle
+
+
 def test_load_times_split_first_loads_from_reloads() -> None:
     times = lora.load_times([("a", 0.010), ("b", 0.012), ("a", 0.001), ("b", 0.002), ("a", 0.003)])
     assert times["first_loads"] == 2 and times["reloads"] == 3
@@ -41,7 +49,7 @@ def test_load_times_split_first_loads_from_reloads() -> None:
 def test_lora_bench_on_the_tiny_llama(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "lora.json"
     argv = ["lora", "--model", str(tiny_checkpoint("llama")), "--adapters", "1,3", "--requests", "6",
-            "--max-tokens", "6", "--prompt-tokens", "16:40", "--rank", "4", "--load-rounds", "2",
+            "--max-tokens", "6", "--prompt-tokens", "16:40", "--rank", "4", "--repeats", "2", "--load-rounds", "2",
             "--torch-compile", "off", "--json", str(out)]
     assert orca_bench.main(argv) == 0
     printed = capsys.readouterr().out
@@ -57,6 +65,7 @@ def test_lora_bench_on_the_tiny_llama(tmp_path: Path, capsys: pytest.CaptureFixt
     for name, run in [*runs.items(), ("off", result["lora_off"])]:
         assert run["requests"] == 6 and run["generated_tokens"] == 6 * 6, name
         assert run["tokens_per_second"] > 0 and run["ratio_to_base"] > 0 and run["iterations"] >= 6, name
+        assert len(run["rounds_tokens_per_second"]) == 2 and run["tokens_per_second"] in run["rounds_tokens_per_second"]
     assert runs["base"]["ratio_to_base"] == 1.0
     assert [runs[k]["adapters"] for k in runs] == [0, 1, 3] and result["lora_off"]["adapters"] == 0
     # The warm-up put every adapter in its slot, so the timed runs load none (max_loras = the largest count).

@@ -13,10 +13,12 @@ passage per request, the same for every configuration; greedy, --max-tokens new 
 Engines, the same options (--model, --dtype, --quantization, --torch-compile, max_bs --max-bs):
   lora     enable_lora on, max_loras --max-loras (default: the largest adapter count, so every adapter has a
            slot), max_lora_rank --rank, every adapter registered (lora_modules). After a warm-up (a short
-           request of the base model and one of each adapter, which loads them into their slots), timed
-           one after another: "base", every request with lora_name None (the base model alone), then for
-           each N of --adapters every request i with adapter i mod N;
-  lora off enable_lora off (the engine without LoRA layers at all), the same requests, for reference;
+           request of each adapter, which loads them into their slots, then every request of the base
+           model with up to 8 new tokens: the batch's shapes), timed one after another: "base", every
+           request with lora_name None (the base model alone), then for each N of --adapters every request
+           i with adapter i mod N; --repeats rounds of these in turn, the median round of each reported;
+  lora off enable_lora off (the engine without LoRA layers at all), the same warm-up of the base model and
+           --repeats rounds of the same requests, for reference;
   load     enable_lora on, max_loras 1, two adapters (torch_compile off: no forward pass is timed),
            --load-rounds rounds of a one-token request of each in turn: every request evicts the other
            adapter, so the first load of each reads its files and the others copy its host copy.
@@ -105,6 +107,15 @@ def timed(engine: Any, prompts: list[list[int]], names: list[str | None], max_to
             "iterations": next(iterations), "adapter_loads": engine.stats().lora_loads - loads}, tokens
 
 
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A configuration's rounds as one record: the round of median tokens/s (the lower middle one of an
+    even count), every round's tokens/s, and the adapter loads of all rounds."""
+    ordered = sorted(rounds, key=lambda r: r["tokens_per_second"])
+    median = ordered[(len(ordered) - 1) // 2]
+    return {**median, "rounds_tokens_per_second": [r["tokens_per_second"] for r in rounds],
+            "adapter_loads": sum(r["adapter_loads"] for r in rounds)}
+
+
 def load_times(entries: list[tuple[str, float]]) -> dict[str, Any]:
     """EngineCore.lora_load_seconds' (name, seconds) in order: each adapter's first load read its files,
     the later ones copied its host copy (while registered, the worker keeps it)."""
@@ -137,20 +148,26 @@ def run_lora(args: argparse.Namespace, counts: list[int], modules: str, prompts:
     engine = LLMEngine(engine_config(args, enable_lora=True, max_loras=max_loras, lora_modules=modules))
     try:
         n = len(prompts)
-        warm = [None] + [adapter_name(i) for i in range(max(counts))]
+        warm = [adapter_name(i) for i in range(max(counts))]
         drive(engine, [prompts[i % n] for i in range(len(warm))], [greedy(2, w) for w in warm], "warmup")
+        drive(engine, prompts, [greedy(min(args.max_tokens, 8), None)] * n, "warmup-base")
         info = {"dtype": str(engine.config.torch_dtype).removeprefix("torch."),
                 "device": str(engine.config.torch_device), "quantization": engine.config.quantization,
                 "max_bs": engine.config.max_bs, "max_loras": engine.config.max_loras,
                 "max_lora_rank": engine.config.max_lora_rank}
-        print("== lora on, base model alone", file=sys.stderr, flush=True)
-        runs = {}
-        runs["base"], base_tokens = timed(engine, prompts, [None] * n, args.max_tokens, "base")
-        for k in counts:
-            print(f"== lora on, {k} adapter{'s' if k > 1 else ''}", file=sys.stderr, flush=True)
-            runs[str(k)], _ = timed(engine, prompts, [adapter_name(i % k) for i in range(n)], args.max_tokens,
-                                    f"lora{k}")
-        info["runs"] = runs
+        configurations: dict[str, list[str | None]] = {"base": [None] * n}
+        configurations.update({str(k): [adapter_name(i % k) for i in range(n)] for k in counts})
+        rounds: dict[str, list[dict[str, Any]]] = {key: [] for key in configurations}
+        base_tokens: list[list[int]] = []
+        for r in range(args.repeats):  # the configurations in turn, round after round
+            for key, names in configurations.items():
+                label = "base model alone" if key == "base" else f"{key} adapter{'s' if key != '1' else ''}"
+                print(f"== lora on, {label} (round {r + 1} of {args.repeats})", file=sys.stderr, flush=True)
+                run, tokens = timed(engine, prompts, names, args.max_tokens, f"{key}-{r}")
+                rounds[key].append(run)
+                if key == "base" and r == 0:
+                    base_tokens = tokens
+        info["runs"] = {key: summarize(runs) for key, runs in rounds.items()}
         loads = load_times(list(engine.core.lora_load_seconds))
     finally:
         _shutdown(engine)
@@ -164,8 +181,13 @@ def run_lora_off(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[di
     print("== lora off, base model", file=sys.stderr, flush=True)
     engine = LLMEngine(engine_config(args, enable_lora=False))
     try:
-        drive(engine, [prompts[0]], [greedy(2, None)], "warmup")
-        return timed(engine, prompts, [None] * len(prompts), args.max_tokens, "off")
+        drive(engine, prompts, [greedy(min(args.max_tokens, 8), None)] * len(prompts), "warmup-base")
+        runs, tokens = [], []
+        for r in range(args.repeats):
+            run, out = timed(engine, prompts, [None] * len(prompts), args.max_tokens, f"off-{r}")
+            runs.append(run)
+            tokens = tokens or out
+        return summarize(runs), tokens
     finally:
         _shutdown(engine)
 
@@ -213,7 +235,8 @@ def cmd_lora(args: argparse.Namespace) -> int:
         "prompts": prompter.kind, "text": "pydoc_data.topics, sorted",
         "options": {"adapters": counts, "requests": args.requests, "max_tokens": args.max_tokens,
                     "prompt_tokens": list(args.prompt_tokens), "max_loras": max_loras, "rank": args.rank,
-                    "max_bs": args.max_bs or args.requests, "load_rounds": args.load_rounds, "dtype": args.dtype,
+                    "max_bs": args.max_bs or args.requests, "repeats": args.repeats, "load_rounds": args.load_rounds,
+                    "dtype": args.dtype,
                     "quantization": args.quantization, "torch_compile": args.torch_compile, "seed": args.seed},
         "spec": {"prompt_tokens": [len(p) for p in prompts]},
     }
@@ -296,6 +319,9 @@ def add_parser(sub: Any) -> None:
                    help="the adapters' rank, and EngineConfig.max_lora_rank (default: %(default)s)")
     p.add_argument("--max-bs", type=positive_int, default=None,
                    help="EngineConfig.max_bs (default: --requests, all at once)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="timed rounds of every configuration, in turn; the median round is reported "
+                        "(default: %(default)s)")
     p.add_argument("--load-rounds", type=nonnegative_int, default=4,
                    help="the load phase's rounds (two adapters, max_loras 1; 0: no load phase) "
                         "(default: %(default)s)")
