@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=RANDOM_SCALE,
                    help="random: each layer's delta s B A gets this times its base weight's Frobenius norm "
                         "(default: %(default)s)")
-    p.add_argument("--steps", type=int, default=24, help="fitted: AdamW steps per adapter (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=32, help="fitted: AdamW steps per adapter (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=16, help="fitted: tokens per sequence (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=2, help="fitted: sequences per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=1e-3, help="fitted: AdamW's learning rate (default: %(default)s)")

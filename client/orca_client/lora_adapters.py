@@ -148,7 +148,7 @@ def make_adapters(
     seed: int = 0,
     init: str = "random",
     scale: float = RANDOM_SCALE,
-    steps: int = 24,
+    steps: int = 32,
     seq_len: int = 16,
     batch_size: int = 2,
     eval_sequences: int = 8,
