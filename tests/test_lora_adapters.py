@@ -27,12 +27,12 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def merged_greedy(adapter: Path | None, prompt: list[int]) -> list[int]:
+def merged_greedy(adapter: Path | None, prompt: list[int], family: str = "llama") -> list[int]:
     """PEFT's merged model (or the base model alone), greedy, EOS not stopping it: argmax token by token."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(family), dtype=torch.float32).eval()
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     ids = torch.tensor([prompt])
@@ -49,6 +49,25 @@ def test_topic_slices_and_sequences() -> None:
     assert len(sequences) == 5 and all(len(s) == 16 for s in sequences)
     assert bytes(sequences[0]) == slices[0][0].encode()[:16]
     assert default_targets("gpt2") == ("c_attn",) and default_targets("llama") == ("q_proj", "v_proj")
+
+
+def serve(family: str, modules: str, requests: list[tuple[str | None, int]], max_loras: int) -> list[list[int]]:
+    """Every request (adapter name, prompt index) at once on an enable_lora engine: its greedy tokens."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), dtype="float32", torch_compile="off",
+                                    enable_lora=True, max_loras=max_loras, max_lora_rank=8, lora_modules=modules))
+    try:
+        for k, (name, i) in enumerate(requests):
+            engine.add_request(f"r{k}", PROMPTS[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                                    ignore_eos=True, lora_name=name))
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    assert not out.error, out.error
+                    tokens[out.request_id] = list(out.token_ids)
+    finally:
+        engine.shutdown()
+    return [tokens[f"r{k}"] for k in range(len(requests))]
 
 
 def test_adapters_served_by_the_engine_equal_peft_merged(tmp_path: Path) -> None:
@@ -69,22 +88,8 @@ def test_adapters_served_by_the_engine_equal_peft_merged(tmp_path: Path) -> None
 
     names = ["r0", "r1", "fit"]
     modules = ",".join(f"{n}={tmp_path / n}" for n in names)
-    engine = LLMEngine(EngineConfig(model=str(model), dtype="float32", torch_compile="off", enable_lora=True,
-                                    max_loras=3, max_lora_rank=8, lora_modules=modules))
-    try:
-        requests = [(name, i) for name in [None, *names] for i in range(len(PROMPTS))]
-        for k, (name, i) in enumerate(requests):
-            engine.add_request(f"r{k}", PROMPTS[i], SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
-                                                                    ignore_eos=True, lora_name=name))
-        tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    assert not out.error, out.error
-                    tokens[out.request_id] = list(out.token_ids)
-    finally:
-        engine.shutdown()
-    served = {(name, i): tokens[f"r{k}"] for k, (name, i) in enumerate(requests)}
+    requests = [(name, i) for name in [None, *names] for i in range(len(PROMPTS))]
+    served = dict(zip(requests, serve("llama", modules, requests, max_loras=3)))
     for name in [None, *names]:
         for i, prompt in enumerate(PROMPTS):
             expected = merged_greedy(None if name is None else tmp_path / name, prompt)
@@ -92,3 +97,15 @@ def test_adapters_served_by_the_engine_equal_peft_merged(tmp_path: Path) -> None
     # The random adapters change the model's output (each differs from the base on some prompt).
     for name in ("r0", "r1"):
         assert any(served[(name, i)] != served[(None, i)] for i in range(len(PROMPTS))), name
+
+
+def test_gpt2_c_attn_adapter_equals_peft_merged(tmp_path: Path) -> None:
+    """GPT-2: PEFT adapts the fused c_attn (a Conv1D, fan_in_fan_out); orca's c_attn takes it whole."""
+    (record,) = make_adapters(tmp_path, ["g"], tiny_checkpoint("gpt2"), rank=4, log=None)
+    assert record["target_modules"] == ["c_attn"]
+    requests = [(name, i) for name in (None, "g") for i in range(len(PROMPTS))]
+    served = dict(zip(requests, serve("gpt2", f"g={tmp_path / 'g'}", requests, max_loras=1)))
+    for i, prompt in enumerate(PROMPTS):
+        assert served[("g", i)] == merged_greedy(tmp_path / "g", prompt, "gpt2"), i
+        assert served[(None, i)] == merged_greedy(None, prompt, "gpt2"), i
+    assert any(served[("g", i)] != served[(None, i)] for i in range(len(PROMPTS)))
