@@ -27,12 +27,14 @@ description (its docstring, which --help shows), its options (add_parser) and it
   (xgrammar against llguidance) and the engine's constrained against unconstrained tokens/s;
 - speculative: ``orca-bench speculative``, n-gram speculative decoding (prompt lookup) on and off, offline,
   on prompts the answer copies (real text, the model's chat template) and on random tokens: single-stream
-  and batched tokens/s, the proposals' acceptance, and whether every token is the same.
+  and batched tokens/s, the proposals' acceptance, and whether every token is the same;
+- lora: ``orca-bench lora``, multi-LoRA: requests round-robin over 1, 4 and 16 adapters against the base
+  model alone, offline, and what loading an adapter into a slot costs.
 
 Shared: common (the machine record, the JSON output, transformers' continuous batching; no tritonclient)
 and options (the argparse types and the workload options of trace and offline). This module imports no
 subcommand until build_parser runs, so offline, decode, core and speculative run without tritonclient (the
-GPU machine has none): ``python -m orca_client.bench.offline`` (decode, core, speculative).
+GPU machine has none): ``python -m orca_client.bench.offline`` (decode, core, speculative, lora).
 
 Benchmarks print numbers; they do not pass or fail.
 """
@@ -43,9 +45,9 @@ import argparse
 import sys
 
 COMMANDS = ("trace_cmd", "timeline_cmd", "offline", "linears", "decode", "distributed", "serve", "core", "prefix",
-            "perplexity", "structured", "speculative")  # the modules, in the order of orca-bench --help
+            "perplexity", "structured", "speculative", "lora")  # the modules, in the order of orca-bench --help
 # What runs where only torch and transformers are installed (the GPU machine): python -m orca_client.bench.X
-NO_TRITONCLIENT = ("offline", "decode", "core", "speculative")
+NO_TRITONCLIENT = ("offline", "decode", "core", "speculative", "lora")
 
 
 def build_parser(commands: tuple[str, ...] = COMMANDS) -> argparse.ArgumentParser:
