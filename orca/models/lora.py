@@ -26,8 +26,9 @@ One iteration's rows are grouped by slot (LoRABatch, built once per iteration by
 adapted linear computes, after its base:
 - grouped (the rows of each slot gathered into a padded (slots, rows, in) block): two batched matmuls
   over the range of slots the iteration uses, each slot's weights read once, then one scatter-add;
-- per slot (segments), when one slot has far more rows than the others (a long prompt), where padding
-  every slot to its rows would waste more than the few ops per slot cost.
+- per slot (segments), when the iteration has one adapter, or one slot has far more rows than the others
+  (a long prompt), where padding every slot to its rows would waste more than the few ops per slot cost;
+  a slot whose rows are contiguous (a prompt; a one-adapter batch) is read and updated in place.
 Rows of the base model are in neither. An iteration without adapter rows runs the base layers alone.
 """
 
@@ -191,7 +192,9 @@ class LoRABatch:
 
     Grouped: `gather` (slots x max_rows,) row indices of x, slot by slot over the range [lo, hi) of slots,
     each slot's rows padded (with row 0) to max_rows; `valid` (slots, max_rows, 1) 1 for a real row, 0 for
-    padding. Per slot: `segments`, (slot, row indices) of each slot with rows."""
+    padding. Per slot (one slot only, or rows too uneven to pad): `segments`, (slot, row indices, start,
+    stop) of each slot with rows; the indices None where the rows are the contiguous range [start, stop)
+    (a prompt's, or every row of a one-adapter batch), which the layers then read and write in place."""
 
     def __init__(self) -> None:
         self.active = False
@@ -200,7 +203,7 @@ class LoRABatch:
         self.max_rows = 0
         self.gather: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
-        self.segments: list[tuple[int, torch.Tensor]] = []
+        self.segments: list[tuple[int, torch.Tensor | None, int, int]] = []
 
     def clear(self) -> None:
         self.active = False
@@ -208,7 +211,7 @@ class LoRABatch:
         self.gather = self.valid = None
 
     def set_rows(self, rows_by_slot: dict[int, list[int]], device: torch.device, dtype: torch.dtype) -> None:
-        """The iteration's adapter rows: {slot: row indices into the (T, ...) activations}."""
+        """The iteration's adapter rows: {slot: row indices into the (T, ...) activations, ascending}."""
         self.clear()
         rows_by_slot = {s: r for s, r in rows_by_slot.items() if r}
         if not rows_by_slot:
@@ -218,7 +221,7 @@ class LoRABatch:
         total = sum(len(r) for r in rows_by_slot.values())
         self.max_rows = max(len(r) for r in rows_by_slot.values())
         padded = (self.hi - self.lo) * self.max_rows
-        self.grouped = padded <= GROUPED_MAX_PADDING * total + 64
+        self.grouped = len(rows_by_slot) > 1 and padded <= GROUPED_MAX_PADDING * total + 64
         if self.grouped:
             gather, valid = [], []
             for slot in range(self.lo, self.hi):
@@ -228,8 +231,11 @@ class LoRABatch:
             self.gather = torch.tensor(gather, dtype=torch.int64).to(device)
             self.valid = torch.tensor(valid, dtype=dtype).view(self.hi - self.lo, self.max_rows, 1).to(device)
         else:
-            self.segments = [(slot, torch.tensor(rows, dtype=torch.int64).to(device))
-                             for slot, rows in sorted(rows_by_slot.items())]
+            for slot, rows in sorted(rows_by_slot.items()):
+                start, stop = rows[0], rows[-1] + 1
+                contiguous = stop - start == len(rows)
+                index = None if contiguous else torch.tensor(rows, dtype=torch.int64).to(device)
+                self.segments.append((slot, index, start, stop))
 
 
 @dataclass(frozen=True)
@@ -310,14 +316,19 @@ class LoRALinear(nn.Module):
             xa.mul_(batch.valid)  # padding rows add nothing
             y.index_add_(0, batch.gather, torch.bmm(xa, bt).view(-1, self.out_features))
             return y
-        for slot, rows in batch.segments:
+        for slot, index, start, stop in batch.segments:
             used = self.used[slot]  # (the same on every rank: all or none join a row-parallel all-reduce)
             if used == 0:
                 continue
-            xa = x.index_select(0, rows) @ self.lora_a[slot * pr:slot * pr + used].t()  # (rows, used)
+            a, bt = self.lora_a[slot * pr:slot * pr + used], self.lora_bt[slot * pr:slot * pr + used]
+            xs = x[start:stop] if index is None else x.index_select(0, index)
+            xa = xs @ a.t()  # (rows, used)
             if self.row_parallel:
                 self.par.all_reduce(xa)  # type: ignore[union-attr]
-            y.index_add_(0, rows, xa @ self.lora_bt[slot * pr:slot * pr + used])
+            if index is None:
+                y[start:stop].addmm_(xa, bt)
+            else:
+                y.index_add_(0, index, xa @ bt)
         return y
 
     def extra_repr(self) -> str:

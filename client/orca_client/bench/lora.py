@@ -69,7 +69,11 @@ def engine_config(args: argparse.Namespace, **options: Any) -> Any:
 
     base: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
                             "torch_compile": args.torch_compile, "max_bs": args.max_bs or args.requests,
-                            "max_lora_rank": args.rank}
+                            "max_lora_rank": args.rank,
+                            # Every run computes its prompts: with the prefix cache the base runs would find the
+                            # warm-up's (and each round the last round's) blocks, and the adapters' runs, whose
+                            # blocks hash apart, fewer.
+                            "enable_prefix_caching": False}
     return EngineConfig(**{**base, **options})
 
 
