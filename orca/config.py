@@ -203,8 +203,9 @@ class EngineConfig:
       and one iteration mixes requests of several adapters and of none. true or false (the default: no
       adapter, and no LoRA code in the forward pass). Adapters are PEFT's format (adapter_config.json,
       adapter_model.safetensors) on q/k/v/o and gate/up/down (GPT-2: c_attn, c_proj, c_fc), rank at most
-      max_lora_rank, refused at registration otherwise, naming the adapter and the reason. Iterations
-      with adapter rows run the eager forward pass (those without, compiled or in CUDA graphs as usual).
+      max_lora_rank, refused at registration otherwise, naming the adapter and the reason. A compiled
+      forward pass (torch_compile) compiles a second graph at load, for iterations with adapter rows; on
+      CUDA those run outside CUDA graphs.
     - max_loras: adapters the workers hold at once, in slots (1 to 64; default 4): an iteration mixes at
       most this many. A request whose adapter is in no slot takes a free one, or the least recently used
       one no admitted request uses; when every slot serves admitted requests it waits (not the batch).

@@ -265,9 +265,10 @@ def test_slots_evict_the_least_recently_used_idle_adapter() -> None:
     assert slots.acquire(4) == (0, True)
 
 
-def test_a_compiled_engine_runs_adapter_iterations_eagerly(adapter_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # torch_compile auto as shipped: base-only iterations run the compiled graph (traced without adapter
-    # rows, and never compiled again: fail_on_recompile), iterations with adapter rows the eager model.
+def test_a_compiled_engine_compiles_adapter_iterations_too(adapter_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch_compile auto as shipped: two graphs compiled at load, one traced without adapter rows and one
+    # with them (each adapted layer's deltas an opaque op); never compiled again (fail_on_recompile), for
+    # base-only and mixed iterations alike, with PEFT's tokens.
     monkeypatch.delenv("ORCA_TORCH_COMPILE")
     engine = lora_engine("llama", adapter_root, max_loras=3)
     compiled = engine.executor.worker.compiled
@@ -285,9 +286,11 @@ def test_a_compiled_engine_runs_adapter_iterations_eagerly(adapter_root: str, mo
     check("llama", adapter_root, base_only, run(engine, base_only))
     assert calls["compiled"] == MAX_TOKENS  # every iteration of the base-only run
     calls["compiled"] = 0
-    jobs = mixed_jobs("llama", n=6)
-    check("llama", adapter_root, jobs, run(engine, jobs))
-    assert calls["compiled"] == 0  # every iteration had adapter rows
+    for path in (1e9, -1e9):  # grouped, then per slot
+        monkeypatch.setattr(lora_layers, "GROUPED_MAX_PADDING", path)
+        jobs = [(f"{path}-{r}", p, a) for r, p, a in mixed_jobs("llama", n=6)]
+        check("llama", adapter_root, jobs, run(engine, jobs))
+    assert calls["compiled"] == 2 * MAX_TOKENS  # every iteration, adapter rows and all
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])

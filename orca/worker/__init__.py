@@ -273,8 +273,12 @@ class Worker:
                 self.compiled = CompiledForward(self.model)
                 # The prompt compiles the graph (the token count unbacked: any count); the increment runs it
                 # at one row, which a backed size would have specialised.
-                self.compiled.compile(lambda: self._warm_up(prompt_and_increment_plans(self.kv_layout.block_size),
-                                                            "compiling the forward pass"), self.device)
+                plans = prompt_and_increment_plans(self.kv_layout.block_size)
+                if self.lora is not None:  # the graph of adapter iterations too (slot 0, empty: no delta)
+                    plans += tuple(dataclasses.replace(plan, requests=tuple(
+                        dataclasses.replace(pr, request_id="warm-up-lora", lora_slot=0) for pr in plan.requests))
+                        for plan in plans)
+                self.compiled.compile(lambda: self._warm_up(plans, "compiling the forward pass"), self.device)
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly, say why
                 self.compiled = None
                 self.no_compile_reason = f"compiling failed ({str(exc).splitlines()[0][:300]})"
@@ -376,8 +380,8 @@ class Worker:
         par = self.par
         if graph_size is not None:
             hidden = self.decode_graphs.run(ids, pos, meta)  # (graph_size, E), padding rows last
-        elif self.compiled is not None and not (self.lora is not None and self.lora.batch.active):
-            hidden = self.compiled(ids, pos, meta)  # (T, E); traced without adapter rows: those run eagerly
+        elif self.compiled is not None:
+            hidden = self.compiled(ids, pos, meta)  # (T, E); with LoRA, a graph with and one without adapter rows
         else:
             received = None if par.is_first_stage else self._receive_activations(ids.shape[0])
             hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)

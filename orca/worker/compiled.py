@@ -6,13 +6,16 @@ a fifth of the step beside the matmuls that stream the weights. Inductor fuses t
 embedding, SiLU and residual adds into a few C++ loops, and its wrapper calls them without Python in
 between.
 
-What a graph holds: the whole forward pass but two opaque ops, which it calls as they are:
+What a graph holds: the whole forward pass but two opaque ops (three with LoRA), which it calls as they are:
 - attention, ``orca::selective_attention`` (orca/models/attention/base.py): the per-request split reads the
   iteration's layout, which the worker puts in scope (``iteration_scope``) around each call;
 - the oneDNN-packed linears, ``orca::packed_linear`` (orca/models/layers.py): oneDNN's matmul on the weights
   packed at load, the fastest matmul measured here at decode sizes (inductor would otherwise pick MKL's,
   slower at 1 row); with linear_backend hybrid, F.linear on the checkpoint's weights from HYBRID_MIN_ROWS
-  rows (the op chooses at run time: the graph's token count is dynamic).
+  rows (the op chooses at run time: the graph's token count is dynamic);
+- with enable_lora, in iterations with adapter rows, each adapted linear's deltas, ``orca::lora_add_``
+  (orca/models/lora.py): a second graph, traced with adapter rows and compiled at load by a second pair
+  of warm-up iterations; the first, without adapter rows, has no LoRA op at all.
 
 Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
