@@ -191,6 +191,7 @@ def valid_value(field: str) -> st.SearchStrategy[Any]:
         "stop_token_ids": st.lists(st.integers(0, 300), max_size=3),
         "ignore_eos": st.booleans(),
         "speculate": st.booleans(),
+        "lora_name": st.none() | st.text(min_size=1, max_size=8),
         "logprobs": st.none() | st.integers(0, MAX_LOGPROBS),
         "n": st.integers(1, MAX_N),
         "structured_outputs": st.none() | st.sampled_from([
