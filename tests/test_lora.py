@@ -320,3 +320,50 @@ def test_every_llama_style_family_matches_peft(family: str, tmp_path: Path) -> N
             model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
         assert outputs[request_id] == hf_greedy(model.eval(), prompt, MAX_TOKENS), request_id
     assert outputs["y"] != outputs["z"] or outputs["x"] != outputs["w"]  # the adapter changes the model
+
+
+def test_the_engine_loop_changes_adapters_on_its_thread(adapter_root: str, tmp_path: Path) -> None:
+    # EngineLoop.add_lora / remove_lora run on the loop's thread between iterations (the Triton model's
+    # lora_control) and hand the caller the result or the error; a request then runs with the new adapter.
+    import threading
+
+    from orca.core.engine import EngineCore
+    from orca.core.engine_loop import EngineLoop
+
+    threads: list[int] = []
+    outputs: dict[str, list[int]] = {}
+    done = threading.Event()
+
+    def on_output(out: Any) -> None:
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if out.finished:
+            done.set()
+
+    loop = EngineLoop(lambda: EngineCore(EngineConfig(model=str(tiny_checkpoint("llama")), dtype="float32",
+                                                      enable_lora=True)), on_output=on_output)
+    try:
+        loop.start()
+        original = type(loop.core).add_lora
+
+        def recording(core: Any, *args: Any) -> Any:
+            threads.append(threading.get_ident())
+            return original(core, *args)
+
+        type(loop.core).add_lora = recording  # type: ignore[method-assign]
+        try:
+            lora = loop.add_lora("late", str(adapters("llama", adapter_root)["llama-1"]))
+        finally:
+            type(loop.core).add_lora = original  # type: ignore[method-assign]
+        assert lora.name == "late" and threads == [loop._thread.ident]
+        with pytest.raises(LoRAError, match="LoRA adapter 'bad' .*no such directory"):
+            loop.add_lora("bad", str(tmp_path / "nowhere"))
+        assert [x.name for x in loop.list_loras()] == ["late"]
+        prompt = [5, 6, 7]
+        loop.submit("r", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                                lora_name="late"))
+        assert done.wait(60)
+        assert outputs["r"] == peft_greedy("llama", "llama-1", tuple(prompt), adapter_root)
+        assert loop.remove_lora("late") is True and loop.remove_lora("late") is False
+        assert loop.list_loras() == []
+    finally:
+        loop.shutdown()
