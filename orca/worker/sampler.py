@@ -36,15 +36,22 @@ _STEP = _signed(0xD1B54A32D192ED03)
 
 
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    """Logical right shift of int64 (torch's >> is arithmetic): a new tensor."""
+    return (x >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser: a bijection of int64 that spreads every input bit over every output bit."""
-    x = (x ^ _shr(x, 30)) * _MIX1
-    x = (x ^ _shr(x, 27)) * _MIX2
-    return x ^ _shr(x, 31)
+    """SplitMix64's finaliser, in place: a bijection of int64 that spreads every input bit over every
+    output bit. (In place, the [batch, vocab] block costs a fifth of what a new tensor per op did.)"""
+    x ^= _shr(x, 30)
+    x *= _MIX1
+    x ^= _shr(x, 27)
+    x *= _MIX2
+    x ^= _shr(x, 31)
+    return x
+
+
+_TOKEN_TERMS: dict[tuple[int, torch.device], torch.Tensor] = {}  # token ids * _GOLDEN, per vocabulary and device
 
 
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -52,12 +59,15 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> tor
 
     Seed and step are mixed before the token is added, so nearby seeds or steps give unrelated streams
     (a plain sum would make seed s + 1 at token t equal seed s at token t + 1)."""
-    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants.
+    key = (vocab, seeds.device)
+    token_terms = _TOKEN_TERMS.get(key)
+    if token_terms is None:
+        # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants.
+        token_terms = _TOKEN_TERMS[key] = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _GOLDEN
     stream = _mix(_mix(seeds * _GOLDEN + _GOLDEN) + steps * _STEP)  # (B,)
-    x = _mix(stream.unsqueeze(1) + tokens * _GOLDEN)  # (B, V)
+    x = _mix(stream.unsqueeze(1) + token_terms)  # (B, V), a new tensor mixed in place
     # Top 23 bits: k + 0.5 is exact in float32 for k < 2**23, so the result is never 0 and never 1.
-    return (_shr(x, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return _shr(x, 41).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 23))
 
 
 @dataclass
