@@ -51,19 +51,14 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-_TOKEN_TERMS: dict[tuple[int, torch.device], torch.Tensor] = {}  # token ids * _GOLDEN, per vocabulary and device
-
-
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B,) seeds and (B,) steps -> (B, V) uniforms in (0, 1), a hash of (seed, step, token).
 
     Seed and step are mixed before the token is added, so nearby seeds or steps give unrelated streams
     (a plain sum would make seed s + 1 at token t equal seed s at token t + 1)."""
-    key = (vocab, seeds.device)
-    token_terms = _TOKEN_TERMS.get(key)
-    if token_terms is None:
-        # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants.
-        token_terms = _TOKEN_TERMS[key] = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * _GOLDEN
+    # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants. (Not cached
+    # across calls: a tensor made under one fake mode, the fake-CUDA tests', must not meet another.)
+    token_terms = torch.arange(vocab, device=seeds.device, dtype=torch.int64).mul_(_GOLDEN)
     stream = _mix(_mix(seeds * _GOLDEN + _GOLDEN) + steps * _STEP)  # (B,)
     x = _mix(stream.unsqueeze(1) + token_terms)  # (B, V), a new tensor mixed in place
     # Top 23 bits: k + 0.5 is exact in float32 for k < 2**23, so the result is never 0 and never 1.
