@@ -11,11 +11,12 @@ import atexit
 import functools
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from checkpoints import make_gpt2, make_llama
 from transformers import AutoModelForCausalLM
@@ -54,6 +55,17 @@ class FakeCodec:
 def s(value: str) -> np.ndarray:
     """A one-element BYTES input tensor, as Triton hands a string input to the model."""
     return np.array([value.encode()], dtype=object)
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Imported by a test module (autouse): its tests run on one torch thread. The tiny models' steps are
+    too short for two threads to pay, and on a busy host their OpenMP team waits on each other (tens of
+    times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 _BUILDERS: dict[str, Callable[[Path], Path]] = {"gpt2": make_gpt2, "llama": make_llama}
 
 

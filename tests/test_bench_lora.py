@@ -4,23 +4,15 @@ command end to end on the tiny Llama (no tokenizer: the text's bytes as token id
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from _fixtures import tiny_checkpoint
+from _fixtures import (
+    one_torch_thread,  # noqa: F401 - autouse: one torch thread
+    tiny_checkpoint,
+)
 from orca_client import bench as orca_bench
 from orca_client.bench import lora
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model's steps are too short for two threads to pay (tests/test_bench_speculative.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_adapter_counts_are_sorted_distinct_positive_integers() -> None:

@@ -4,27 +4,18 @@ on the tiny Llama (no tokenizer: the text's bytes as token ids), speculation off
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from _fixtures import tiny_checkpoint
+from _fixtures import (
+    one_torch_thread,  # noqa: F401 - autouse: one torch thread
+    tiny_checkpoint,
+)
 from orca_client import bench as orca_bench
 from orca_client.bench import speculative
 
 VOCAB = 197  # the tiny Llama's
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """The tiny model's steps are too short for two threads to pay, and on a busy host their OpenMP team
-    waits on each other (tens of times slower): one thread, as tests/test_prefix_caching.py does."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_repetitive_prompts_are_passages_of_real_text_behind_an_instruction() -> None:

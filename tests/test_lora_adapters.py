@@ -5,26 +5,19 @@ equal those of PEFT's merged model (PeftModel.from_pretrained(base, dir).merge_a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import torch
-from _fixtures import tiny_checkpoint
+from _fixtures import (
+    one_torch_thread,  # noqa: F401 - autouse: one torch thread
+    tiny_checkpoint,
+)
 from orca_client.lora_adapters import default_targets, make_adapters, text_sequences, topic_slice
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = [[1, 17, 42, 99, 5, 150, 23], [1, 88, 3, 61, 120, 7, 7, 190, 44, 12], [1, 64]]
 NEW_TOKENS = 12
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def merged_greedy(adapter: Path | None, prompt: list[int], family: str = "llama") -> list[int]:

@@ -26,8 +26,13 @@ import random
 from collections.abc import Iterator, Sequence
 
 import pytest
-import torch
-from _fixtures import hf_greedy, tiny_checkpoint, tiny_core, tiny_reference
+from _fixtures import (
+    hf_greedy,
+    one_torch_thread,  # noqa: F401 - autouse: one torch thread
+    tiny_checkpoint,
+    tiny_core,
+    tiny_reference,
+)
 
 from orca import EngineConfig, EngineCore, SamplingParams
 
@@ -41,14 +46,6 @@ BIG_POOL = 8192
 _BASE = tuple(random.Random(25).randrange(0, 190) for _ in range(64))
 # Per block size: the k of the shared-prefix lengths k*bs - 1, k*bs, k*bs + 1.
 BOUNDARY_BLOCKS = {1: (1, 4, 8), 4: (1, 2, 4), 16: (1, 2, 3)}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- the reference and the scenarios -------------------------------------------------------------------------
