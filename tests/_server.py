@@ -5,12 +5,22 @@ and the request-level baseline (request_level_gpt's config and model.py) on the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import requests
 from checkpoints import make_gpt2, make_lora_adapter
+
+from orca_server.server import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_MODEL = REPO_ROOT / "model_repository" / "orca_gpt"
@@ -129,3 +139,37 @@ def _add_request_level_tiny(repo: Path, tiny: Path) -> None:
     if (n_size, n_delay) != (1, 1):
         raise RuntimeError("request_level_gpt/config.pbtxt lacks max_batch_size or max_queue_delay_microseconds")
     (repo / REQUEST_LEVEL_TINY / "config.pbtxt").write_text(text)
+
+
+@contextlib.contextmanager
+def orca_openai(server: Any, log: Path, api_key: str, *options: str) -> Iterator[str]:
+    """An orca-openai process in front of `server` (the session's TritonServer) on a free port, with
+    `api_key` and further command-line `options`, its output in `log`: yields its base URL
+    (http://127.0.0.1:PORT) once /health answers 200, and stops it (SIGINT) afterwards."""
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "orca_openai", "--host", "127.0.0.1", "--port", str(port),
+           "--triton-url", server.grpc_url, "--metrics-url", server.metrics_url, "--api-key", api_key, *options]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"orca-openai did not become healthy:\n{log.read_text()}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False

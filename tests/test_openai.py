@@ -22,6 +22,7 @@ from typing import Any
 import openai
 import pytest
 import requests
+from _server import orca_openai
 from test_server_e2e import metrics, wait_for
 
 from orca_openai import protocol
@@ -43,35 +44,12 @@ def _health_status(url: str) -> int | None:
         return None
 
 
-def _healthy(url: str) -> bool:
-    return _health_status(url) == 200
-
-
 @pytest.fixture(scope="module")
 def api(orca_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """orca-openai's base URL (http://127.0.0.1:PORT)."""
-    (port,) = free_ports(1)
     log = tmp_path_factory.mktemp("openai") / "orca-openai.log"
-    cmd = [sys.executable, "-m", "orca_openai", "--host", "127.0.0.1", "--port", str(port),
-           "--triton-url", orca_server.grpc_url, "--metrics-url", orca_server.metrics_url, "--api-key", API_KEY,
-           "--max-body-bytes", "100000"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"orca-openai did not become healthy:\n{log.read_text()}")
-            time.sleep(0.1)
+    with orca_openai(orca_server, log, API_KEY, "--max-body-bytes", "100000") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,6 @@ tests hold to PEFT's merged model; adapters load and unload at run time (vLLM's 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,13 +15,12 @@ from typing import Any
 import openai
 import pytest
 import requests
-from _server import LORA_MODEL
+from _server import LORA_MODEL, orca_openai
 from checkpoints import make_llama, make_lora_adapter
 from orca_client import OrcaClient, OrcaError
-from test_server_e2e import generate_concurrently, metrics, wait_for
+from test_server_e2e import generate_concurrently, metrics
 
 from orca import LLM, SamplingParams
-from orca_server.server import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "lora-test-key"
@@ -52,31 +48,9 @@ def expected(llm: LLM, prompt: list[int], lora: str | None) -> list[int]:
 @pytest.fixture(scope="module")
 def api(orca_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """orca-openai with run-time adapter loading on."""
-    (port,) = free_ports(1)
     log = tmp_path_factory.mktemp("openai-lora") / "orca-openai.log"
-    cmd = [sys.executable, "-m", "orca_openai", "--host", "127.0.0.1", "--port", str(port),
-           "--triton-url", orca_server.grpc_url, "--metrics-url", orca_server.metrics_url, "--api-key", API_KEY,
-           "--allow-runtime-lora-updating"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def healthy() -> bool:
-            try:
-                return requests.get(f"{url}/health", timeout=5).status_code == 200
-            except requests.RequestException:
-                return proc.poll() is not None
-
-        wait_for(healthy, f"orca-openai\n{log}", timeout=60)
-        assert proc.poll() is None, log.read_text()
+    with orca_openai(orca_server, log, API_KEY, "--allow-runtime-lora-updating") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
