@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from orca_client.bench.common import machine_info, write_json
-from orca_client.bench.options import nonnegative_int, positive_int, token_range
+from orca_client.bench.options import add_engine_options, nonnegative_int, positive_int, token_range
 
 INSTRUCTION = "Summarize the following text:\n\n"
 
@@ -330,12 +330,7 @@ def add_parser(sub: Any) -> None:
                    help="the load phase's rounds (two adapters, max_loras 1; 0: no load phase) "
                         "(default: %(default)s)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="adapter i's seed is SEED + i (default: 0)")
-    p.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
-    p.add_argument("--quantization", default="auto", metavar="{auto,none,int8,int4,fp8}",
-                   help="EngineConfig.quantization (default: %(default)s, the engine's)")
-    p.add_argument("--torch-compile", default="auto", choices=("auto", "off"),
-                   help="EngineConfig.torch_compile (default: %(default)s)")
-    p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    add_engine_options(p)
     p.set_defaults(func=cmd_lora)
 
 

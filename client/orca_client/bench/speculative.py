@@ -46,7 +46,14 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from orca_client.bench.common import machine_info, write_json
-from orca_client.bench.options import comma_choices, nonnegative_int, positive_float, positive_int, token_range
+from orca_client.bench.options import (
+    add_engine_options,
+    comma_choices,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    token_range,
+)
 
 WORKLOADS = ("repetitive", "random")
 METHODS = ("off", "ngram")
@@ -424,12 +431,7 @@ def add_parser(sub: Any) -> None:
                    help="random: prompt tokens ~ U(A, B) (default: 32:128, orca-bench offline's)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="random: the trace's seed; seeded sampling: the first request's seed (default: %(default)s)")
-    p.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
-    p.add_argument("--quantization", default="auto", metavar="{auto,none,int8,int4,fp8}",
-                   help="EngineConfig.quantization (default: %(default)s, the engine's)")
-    p.add_argument("--torch-compile", default="auto", choices=("auto", "off"),
-                   help="EngineConfig.torch_compile (default: %(default)s)")
-    p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
+    add_engine_options(p)
     p.set_defaults(func=cmd_speculative)
 
 
