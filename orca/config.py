@@ -41,6 +41,7 @@ TORCH_COMPILE_CHOICES = ("auto", "off")
 SPECULATIVE_METHODS = ("off", "ngram", "draft")
 """EngineConfig.speculative_method's values (orca/core/speculative.py)."""
 MAX_SPECULATIVE_TOKENS = 16
+MAX_LORAS = 64
 MAX_LORA_RANK = 256
 
 
@@ -396,8 +397,8 @@ class EngineConfig:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be true or false, got {self.enable_lora!r}")
         _check_int("max_loras", self.max_loras, 1)
-        if self.max_loras > 64:
-            raise ValueError(f"max_loras must be an integer in [1, 64], got {self.max_loras}")
+        if self.max_loras > MAX_LORAS:
+            raise ValueError(f"max_loras must be an integer in [1, {MAX_LORAS}], got {self.max_loras}")
         _check_int("max_lora_rank", self.max_lora_rank, 1)
         if self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank must be an integer in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")

@@ -95,10 +95,6 @@ class LoRAAdapter:
     scaling: dict[str, float]  # module -> s
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
-
 
 def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Reads and checks an adapter for a base model of config `cfg`; LoRAError names the adapter and what
@@ -379,20 +375,16 @@ class LoRAModel:
         self.layers = add_lora_layers(model, cfg, par, num_slots, max_rank, self.batch, dtype, device)
         self.prefix = layer_prefix(cfg)
         self.host: dict[int, LoRAAdapter] = {}  # lora_id -> adapter read
-        self.slot_of: dict[int, int] = {}  # lora_id -> slot, as loaded here
         self.bytes_per_slot = sum((m.lora_a[:m.pr].numel() + m.lora_bt[:m.pr].numel()) * m.lora_a.element_size()
                                   for m in self.layers)
 
     def load(self, slot: int, lora_id: int, name: str, path: str) -> None:
+        """Puts the adapter into the slot (which adapter sits where is the core's: orca/core/lora.py)."""
         adapter = self.host.get(lora_id)
         if adapter is None:
             adapter = self.host[lora_id] = read_adapter(name, path, self.cfg, self.max_rank)
-        for lora_id_in, s in list(self.slot_of.items()):
-            if s == slot:
-                del self.slot_of[lora_id_in]
         for layer in self.layers:
             layer.load_slot(slot, adapter, self.prefix, self.par.tp_rank, self.par.tp_size)
-        self.slot_of[lora_id] = slot
 
     def forget(self, lora_ids: set[int]) -> None:
         """Drops the host copies of adapters no longer registered (not their slots: the core reuses them)."""
