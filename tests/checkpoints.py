@@ -238,20 +238,21 @@ def with_generation_config(source: Path, path: Path, **values: Any) -> Path:
     return path
 
 
-def make_lora_adapter(base: Path, path: Path, seed: int = 0, rank: int = 4) -> Path:
+def make_lora_adapter(base: Path, path: Path, seed: int = 0, rank: int = 4,
+                      targets: list[str] | None = None) -> Path:
     """A PEFT LoRA adapter of the checkpoint `base` with random (nonzero) A and B, saved as safetensors in
-    `path`: GPT-2's Conv1D layers (c_attn, c_proj, c_fc, fan_in_fan_out) or Llama-style projections."""
+    `path`, on `targets` (default: every layer's GPT-2 Conv1D layers c_attn, c_proj and c_fc, with
+    fan_in_fan_out, or Llama-style projections)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if model.config.model_type == "gpt2":
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["c_attn", "c_proj", "c_fc"],
-                            fan_in_fan_out=True, init_lora_weights=False)
-    else:
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
-                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                            "down_proj"])
+    gpt2 = model.config.model_type == "gpt2"
+    if targets is None:
+        targets = (["c_attn", "c_proj", "c_fc"] if gpt2 else
+                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, fan_in_fan_out=gpt2,
+                        init_lora_weights=False)
     get_peft_model(model, config).save_pretrained(path, safe_serialization=True)
     return path

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 from _fixtures import hf_greedy, tiny_checkpoint
-from checkpoints import make_llama
-from peft import LoraConfig, PeftModel, get_peft_model
+from checkpoints import make_llama, make_lora_adapter
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from orca import EngineConfig, LLMEngine, SamplingParams
@@ -33,22 +33,11 @@ SHAPES = [(4, slice(None)), (8, slice(0, 2)), (2, slice(-2, None))]
 MAX_TOKENS = 8
 
 
-def make_adapter(checkpoint: Path, out: Path, rank: int, targets: list[str], seed: int, alpha: float | None = None,
-                 **config: Any) -> Path:
-    """A PEFT adapter with random A and B (init_lora_weights False: B is not zero), saved as safetensors."""
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    gpt2 = base.config.model_type == "gpt2"
-    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets,
-                                                 init_lora_weights=False, fan_in_fan_out=gpt2, **config))
-    peft_model.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 @functools.cache
 def adapters(family: str, root: str) -> dict[str, Path]:
     checkpoint = tiny_checkpoint(family)
-    return {f"{family}-{i}": make_adapter(checkpoint, Path(root) / f"{family}-{i}", rank, TARGETS[family][which], i)
+    return {f"{family}-{i}": make_lora_adapter(checkpoint, Path(root) / f"{family}-{i}", i, rank,
+                                               TARGETS[family][which])
             for i, (rank, which) in enumerate(SHAPES)}
 
 
@@ -203,7 +192,7 @@ def test_bad_adapters_are_refused_naming_the_adapter_and_the_reason(adapter_root
     good = adapters("llama", adapter_root)["llama-0"]  # rank 4
     cfg = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), enable_lora=True, max_lora_rank=4)).core
     other = make_llama(tmp_path / "wide", hidden_size=96)  # another base model: other shapes
-    wrong_base = make_adapter(other, tmp_path / "wide-adapter", 4, ["q_proj"], 0)
+    wrong_base = make_lora_adapter(other, tmp_path / "wide-adapter", 0, 4, ["q_proj"])
     corrupt = _broken(tmp_path, good, "corrupt")
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 100)
     no_config = _broken(tmp_path, good, "no-config")
@@ -211,7 +200,7 @@ def test_bad_adapters_are_refused_naming_the_adapter_and_the_reason(adapter_root
     dora = _broken(tmp_path, good, "dora")
     config = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
-    high = make_adapter(tiny_checkpoint("llama"), tmp_path / "rank8", 8, ["q_proj"], 0)
+    high = make_lora_adapter(tiny_checkpoint("llama"), tmp_path / "rank8", 0, 8, ["q_proj"])
     cases = [
         ("wide", wrong_base, r"has A \(4, 96\).*Is it an adapter for another base model\?"),
         ("corrupt", corrupt, "adapter_model.safetensors cannot be read"),
@@ -229,7 +218,7 @@ def test_bad_adapters_are_refused_naming_the_adapter_and_the_reason(adapter_root
     assert [lora.name for lora in cfg.list_loras()] == ["good"]
     assert cfg.remove_lora("good") and not cfg.remove_lora("good")
     # An embedding adapter is no linear layer's
-    emb = make_adapter(tiny_checkpoint("llama"), tmp_path / "emb", 4, ["embed_tokens"], 0)
+    emb = make_lora_adapter(tiny_checkpoint("llama"), tmp_path / "emb", 0, 4, ["embed_tokens"])
     with pytest.raises(LoRAError, match="is not a LoRA A or B matrix of a linear layer"):
         read_adapter("emb", emb, cfg.model_config, 16)
 
@@ -303,9 +292,9 @@ def test_every_llama_style_family_matches_peft(family: str, tmp_path: Path) -> N
     checkpoint = getattr(checkpoints, f"make_{family}")(tmp_path / family)
     attention, mlp = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
     moe = family in ("mixtral", "qwen3_moe")
-    adapter = make_adapter(checkpoint, tmp_path / "adapter", 4, attention if moe else attention + mlp, 1)
+    adapter = make_lora_adapter(checkpoint, tmp_path / "adapter", 1, 4, attention if moe else attention + mlp)
     if family == "qwen3_moe":  # PEFT maps the MLP targets onto the experts' parameters: refused by name
-        experts = make_adapter(checkpoint, tmp_path / "experts", 4, attention + mlp, 1)
+        experts = make_lora_adapter(checkpoint, tmp_path / "experts", 1, 4, attention + mlp)
         with pytest.raises(LoRAError, match=r"'experts' .*target_parameters \(adapters on parameters, such as a "
                                             r"mixture's experts\) is not supported"):
             read_adapter("experts", experts, read_model_config(checkpoint)[0], 16)
