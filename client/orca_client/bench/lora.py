@@ -68,8 +68,8 @@ def engine_config(args: argparse.Namespace, **options: Any) -> Any:
     from orca import EngineConfig
 
     base: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-                            "torch_compile": args.torch_compile, "max_bs": args.max_bs or args.requests,
-                            "max_lora_rank": args.rank,
+                            "torch_compile": args.torch_compile, "attention_backend": args.attention_backend,
+                            "max_bs": args.max_bs or args.requests, "max_lora_rank": args.rank,
                             # Every run computes its prompts: with the prefix cache the base runs would find the
                             # warm-up's (and each round the last round's) blocks, and the adapters' runs, whose
                             # blocks hash apart, fewer.
@@ -241,7 +241,8 @@ def cmd_lora(args: argparse.Namespace) -> int:
                     "prompt_tokens": list(args.prompt_tokens), "max_loras": max_loras, "rank": args.rank,
                     "max_bs": args.max_bs or args.requests, "repeats": args.repeats, "load_rounds": args.load_rounds,
                     "dtype": args.dtype,
-                    "quantization": args.quantization, "torch_compile": args.torch_compile, "seed": args.seed},
+                    "quantization": args.quantization, "torch_compile": args.torch_compile,
+                    "attention_backend": args.attention_backend, "seed": args.seed},
         "spec": {"prompt_tokens": [len(p) for p in prompts]},
     }
     with tempfile.TemporaryDirectory(prefix="orca-bench-lora-") as directory:
