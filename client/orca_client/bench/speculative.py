@@ -18,9 +18,9 @@ Every request generates --max-tokens tokens (EOS ignored: the lengths are fixed)
 --sampling seeded for temperature --temperature (0.8) with a seed per request.
 
 For each workload, each method (--methods, default off,ngram) gets a fresh LLMEngine (the same options
-otherwise: --model, --dtype, --quantization, --torch-compile; ngram with --num-speculative-tokens,
---prompt-lookup-min, --prompt-lookup-max), which runs, after a warm-up on a prompt of the workload that
-is not measured:
+otherwise: --model, --dtype, --quantization, --torch-compile, --attention-backend; ngram with
+--num-speculative-tokens, --prompt-lookup-min, --prompt-lookup-max), which runs, after a warm-up on a
+prompt of the workload that is not measured:
   streams  --streams requests of the workload at once (max_bs = --streams), stepped as orca.LLM.generate
            steps them (orca-bench offline's drive): generated tokens / wall time;
   single   the first --single-prompts prompts, each alone, measured as orca-bench offline's single stream
@@ -171,7 +171,8 @@ def engine_config(args: argparse.Namespace, method: str) -> Any:
 
     options: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-        "torch_compile": args.torch_compile, "max_bs": args.streams, "speculative_method": method,
+        "torch_compile": args.torch_compile, "attention_backend": args.attention_backend, "max_bs": args.streams,
+        "speculative_method": method,
         "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
@@ -339,6 +340,7 @@ def cmd_speculative(args: argparse.Namespace) -> int:
             "single_prompts": args.single_prompts, "repeats": args.repeats, "passage_tokens": list(args.passage_tokens),
             "random_prompt_len": list(args.random_prompt_len), "dtype": args.dtype,
             "quantization": args.quantization, "torch_compile": args.torch_compile,
+            "attention_backend": args.attention_backend,
         },
         "workloads": {},
     }
