@@ -72,6 +72,30 @@ def build_checkpoint(shape: str, path: Path, dtype: Any, device: Any, seed: int 
     return path
 
 
+def build_layer_draft(checkpoint: Path, layers: int, path: Path) -> Path:
+    """A self-speculative ("layer skip") draft of a Llama-shaped checkpoint directory, saved to `path`: the
+    model (transformers, its stored dtype, on the CPU) with only its first `layers` decoder layers, the same
+    embeddings, final norm, head and vocabulary; the checkpoint's tokenizer files copied beside it."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    checkpoint, path = Path(checkpoint), Path(path)
+    total = AutoConfig.from_pretrained(checkpoint).num_hidden_layers
+    if not 1 <= layers <= total:
+        raise ValueError(f"a draft of {layers} layers: {checkpoint} has {total} decoder layers (1 to {total})")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = list(model.config.layer_types[:layers])
+    model.save_pretrained(path)
+    for pattern in ("tokenizer*.json", "special_tokens_map.json", "tokenizer.model"):
+        for source in sorted(checkpoint.glob(pattern)):
+            shutil.copy2(source, path / source.name)
+    return path
+
+
 def copy_bandwidth(device: Any, seconds: float = 1.0) -> float:
     """Bytes/s of a large device-to-device copy (each byte read once and written once: 2 x size moved)."""
     import torch
