@@ -1,6 +1,6 @@
 """``orca-bench speculative``: n-gram speculative decoding (prompt lookup, EngineConfig.speculative_method
-"ngram") against none ("off"), offline in this process, on a workload where lookup finds the next tokens
-and one whose prompts offer nothing to copy.
+"ngram") and, when asked, a draft model's ("draft") against none ("off"), offline in this process, on a
+workload where lookup finds the next tokens and one whose prompts offer nothing to copy.
 
 Workloads (--workload, comma-separated, default both):
   repetitive  real English text (Python's documentation, pydoc_data.topics, its topics in sorted order) in
@@ -17,10 +17,11 @@ Workloads (--workload, comma-separated, default both):
 Every request generates --max-tokens tokens (EOS ignored: the lengths are fixed), greedy by default,
 --sampling seeded for temperature --temperature (0.8) with a seed per request.
 
-For each workload, each method (--methods, default off,ngram) gets a fresh LLMEngine (the same options
-otherwise: --model, --dtype, --quantization, --torch-compile, --attention-backend; ngram with
---num-speculative-tokens, --prompt-lookup-min, --prompt-lookup-max), which runs, after a warm-up on a
-prompt of the workload that is not measured:
+For each workload, each method (--methods, of off, ngram and draft; default off,ngram) gets a fresh
+LLMEngine (the same options otherwise: --model, --dtype, --quantization, --torch-compile,
+--attention-backend, --num-speculative-tokens; ngram with --prompt-lookup-min and --prompt-lookup-max;
+draft with its draft model, below), which runs, after a warm-up on a prompt of the workload that is not
+measured:
   streams  --streams requests of the workload at once (max_bs = --streams), stepped as orca.LLM.generate
            steps them (orca-bench offline's drive): generated tokens / wall time;
   single   the first --single-prompts prompts, each alone, measured as orca-bench offline's single stream
@@ -32,17 +33,27 @@ verifications (a request's iteration that verified at least one proposed token) 
 verification gives (1 + accepted / verifications: the accepted proposals and the token the verifying step
 samples itself). Speculation must not change any token: every request's tokens are compared with the
 off run's (greedy and seeded alike) and the identical ones counted.
+
+The draft method's model (EngineConfig.speculative_model, for its engine only): --speculative-model, a
+checkpoint with the model's vocabulary; or, with --draft-layers N instead, a self-speculative ("layer skip")
+draft made here from --model (a checkpoint directory, not a .gguf): its first N decoder layers with its
+embeddings, final norm and head (orca_client.bench.decode.build_layer_draft), in a temporary directory
+removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
+import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from orca_client.bench.common import machine_info, write_json
@@ -56,7 +67,8 @@ from orca_client.bench.options import (
 )
 
 WORKLOADS = ("repetitive", "random")
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram")  # --methods' default
+ALL_METHODS = ("off", "ngram", "draft")  # what --methods takes (draft needs --speculative-model or --draft-layers)
 INSTRUCTIONS = (
     "Repeat the following text exactly, fixing any typos:\n\n",
     "Quote the first sentences of this text verbatim:\n\n",
@@ -166,7 +178,8 @@ def build_prompts(name: str, args: argparse.Namespace, prompter: Prompter, n: in
 
 
 # -- the runs -----------------------------------------------------------------------------------------
-def engine_config(args: argparse.Namespace, method: str) -> Any:
+def engine_config(args: argparse.Namespace, method: str, draft: str | None = None) -> Any:
+    """The engine of `method`; `draft` is the draft engine's speculative_model (no other method takes one)."""
     from orca import EngineConfig
 
     options: dict[str, Any] = {
@@ -176,8 +189,37 @@ def engine_config(args: argparse.Namespace, method: str) -> Any:
         "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
         "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
+        "speculative_model": draft if method == "draft" else None,
     }
     return EngineConfig(**options)
+
+
+def check_draft_options(args: argparse.Namespace, methods: Sequence[str]) -> None:
+    """--speculative-model and --draft-layers: one of them exactly when draft is among the methods, and
+    --draft-layers only from a checkpoint directory (ValueError otherwise, before any work)."""
+    given = [name for name, value in (("--speculative-model", args.speculative_model),
+                                      ("--draft-layers", args.draft_layers)) if value is not None]
+    if "draft" not in methods:
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for the draft method, "
+                             f"which --methods ({','.join(methods)}) does not run: add draft or leave it out")
+        return
+    if not given:
+        raise ValueError("--methods draft needs a draft model: --speculative-model PATH (a checkpoint with the "
+                         "model's vocabulary) or --draft-layers N (the first N layers of --model)")
+    if len(given) == 2:
+        raise ValueError("give --speculative-model or --draft-layers, not both: --draft-layers builds the draft "
+                         "--speculative-model would name")
+    if args.speculative_model is not None and not Path(args.speculative_model).expanduser().exists():
+        raise ValueError(f"--speculative-model {args.speculative_model}: no such checkpoint directory or .gguf file")
+    if args.draft_layers is not None:
+        from orca.checkpoint import default_model_path
+
+        model = default_model_path() if args.model is None else Path(args.model).expanduser()
+        if model.suffix == ".gguf":
+            raise ValueError(f"--draft-layers builds its draft from a checkpoint directory, and --model "
+                             f"{'(the default) ' if args.model is None else ''}{model} is a .gguf file: give a "
+                             "checkpoint directory, or a draft checkpoint with --speculative-model")
 
 
 def sampling(args: argparse.Namespace, max_tokens: int, index: int) -> Any:
@@ -209,7 +251,7 @@ def speculation(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]
 
 
 def run_method(args: argparse.Namespace, method: str, prompts: list[list[int]], warmup: list[int],
-               single: int) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
+               single: int, draft: str | None = None) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
     """One method on a fresh engine: a warm-up, the streams, then each single-stream prompt. Speculation's
     counters are read around each phase (the single-stream phase's include each prompt's warm-up and
     first-token runs). Returns the record, the streams' tokens and the single-stream prompts' tokens."""
@@ -219,7 +261,7 @@ def run_method(args: argparse.Namespace, method: str, prompts: list[list[int]], 
     from orca_client.bench.offline import drive
     from orca_client.peers.runner_common import single_stream
 
-    engine = LLMEngine(engine_config(args, method))
+    engine = LLMEngine(engine_config(args, method, draft))
     try:
         n = args.max_tokens
         drive(engine, [warmup], [sampling(args, min(n, 16), len(prompts))], "warmup")
@@ -287,7 +329,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def run_workload(args: argparse.Namespace, name: str, prompter: Prompter, methods: list[str]) -> dict[str, Any]:
+def run_workload(args: argparse.Namespace, name: str, prompter: Prompter, methods: list[str],
+                 draft: str | None = None) -> dict[str, Any]:
     single = min(args.single_prompts, args.streams)
     prompts = build_prompts(name, args, prompter, args.streams + 1)
     warmup, prompts = prompts[-1], prompts[:-1]  # the warm-up's prompt is not measured
@@ -299,7 +342,7 @@ def run_workload(args: argparse.Namespace, name: str, prompter: Prompter, method
     tokens: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
     for method in methods:
         print(f"== {name}, speculative_method {method}", file=sys.stderr, flush=True)
-        run, streams_tokens, single_tokens = run_method(args, method, prompts, warmup, single)
+        run, streams_tokens, single_tokens = run_method(args, method, prompts, warmup, single, draft)
         record["methods"][method] = run
         tokens[method] = (streams_tokens, single_tokens)
     if "off" in tokens and len(tokens) > 1:
@@ -317,17 +360,40 @@ def run_workload(args: argparse.Namespace, name: str, prompter: Prompter, method
 
 
 def cmd_speculative(args: argparse.Namespace) -> int:
+    workloads = comma_choices(args.workload, WORKLOADS, "workload")
+    methods = comma_choices(args.methods, ALL_METHODS, "method")
+    check_draft_options(args, methods)
+    layer_draft = "draft" in methods and args.draft_layers is not None
+    with (tempfile.TemporaryDirectory(prefix="orca-bench-draft-") if layer_draft
+          else contextlib.nullcontext()) as directory:
+        draft = str(Path(directory) / f"first-{args.draft_layers}-layers") if layer_draft else args.speculative_model
+        for method in methods:  # the engine options' errors before any work
+            engine_config(args, method, draft)
+        return _speculative(args, workloads, methods, draft, layer_draft)
+
+
+def _speculative(args: argparse.Namespace, workloads: list[str], methods: list[str], draft: str | None,
+                 layer_draft: bool) -> int:
     import torch
 
     from orca.checkpoint import read_model_config, resolve_checkpoint
     from orca.frontend.tokenizer import Tokenizer
 
-    workloads = comma_choices(args.workload, WORKLOADS, "workload")
-    methods = comma_choices(args.methods, METHODS, "method")
-    engine_config(args, methods[-1])  # the engine options' errors before any work
     checkpoint = resolve_checkpoint(args.model)
     tokenizer = Tokenizer.load(checkpoint)
     prompter = Prompter(tokenizer if tokenizer.available else None, read_model_config(checkpoint)[0].vocab_size)
+    draft_record: dict[str, Any] | None = None
+    if layer_draft:
+        from orca_client.bench.decode import build_layer_draft
+
+        assert draft is not None
+        layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+        print(f"== the draft: the first {args.draft_layers} of {layers} layers of {checkpoint}", file=sys.stderr,
+              flush=True)
+        build_layer_draft(checkpoint, args.draft_layers, Path(draft))
+        draft_record = {"checkpoint": None, "layers": args.draft_layers, "of_layers": layers}
+    elif draft is not None:
+        draft_record = {"checkpoint": draft}
     result: dict[str, Any] = {
         "benchmark": "speculative", "command": " ".join(["orca-bench", *sys.argv[1:]]), "machine": machine_info(),
         "checkpoint": str(checkpoint), "torch_threads": torch.get_num_threads(), "prompts": prompter.kind,
@@ -335,6 +401,7 @@ def cmd_speculative(args: argparse.Namespace) -> int:
         "options": {
             "methods": methods, "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
+            "speculative_model": args.speculative_model, "draft_layers": args.draft_layers,
             "sampling": args.sampling, "temperature": args.temperature if args.sampling == "seeded" else 0.0,
             "seed": args.seed, "max_tokens": args.max_tokens, "streams": args.streams,
             "single_prompts": args.single_prompts, "repeats": args.repeats, "passage_tokens": list(args.passage_tokens),
@@ -342,10 +409,11 @@ def cmd_speculative(args: argparse.Namespace) -> int:
             "quantization": args.quantization, "torch_compile": args.torch_compile,
             "attention_backend": args.attention_backend,
         },
+        "draft": draft_record,
         "workloads": {},
     }
     for name in workloads:
-        result["workloads"][name] = run_workload(args, name, prompter, methods)
+        result["workloads"][name] = run_workload(args, name, prompter, methods, draft)
     print_speculative(result)
     if args.json:
         write_json(args.json, result)
@@ -357,14 +425,20 @@ def print_speculative(result: dict[str, Any]) -> None:
     o = result["options"]
     first = next(iter(next(iter(result["workloads"].values()))["methods"].values()))
     methods = o["methods"]
-    ngram = (f"; ngram: up to {o['num_speculative_tokens']} tokens per proposal, n-grams of {o['prompt_lookup_min']}"
-             f"-{o['prompt_lookup_max']}" if "ngram" in methods else "")
+    speculating = [m for m in methods if m != "off"] if "off" in methods else []  # compared with off
+    proposals = f"up to {o['num_speculative_tokens']} tokens per proposal"
+    notes = (f"; ngram: {proposals}, n-grams of {o['prompt_lookup_min']}-{o['prompt_lookup_max']}"
+             if "ngram" in methods else "")
+    if "draft" in methods:
+        draft = result["draft"]
+        model = draft.get("checkpoint") or f"the model's first {draft['layers']} of {draft['of_layers']} layers"
+        notes += f"; draft: {proposals} by {model}"
     print(f"{o['max_tokens']} new tokens per request ({o['sampling']}, EOS ignored), {first['dtype']} on "
-          f"{first['device']} ({result['torch_threads']} threads), quantization {first['quantization']}{ngram}; "
+          f"{first['device']} ({result['torch_threads']} threads), quantization {first['quantization']}{notes}; "
           f"prompts by {result['prompts']}")
     header = f"  {'workload':<11} {'run':<10}" + "".join(f" {m + ' tok/s':>11}" for m in methods)
-    if "off" in methods and len(methods) > 1:
-        header += f" {'ngram/off':>9} {'accepted':>15} {'tok/verif':>9} {'same as off':>11}"
+    for m in speculating:
+        header += f" {m + '/off':>9} {'accepted':>15} {'tok/verif':>9} {'same as off':>11}"
     print(header)
     for name, w in result["workloads"].items():
         for run, label in (("single", "single"), ("streams", f"{w['spec']['requests']} streams")):
@@ -374,11 +448,11 @@ def print_speculative(result: dict[str, Any]) -> None:
                 value = r["decode_tokens_per_second"] if run == "single" else r["tokens_per_second"]
                 cells.append("-" if value is None else f"{value:.1f}")
             line = f"  {name:<11} {label:<10}" + "".join(f" {c:>11}" for c in cells)
-            if "ngram" in w.get("ratios_to_off", {}):
-                ratio = w["ratios_to_off"]["ngram"][run]
-                spec = w["methods"]["ngram"][run]["speculation"] or {}
+            for m in speculating:
+                ratio = w["ratios_to_off"][m][run]
+                spec = w["methods"][m][run]["speculation"] or {}
                 rate, per = spec.get("acceptance_rate"), spec.get("mean_tokens_per_verification")
-                same = w["same_tokens_as_off"]["ngram"][run]
+                same = w["same_tokens_as_off"][m][run]
                 accepted = "-" if rate is None else f"{100 * rate:.1f}% of {spec['proposed_tokens']}"
                 line += (f" {'-' if ratio is None else f'{ratio:.2f}x':>9} {accepted:>15} "
                          f"{'-' if per is None else f'{per:.2f}':>9} {same['equal']:>6}/{same['requests']:<4}")
@@ -395,15 +469,16 @@ def print_speculative(result: dict[str, Any]) -> None:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("speculative", help="n-gram speculative decoding (prompt lookup) on and off, offline, on a "
-                       "workload that copies its prompt and on random tokens", description=__doc__,
+    p = sub.add_parser("speculative", help="speculative decoding, n-gram (prompt lookup) or, when asked, a draft "
+                       "model, on and off, offline, on a workload that copies its prompt and on random tokens",
+                       description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workload", default=",".join(WORKLOADS),
                    help="repetitive, random or both, comma-separated (default: %(default)s)")
     p.add_argument("--methods", default=",".join(METHODS),
-                   help="EngineConfig.speculative_method values to run, comma-separated; off is the reference "
-                        "(default: %(default)s)")
+                   help="EngineConfig.speculative_method values to run, comma-separated, of off, ngram and draft; "
+                        "off is the reference (default: %(default)s)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4,
                    help="EngineConfig.num_speculative_tokens: tokens proposed per request per iteration, at most "
                         "(default: %(default)s)")
@@ -411,6 +486,12 @@ def add_parser(sub: Any) -> None:
                    help="EngineConfig.prompt_lookup_min: the shortest n-gram matched (default: %(default)s)")
     p.add_argument("--prompt-lookup-max", type=positive_int, default=4,
                    help="EngineConfig.prompt_lookup_max: the longest n-gram matched (default: %(default)s)")
+    p.add_argument("--speculative-model", default=None, metavar="PATH",
+                   help="EngineConfig.speculative_model of the draft method: a draft checkpoint (dir or .gguf) with "
+                        "the model's vocabulary (draft needs it or --draft-layers)")
+    p.add_argument("--draft-layers", type=positive_int, default=None, metavar="N",
+                   help="the draft method without --speculative-model: a draft of --model's first N decoder layers "
+                        "(its embeddings and head), built in a temporary directory (--model a checkpoint dir)")
     p.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None,
                    help="EngineConfig.speculative_disable_by_batch_size: iterations of this many requests or more "
                         "verify no proposals (default: never)")
