@@ -1,5 +1,6 @@
 """orca-bench speculative (client/orca_client/bench/speculative.py): its workloads, and the command end to end
-on the tiny Llama (no tokenizer: the text's bytes as token ids), speculation off alone and n-gram against off."""
+on the tiny Llama (no tokenizer: the text's bytes as token ids), speculation off alone, n-gram against off and
+a draft of the model's first layers against off; the draft's maker (orca_client.bench.decode.build_layer_draft)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from _fixtures import (
     one_torch_thread,  # noqa: F401 - autouse: one torch thread
     tiny_checkpoint,
 )
+from checkpoints import make_llama
 from orca_client import bench as orca_bench
-from orca_client.bench import speculative
+from orca_client.bench import decode, speculative
 
 VOCAB = 197  # the tiny Llama's
 
@@ -64,27 +67,29 @@ def test_random_prompts_are_the_offline_benchmarks() -> None:
 
 
 def run_bench(tmp_path: Path, *options: str, workloads: tuple[str, ...] = ("repetitive", "random"),
-              repeats: int = 1) -> dict[str, Any]:
+              repeats: int = 1, max_tokens: int = 16, streams: int = 3, single_prompts: int = 2) -> dict[str, Any]:
     """The command on the tiny Llama (128 positions: prompts of at most about 100 tokens, 16 new ones),
-    3 streams, 2 single-stream prompts; checks what every run reports."""
+    3 streams, 2 single-stream prompts (unless told); checks what every run reports."""
     out = tmp_path / "speculative.json"
-    argv = ["speculative", "--model", str(tiny_checkpoint("llama")), "--max-tokens", "16", "--streams", "3",
-            "--single-prompts", "2", "--repeats", str(repeats), "--passage-tokens", "16:40", "--random-prompt-len",
-            "8:24", "--torch-compile", "off", "--workload", ",".join(workloads), "--json", str(out), *options]
+    argv = ["speculative", "--model", str(tiny_checkpoint("llama")), "--max-tokens", str(max_tokens), "--streams",
+            str(streams), "--single-prompts", str(single_prompts), "--repeats", str(repeats), "--passage-tokens",
+            "16:40", "--random-prompt-len", "8:24", "--torch-compile", "off", "--workload", ",".join(workloads),
+            "--json", str(out), *options]
     assert orca_bench.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["benchmark"] == "speculative" and "machine" in result and result["prompts"] == "utf-8 bytes"
     assert list(result["workloads"]) == list(workloads)
     for workload in result["workloads"].values():
-        assert workload["spec"]["requests"] == 3 and workload["spec"]["single_prompts"] == 2
+        assert workload["spec"]["requests"] == streams and workload["spec"]["single_prompts"] == single_prompts
         for run in workload["methods"].values():
-            streams, single = run["streams"], run["single"]
-            assert streams["generated_tokens"] == 3 * 16 and streams["tokens_per_second"] > 0
-            assert streams["iterations"] >= 1
-            assert single["prompts"] == 2 and single["decode_tokens_per_second"] > 0
+            streams_run, single = run["streams"], run["single"]
+            assert streams_run["generated_tokens"] == streams * max_tokens and streams_run["tokens_per_second"] > 0
+            assert streams_run["iterations"] >= 1
+            assert single["prompts"] == single_prompts and single["decode_tokens_per_second"] > 0
             assert single["tokens_per_second"] > 0
             for record in single["per_prompt"]:
-                assert record["max_tokens"] == 16 and len(record["seconds"]) == repeats and "tokens" not in record
+                assert record["max_tokens"] == max_tokens and len(record["seconds"]) == repeats
+                assert "tokens" not in record
     return result
 
 
@@ -138,3 +143,107 @@ def test_ngram_against_off(tmp_path: Path, options: tuple[str, ...], workloads: 
     repetitive = result["workloads"]["repetitive"]["methods"]["ngram"]
     assert repetitive["streams"]["speculation"]["proposed_tokens"] > 0
     assert sum(repetitive[run]["speculation"]["accepted_tokens"] for run in ("streams", "single")) > 0
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_draft_of_the_models_first_layers_against_off(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch, layers: int) -> None:
+    """--methods off,draft --draft-layers N: the draft is built from the tiny Llama's first N of its 3 layers in
+    a temporary directory (gone afterwards), its engine proposes and the figures are reported as ngram's are;
+    greedy, its tokens are off's (float32: the dtype where verification is exact on the CPU, README.md). A draft
+    of all 3 layers is the model itself: it proposes what the model draws, and every proposal is accepted."""
+    built: list[Path] = []
+    build = decode.build_layer_draft
+
+    def recording_build(checkpoint: Path, n: int, path: Path) -> Path:
+        built.append(path)
+        return build(checkpoint, n, path)
+
+    monkeypatch.setattr(decode, "build_layer_draft", recording_build)
+    result = run_bench(tmp_path, "--methods", "off,draft", "--draft-layers", str(layers), "--dtype", "float32",
+                       max_tokens=8, streams=2, single_prompts=1)
+    assert len(built) == 1 and not built[0].parent.exists()  # the temporary directory is removed
+    assert result["options"]["methods"] == ["off", "draft"] and result["options"]["draft_layers"] == layers
+    assert result["options"]["speculative_model"] is None
+    assert result["draft"] == {"checkpoint": None, "layers": layers, "of_layers": 3}
+    for name, workload in result["workloads"].items():
+        assert workload["methods"]["draft"]["speculative_method"] == "draft"
+        assert workload["same_tokens_as_off"]["draft"] == {
+            "streams": {"equal": 2, "requests": 2, "first_differences": []},
+            "single": {"equal": 1, "requests": 1, "first_differences": []}}, name
+        ratios = workload["ratios_to_off"]["draft"]
+        assert ratios["streams"] > 0 and ratios["single"] > 0
+        for run in ("streams", "single"):
+            assert workload["methods"]["off"][run]["speculation"]["proposed_tokens"] == 0
+            spec = workload["methods"]["draft"][run]["speculation"]
+            assert spec["proposed_tokens"] > 0 and spec["verifications"] >= 1, (name, run)
+            assert 0 <= spec["accepted_tokens"] <= spec["proposed_tokens"]
+            assert 1 <= spec["mean_tokens_per_verification"] <= 1 + result["options"]["num_speculative_tokens"]
+            if layers == 3:
+                assert spec["acceptance_rate"] == 1.0, (name, run)
+    out = capsys.readouterr().out
+    assert f"draft: up to 4 tokens per proposal by the model's first {layers} of 3 layers" in out
+    assert "draft/off" in out and "ngram" not in out and "tokens differ" not in out
+
+
+def test_draft_options_are_errors_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_work(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the bench ran")
+
+    monkeypatch.setattr(speculative, "run_workload", no_work)
+    monkeypatch.setattr(decode, "build_layer_draft", no_work)
+    model = str(tiny_checkpoint("llama"))
+    cases = [
+        (["--methods", "off,draft"], "--methods draft needs a draft model: --speculative-model PATH"),
+        (["--speculative-model", model], "--speculative-model is for the draft method, which --methods (off,ngram) "
+                                         "does not run"),
+        (["--methods", "off", "--draft-layers", "1"], "--draft-layers is for the draft method"),
+        (["--methods", "draft", "--speculative-model", model, "--draft-layers", "1"],
+         "give --speculative-model or --draft-layers, not both"),
+        (["--methods", "draft", "--speculative-model", str(tmp_path / "none")], "no such checkpoint"),
+    ]
+    for options, message in cases:
+        assert orca_bench.main(["speculative", "--model", model, *options]) == 2, options
+        assert message in capsys.readouterr().err, options
+    gguf = str(tmp_path / "model.gguf")
+    assert orca_bench.main(["speculative", "--model", gguf, "--methods", "off,draft", "--draft-layers", "1"]) == 2
+    assert f"--model {gguf} is a .gguf file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        orca_bench.main(["speculative", "--model", model, "--methods", "draft", "--draft-layers", "0"])
+    assert "argument --draft-layers: must be > 0" in capsys.readouterr().err
+
+
+def test_build_layer_draft_keeps_the_first_layers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = tiny_checkpoint("llama")
+    draft = decode.build_layer_draft(checkpoint, 2, tmp_path / "draft")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    loaded = AutoModelForCausalLM.from_pretrained(draft)
+    assert loaded.config.num_hidden_layers == len(loaded.model.layers) == 2
+    assert loaded.config.vocab_size == model.config.vocab_size == VOCAB and loaded.dtype == model.dtype
+    kept = loaded.state_dict()
+    assert all(torch.equal(kept[name], value) for name, value in model.state_dict().items()
+               if not name.startswith("model.layers.2."))
+    assert not any(name.startswith("model.layers.2.") for name in kept)
+    with pytest.raises(ValueError, match="has 3 decoder layers"):
+        decode.build_layer_draft(checkpoint, 4, tmp_path / "too-deep")
+
+
+def test_a_one_layer_draft_of_a_one_layer_model_is_the_model(tmp_path: Path) -> None:
+    """All the layers kept: the same logits; the checkpoint's tokenizer files are copied beside it."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = make_llama(tmp_path / "one-layer", num_hidden_layers=1)
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+    for name in tokenizer_files:
+        (checkpoint / name).write_text(f"{name}\n")
+    draft = decode.build_layer_draft(checkpoint, 1, tmp_path / "draft")
+    assert all((draft / name).read_text() == f"{name}\n" for name in tokenizer_files)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(draft).eval()
+    assert loaded.config.num_hidden_layers == 1 and loaded.config.vocab_size == VOCAB
+    tokens = torch.tensor([[1, 5, 42, 7, 196, 100, 3]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
