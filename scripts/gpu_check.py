@@ -15,12 +15,21 @@ order, each in its own process under its own time limit, inside one overall budg
 5. offline: ``orca-bench offline`` on the same model with the fastest orca system of the decode sweep at
    batch 64, against transformers; its iteration breakdown is the host's share of an iteration (input
    preparation and scheduling) beside the device's.
+6. quantized: ``orca-bench decode`` with flex and CUDA graphs on the same model, unquantized and with its
+   weights quantized at load (int8, int4, fp8; one process each), at batch 1, 16 and 64, against the
+   roofline of the quantized bytes (quantized-<kind>.json).
+7. speculative: ``orca-bench speculative`` on the same model, random-token prompts, off against n-gram
+   lookup and a draft model made of the model's first two layers (--draft-layers 2), with the default
+   attention backend and with flex and CUDA graphs (speculative-<backend>.json).
+8. lora: ``orca-bench lora`` on the same model, 1, 4 and 16 random rank-8 adapters against the base
+   model, with the default attention backend and with flex and CUDA graphs (lora-<backend>.json).
 
 Where torch sees no GPU the same stages run on the CPU as a smoke check of the script (a tiny model, small
 batches; the tests skip): its figures mean nothing, and the summary says the GPU parts were skipped.
 Written under OUT_DIR (default $OUT, else ./gpu_check_out): gpu_check.log (everything printed),
 gpu_check.json (the summary: each stage's status, seconds and results), tests.xml, decode.json,
-offline.json. The last lines printed are a short table.
+offline.json, and the feature stages' JSON. The last lines printed are a short table. --stages picks and
+orders the stages (default: all; the tests first, then the feature stages, then decode and offline).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_SYSTEMS_CUDA = ("orca-flex-graphs", "orca-flex", "orca-batched", "transformers", "orca-reference")
 DECODE_SYSTEMS_CPU = ("orca-batched", "transformers")
+STAGES = ("env", "tests", "quantized", "speculative", "lora", "decode", "offline")
 ORCA_OPTIONS = {  # orca-bench decode's systems as orca-bench offline options
     "orca-reference": ["--attention-backend", "reference", "--cuda-graphs", "off"],
     "orca-batched": ["--attention-backend", "batched", "--cuda-graphs", "off"],
@@ -203,7 +213,7 @@ def stage_tests(check: Check, cuda: bool) -> dict[str, Any]:
     # one process: each engine sizes its K/V pool from the GPU's free memory, which parallel tests would share
     if _importable(check.python, "pytest_timeout"):
         argv += ["--timeout", "150"]
-    record = check.run("tests", argv, 240)
+    record = check.run("tests", argv, 300)
     if xml.is_file():
         record.update(_junit(xml))
     if not cuda:
@@ -341,6 +351,100 @@ def stage_offline(check: Check, checkpoint: Path, cuda: bool, system: str, limit
     return record
 
 
+FEATURE_BACKENDS = ("auto", "flex")  # the default attention backend (batched on CUDA), and flex with CUDA graphs
+
+
+def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float, tmp: Path) -> dict[str, Any]:
+    """Decode tokens/s with the weights quantized at load, flex with CUDA graphs (batched on the CPU)."""
+    system = "orca-flex-graphs" if cuda else "orca-batched"
+    batches, new_tokens, repeats = ("1,16,64", "32", "2") if cuda else ("1,4", "4", "1")
+    record: dict[str, Any] = {"system": system, "kinds": {}}
+    stop = time.monotonic() + limit
+    # none first: the unquantized weights on the same machine, in the same stage (fp8 needs compute capability 8.9+)
+    kinds = ("none", "int8", "int4", "fp8") if cuda else ("none", "int8", "int4")
+    for i, kind in enumerate(kinds):
+        target = check.out / f"quantized-{kind}.json"
+        run = check.run(f"quantized {kind}", [
+            check.python, "-m", "orca_client.bench.decode", "--model", str(checkpoint), "--systems", system,
+            "--quantization", kind, "--batch-sizes", batches, "--new-tokens", new_tokens, "--repeats", repeats,
+            "--json", str(target)], (stop - time.monotonic()) / (len(kinds) - i))
+        if target.is_file():
+            result = json.loads(target.read_text())
+            run["table"] = [{"batch": r["batch"], "tokens_per_second": round(r[system]["decode_tokens_per_second"]),
+                             "roofline": round(r["roofline_tokens_per_second"]),
+                             "%roofline": round(100 * r[system]["fraction_of_roofline"], 1)}
+                            for r in result["runs"] if r.get(system)]
+        record["kinds"][kind] = run
+    return _combined(record, record["kinds"])
+
+
+def stage_speculative(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
+    size = (["--max-tokens", "64", "--streams", "8", "--single-prompts", "2", "--repeats", "2"] if cuda else
+            ["--max-tokens", "8", "--streams", "2", "--single-prompts", "1", "--repeats", "1"])
+    record: dict[str, Any] = {"backends": {}}
+    stop = time.monotonic() + limit
+    backends = FEATURE_BACKENDS if cuda else ("auto",)
+    for i, backend in enumerate(backends):
+        target = check.out / f"speculative-{backend}.json"
+        run = check.run(f"speculative {backend}", [
+            check.python, "-m", "orca_client.bench.speculative", "--model", str(checkpoint), "--workload", "random",
+            "--methods", "off,ngram,draft", "--draft-layers", "2" if cuda else "1", "--attention-backend", backend,
+            *size, "--json", str(target)], (stop - time.monotonic()) / (len(backends) - i))
+        if target.is_file():
+            run["summary"] = _speculative_summary(json.loads(target.read_text()))
+        record["backends"][backend] = run
+    return _combined(record, record["backends"])
+
+
+def _speculative_summary(result: dict[str, Any]) -> dict[str, Any]:
+    """Per workload: tokens/s of each method (streams, single-stream decode), the ratios to off, and how many
+    requests kept speculation off's tokens."""
+    out: dict[str, Any] = {}
+    for workload, w in result.get("workloads", {}).items():
+        out[workload] = {
+            "tokens_per_second": {m: {"streams": r["streams"]["tokens_per_second"],
+                                      "single": r["single"]["decode_tokens_per_second"]}
+                                  for m, r in w["methods"].items()},
+            "acceptance_rate": {m: (r["streams"].get("speculation") or {}).get("acceptance_rate")
+                                for m, r in w["methods"].items() if m != "off"},
+            "ratios_to_off": w.get("ratios_to_off"),
+            "same_tokens_as_off": {m: {run: f"{v['equal']}/{v['requests']}" for run, v in same.items()}
+                                   for m, same in w.get("same_tokens_as_off", {}).items()},
+        }
+    return out
+
+
+def stage_lora(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
+    size = (["--adapters", "1,4,16", "--requests", "32", "--max-tokens", "32", "--load-rounds", "4"] if cuda else
+            ["--adapters", "1,2", "--requests", "4", "--max-tokens", "4", "--load-rounds", "1",
+             "--prompt-tokens", "8:16"])
+    record: dict[str, Any] = {"backends": {}}
+    stop = time.monotonic() + limit
+    backends = FEATURE_BACKENDS if cuda else ("auto",)
+    for i, backend in enumerate(backends):
+        target = check.out / f"lora-{backend}.json"
+        run = check.run(f"lora {backend}", [
+            check.python, "-m", "orca_client.bench.lora", "--model", str(checkpoint), "--rank", "8",
+            "--attention-backend", backend, *size, "--json", str(target)],
+            (stop - time.monotonic()) / (len(backends) - i))
+        if target.is_file():
+            result = json.loads(target.read_text())
+            run["summary"] = {
+                "tokens_per_second": {name: r["tokens_per_second"] for name, r in result["lora"]["runs"].items()},
+                "ratio_to_base": {name: r["ratio_to_base"] for name, r in result["lora"]["runs"].items()},
+                "lora_off_ratio_to_base": result["lora_off"]["ratio_to_base"],
+                "load": result.get("load"), "base_same_tokens_as_lora_off": result["base_same_tokens_as_lora_off"]}
+        record["backends"][backend] = run
+    return _combined(record, record["backends"])
+
+
+def _combined(record: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    statuses = {run["status"] for run in runs.values()}
+    record["status"] = "ok" if statuses == {"ok"} else ("failed" if statuses == {"failed"} else "partial")
+    record["seconds"] = round(sum(run["seconds"] for run in runs.values()), 1)
+    return record
+
+
 # -- helpers -----------------------------------------------------------------------------------------------------
 def _which(program: str) -> bool:
     from shutil import which
@@ -378,6 +482,13 @@ def print_table(check: Check) -> None:
     summary = s.get("offline", {}).get("summary")
     if summary:
         check.say(f"  offline ({s['offline']['system']}): {json.dumps(summary, default=str)}")
+    for kind, run in s.get("quantized", {}).get("kinds", {}).items():
+        for row in run.get("table", []):
+            check.say(f"  quantized {kind}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    for stage in ("speculative", "lora"):
+        for backend, run in s.get(stage, {}).get("backends", {}).items():
+            if run.get("summary"):
+                check.say(f"  {stage} ({backend}): {json.dumps(run['summary'], default=str)}")
     check.say(f"total {time.monotonic() - check.start:.0f} s; files in {check.out}")
 
 
@@ -389,7 +500,8 @@ def main() -> int:
     p.add_argument("out", nargs="?", default=os.environ.get("OUT") or "gpu_check_out", help="output folder")
     p.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", "480")),
                    help="seconds for the whole run (default: $GPU_CHECK_BUDGET or %(default)s)")
-    p.add_argument("--stages", default="env,tests,decode,offline", help="comma-separated (default: %(default)s)")
+    p.add_argument("--stages", default=",".join(STAGES),
+                   help="comma-separated, run in this order (default: %(default)s)")
     p.add_argument("--systems", default=None,
                    help=f"the decode stage's systems, in order (default: {','.join(DECODE_SYSTEMS_CUDA)} on CUDA, "
                         f"{','.join(DECODE_SYSTEMS_CPU)} elsewhere)")
@@ -405,28 +517,44 @@ def main() -> int:
         check.env["ORCA_TORCH_COMPILE"] = "off"  # the smoke run's engines eager: no compile at each load
         check.say("gpu_check: torch sees no CUDA device: the GPU parts are skipped; the stages run on the CPU as a "
                   "smoke check of this script (a tiny model), and their figures mean nothing")
+    unknown = [name for name in stages if name not in STAGES]
+    if unknown:
+        p.error(f"unknown stage(s) {', '.join(unknown)} (the stages: {', '.join(STAGES)})")
     with tempfile.TemporaryDirectory(prefix="orca-gpu-check-") as tmp_dir:
         tmp = Path(tmp_dir)
-        if "env" in stages:
-            check.summary["stages"]["env"] = stage_env(check)
+        checkpoint = tmp / "model"
+        decode: dict[str, Any] = {}
+        for name in stages:
+            if name == "env":
+                record = stage_env(check)
+            elif name == "tests":
+                record = stage_tests(check, cuda)
+            else:
+                if not (checkpoint / "config.json").is_file():
+                    check.summary["stages"]["checkpoint"] = stage_checkpoint(check, "llama-1b" if cuda else "tiny",
+                                                                             checkpoint)
+                    check.save()
+                    if not (checkpoint / "config.json").is_file():
+                        break
+                # the bench stages share the time left equally (what one leaves unused goes to those after it)
+                share = check.left() / sum(1 for n in stages[stages.index(name):] if n not in ("env", "tests")) - 5
+                if name == "quantized":
+                    record = stage_quantized(check, checkpoint, cuda, share, tmp)
+                elif name == "speculative":
+                    record = stage_speculative(check, checkpoint, cuda, share)
+                elif name == "lora":
+                    record = stage_lora(check, checkpoint, cuda, share)
+                elif name == "decode":
+                    record = decode = stage_decode(check, checkpoint, cuda, max(0.0, share), tmp,
+                                                   tuple(args.systems.split(",")) if args.systems else None)
+                else:
+                    system = best_orca_system(decode) or ("orca-flex-graphs" if cuda else "orca-batched")
+                    record = stage_offline(check, checkpoint, cuda, system, share)
+            check.summary["stages"][name] = record
             check.save()
-        if "tests" in stages:
-            check.summary["stages"]["tests"] = stage_tests(check, cuda)
-            check.save()
-        if {"decode", "offline"} & set(stages):
-            checkpoint = tmp / "model"
-            check.summary["stages"]["checkpoint"] = stage_checkpoint(check, "llama-1b" if cuda else "tiny", checkpoint)
-            check.save()
-            decode: dict[str, Any] = {}
-            if "decode" in stages and (checkpoint / "config.json").is_file():
-                decode = stage_decode(check, checkpoint, cuda, max(0.0, check.left() * 0.7), tmp,
-                                      tuple(args.systems.split(",")) if args.systems else None)
-                check.summary["stages"]["decode"] = decode
-                check.save()
-            if "offline" in stages and (checkpoint / "config.json").is_file():
-                system = best_orca_system(decode) or ("orca-flex-graphs" if cuda else "orca-batched")
-                check.summary["stages"]["offline"] = stage_offline(check, checkpoint, cuda, system, check.left() - 5)
-                check.save()
+            if check.left() < 20:
+                check.say(f"gpu_check: the budget is spent after {name}")
+                break
     print_table(check)
     check.save()
     failed = [n for n, st in check.summary["stages"].items() if st.get("status") != "ok"]
