@@ -352,6 +352,8 @@ def stage_offline(check: Check, checkpoint: Path, cuda: bool, system: str, limit
 
 
 FEATURE_BACKENDS = ("auto", "flex")  # the default attention backend (batched on CUDA), and flex with CUDA graphs
+# The feature benches' pool on CUDA: room for their requests; flex's layout spans the whole pool every iteration
+FEATURE_N_SLOTS = "65536"
 
 
 def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float, tmp: Path) -> dict[str, Any]:
@@ -379,7 +381,8 @@ def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float, tm
 
 
 def stage_speculative(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
-    size = (["--max-tokens", "64", "--streams", "8", "--single-prompts", "2", "--repeats", "2"] if cuda else
+    size = (["--max-tokens", "64", "--streams", "8", "--single-prompts", "1", "--repeats", "2", "--n-slots",
+             FEATURE_N_SLOTS] if cuda else
             ["--max-tokens", "8", "--streams", "2", "--single-prompts", "1", "--repeats", "1"])
     record: dict[str, Any] = {"backends": {}}
     stop = time.monotonic() + limit
@@ -415,7 +418,8 @@ def _speculative_summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def stage_lora(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
-    size = (["--adapters", "1,4,16", "--requests", "32", "--max-tokens", "32", "--load-rounds", "4"] if cuda else
+    size = (["--adapters", "1,4,16", "--requests", "32", "--max-tokens", "32", "--load-rounds", "4", "--n-slots",
+             FEATURE_N_SLOTS] if cuda else
             ["--adapters", "1,2", "--requests", "4", "--max-tokens", "4", "--load-rounds", "1",
              "--prompt-tokens", "8:16"])
     record: dict[str, Any] = {"backends": {}}
@@ -436,6 +440,18 @@ def stage_lora(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict
                 "load": result.get("load"), "base_same_tokens_as_lora_off": result["base_same_tokens_as_lora_off"]}
         record["backends"][backend] = run
     return _combined(record, record["backends"])
+
+
+def _processes(stage: str, cuda: bool, args: argparse.Namespace) -> int:
+    """How many engine processes a bench stage runs (its share of the time left goes by these)."""
+    if stage == "quantized":
+        return 4 if cuda else 3
+    if stage in ("speculative", "lora"):
+        return len(FEATURE_BACKENDS) if cuda else 1
+    if stage == "decode":
+        systems = args.systems.split(",") if args.systems else DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU
+        return len(systems)
+    return 1
 
 
 def _combined(record: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -536,8 +552,9 @@ def main() -> int:
                     check.save()
                     if not (checkpoint / "config.json").is_file():
                         break
-                # the bench stages share the time left equally (what one leaves unused goes to those after it)
-                share = check.left() / sum(1 for n in stages[stages.index(name):] if n not in ("env", "tests")) - 5
+                # the bench stages share the time left by their processes (what one leaves goes to those after it)
+                rest = [n for n in stages[stages.index(name):] if n not in ("env", "tests")]
+                share = check.left() * _processes(name, cuda, args) / sum(_processes(n, cuda, args) for n in rest) - 5
                 if name == "quantized":
                     record = stage_quantized(check, checkpoint, cuda, share, tmp)
                 elif name == "speculative":

@@ -111,6 +111,23 @@ def test_kv_pool_is_sized_from_gpu_memory() -> None:
 
 
 @cuda_only
+def test_an_engine_after_a_dropped_one_gets_the_same_pool() -> None:
+    """The first engine, dropped but caught in a reference cycle (freed only by a collection), must not
+    keep or fragment the memory the second sizes its pool from (measured on an H200: the second engine's
+    weights landed in the first's cached pool segment, and its pool then did not fit: out of memory)."""
+    options = dict(model=str(tiny_checkpoint("llama")), device=DEVICE, gpu_memory_utilization=0.3,
+                   max_num_batched_tokens=256)
+    first = LLMEngine(EngineConfig(**options))  # type: ignore[arg-type]
+    blocks = first.stats().kv_total_blocks
+    cycle: list = [first]
+    cycle.append(cycle)
+    del first, cycle
+    second = LLMEngine(EngineConfig(**options))  # type: ignore[arg-type]
+    assert second.stats().kv_total_blocks >= 0.95 * blocks
+    assert len(_run(second, _workload(8, n=4), temperature=0)) == 4
+
+
+@cuda_only
 def test_seeded_sampling_draws_the_cpus_tokens() -> None:
     path = str(tiny_checkpoint("llama"))
     jobs = _workload(1, 6)

@@ -19,6 +19,7 @@ iteration's draws it drafts each asking request's next tokens (``_draft``).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import threading
@@ -101,6 +102,8 @@ class Worker:
                     config.linear_backend, self.linear_backend, config.attention_backend, self.attention_backend,
                     str(self.dtype).removeprefix("torch."), self.device, weight_bytes / 1e6,
                     "; hybrid keeps them twice" if self.linear_backend == "hybrid" else "")
+        if self.device.type == "cuda":
+            release_cached_memory()  # before the weights: none of them in an earlier engine's cached pool
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend,
                                                    config.quantization, config.quantization_group_size)
         mc: ModelConfig = self.model_config
@@ -209,7 +212,7 @@ class Worker:
         # bound every iteration by what was profiled.
         unbounded = min(cfg.max_bs * max_len, max(max_len, PROFILE_TOKENS_WITHOUT_BUDGET))
         num_tokens = min(cfg.max_num_batched_tokens or unbounded, cfg.max_bs * max_len)
-        torch.cuda.empty_cache()
+        release_cached_memory()
         torch.cuda.reset_peak_memory_stats(self.device)
         # A profiling iteration: `num_tokens` prompt tokens in sequences of max_len, on a scratch pool.
         blocks = -(-num_tokens // cfg.block_size) + cfg.max_bs
@@ -231,11 +234,13 @@ class Worker:
         peak = (torch.cuda.max_memory_allocated(self.device) - blocks * self.bytes_per_block
                 - self._draft_scratch_bytes)
         self.kv_pool = self.kv_scales = self.draft_pool = self.draft_scales = None
-        torch.cuda.empty_cache()
+        release_cached_memory()
         free, total = torch.cuda.mem_get_info(self.device)
-        # Memory in use by others (another process, the CUDA context) counts against the budget too.
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        n = blocks_from_gpu_memory(total, max(0, used_by_others) + peak + self._draft_scratch_bytes,
+        # Memory in use beyond this process's live tensors (whose peak is `peak`) counts against the budget
+        # too: other processes, the CUDA context, and cached segments the allocator could not release (a
+        # segment part of which holds a live tensor: the pool, one allocation, cannot use its free part).
+        used_elsewhere = total - free - torch.cuda.memory_allocated(self.device)
+        n = blocks_from_gpu_memory(total, max(0, used_elsewhere) + peak + self._draft_scratch_bytes,
                                    cfg.gpu_memory_utilization, self.bytes_per_block)
         logger.info("K/V pool from GPU memory: %d blocks (profiled %d tokens, peak %.2f GiB)", n, num_tokens,
                     peak / 2**30)
@@ -675,3 +680,13 @@ def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedReques
     inc = sorted((r for r in requests if len(r.token_ids) == 1 and r.start > 0), key=lambda r: r.start)
     rest = [r for r in requests if not (len(r.token_ids) == 1 and r.start > 0)]
     return inc + rest
+
+
+def release_cached_memory() -> None:
+    """Frees what an earlier engine of this process left on the GPU: a dropped engine caught in a reference
+    cycle (collected now, not at some later collection), then the allocator's cached segments. Measured on
+    an H200: a benchmark's second engine, created while the first awaited collection, put its weights into
+    the first's cached 122 GiB pool segment, which then could not be released, and its own pool, sized as
+    if it could, did not fit (CUDA out of memory)."""
+    gc.collect()
+    torch.cuda.empty_cache()

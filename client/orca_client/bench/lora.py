@@ -69,6 +69,7 @@ def engine_config(args: argparse.Namespace, **options: Any) -> Any:
 
     base: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
                             "torch_compile": args.torch_compile, "attention_backend": args.attention_backend,
+                            "n_slots": args.n_slots,
                             "max_bs": args.max_bs or args.requests, "max_lora_rank": args.rank,
                             # Every run computes its prompts: with the prefix cache the base runs would find the
                             # warm-up's (and each round the last round's) blocks, and the adapters' runs, whose
@@ -242,7 +243,7 @@ def cmd_lora(args: argparse.Namespace) -> int:
                     "max_bs": args.max_bs or args.requests, "repeats": args.repeats, "load_rounds": args.load_rounds,
                     "dtype": args.dtype,
                     "quantization": args.quantization, "torch_compile": args.torch_compile,
-                    "attention_backend": args.attention_backend, "seed": args.seed},
+                    "attention_backend": args.attention_backend, "n_slots": args.n_slots, "seed": args.seed},
         "spec": {"prompt_tokens": [len(p) for p in prompts]},
     }
     with tempfile.TemporaryDirectory(prefix="orca-bench-lora-") as directory:

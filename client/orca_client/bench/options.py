@@ -77,7 +77,7 @@ def add_workload_options(sp: argparse.ArgumentParser, preset: str) -> None:
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """The engine options of the benches that build an LLMEngine in-process from one options set (speculative,
-    lora): --dtype, --quantization, --torch-compile, --attention-backend, and --json."""
+    lora): --dtype, --quantization, --torch-compile, --attention-backend, --n-slots, and --json."""
     p.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
     p.add_argument("--quantization", default="auto", metavar="{auto,none,int8,int4,fp8}",
                    help="EngineConfig.quantization (default: %(default)s, the engine's)")
@@ -85,6 +85,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="EngineConfig.torch_compile (default: %(default)s)")
     p.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "batched", "flex"),
                    help="EngineConfig.attention_backend (default: %(default)s; flex decodes from CUDA graphs on a GPU)")
+    p.add_argument("--n-slots", type=positive_int, default=None,
+                   help="EngineConfig.n_slots: the K/V pool's slots (default: the engine's; on a GPU what "
+                        "gpu_memory_utilization leaves, which flex's layout spans every iteration)")
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
 
 

@@ -184,7 +184,8 @@ def engine_config(args: argparse.Namespace, method: str, draft: str | None = Non
 
     options: dict[str, Any] = {
         "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
-        "torch_compile": args.torch_compile, "attention_backend": args.attention_backend, "max_bs": args.streams,
+        "torch_compile": args.torch_compile, "attention_backend": args.attention_backend, "n_slots": args.n_slots,
+        "max_bs": args.streams,
         "speculative_method": method,
         "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
@@ -407,7 +408,7 @@ def _speculative(args: argparse.Namespace, workloads: list[str], methods: list[s
             "single_prompts": args.single_prompts, "repeats": args.repeats, "passage_tokens": list(args.passage_tokens),
             "random_prompt_len": list(args.random_prompt_len), "dtype": args.dtype,
             "quantization": args.quantization, "torch_compile": args.torch_compile,
-            "attention_backend": args.attention_backend,
+            "attention_backend": args.attention_backend, "n_slots": args.n_slots,
         },
         "draft": draft_record,
         "workloads": {},
