@@ -120,8 +120,11 @@ class EngineConfig:
       again. The embedding, norms and a mixture's expert matrices stay float; an LM head tied to the
       embedding gets a quantized copy (int8 under int4: an int4 head cost 5% perplexity). On a CPU the
       quantized kernels take bfloat16 activations (a float32 model converts at each quantized layer), and
-      linear_backend hybrid keeps a float copy for large iterations (below). Speed and quality:
-      docs/BENCHMARKS.md, "Results: quantized weights and K/V".
+      linear_backend hybrid keeps a float copy for large iterations (below). On an H200 (a 1.1B Llama,
+      bfloat16, flex with CUDA graphs) none was the fastest: fp8 0.79-0.83x its decode tokens/s at batch
+      1-64, int4 1.02x at batch 1 and 0.30x at 64, int8 0.22x at batch 1 (torch's CUDA int8 kernel; the
+      load warns). Speed and quality: docs/BENCHMARKS.md, "Results: quantized weights and K/V" and
+      "Results: the CUDA path on an H200, second session".
     - quantization_group_size: input columns per scale of int4 weights quantized at load (32, 64, 128 or
       256; it must divide every quantized layer's input size, per tensor-parallel rank); checkpoints
       quantized in groups keep their own.

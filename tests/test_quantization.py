@@ -272,3 +272,20 @@ def test_from_parameters_reads_the_quantization_options() -> None:
     cfg = EngineConfig.from_parameters({"quantization": "int4", "quantization_group_size": "64",
                                         "kv_cache_dtype": "fp8_e4m3"})
     assert (cfg.quantization, cfg.quantization_group_size, cfg.kv_cache_dtype) == ("int4", 64, "fp8_e4m3")
+
+
+@pytest.mark.parametrize("device, warns", [("cuda", True), ("cpu", False)])
+def test_int8_on_cuda_is_planned_with_the_measured_warning(device: str, warns: bool,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """int8 runs on CUDA through torch's int8 weight-only kernel, measured far slower than bfloat16 on an
+    H200: the load says so and names the faster kinds (the plan itself needs no GPU)."""
+    from orca.models.loader import plan_quantization
+
+    with caplog.at_level("WARNING", logger="orca.loader"):
+        plan = plan_quantization("int8", None, torch.device(device))
+    assert plan.kind == "int8"
+    assert ("0.22x bfloat16" in caplog.text and "fp8" in caplog.text) == warns
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="orca.loader"):
+        plan_quantization("int4", None, torch.device(device))
+    assert caplog.text == ""

@@ -4,6 +4,7 @@ reads the checkpoint's config, orca/checkpoint.py). Weights are read with safete
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,9 +28,12 @@ from orca.models.quantization import (
     concat_quantized,
     quantize,
     shard_quantized,
+    slow_kind_warning,
 )
 from orca.models.quantized_checkpoints import QuantizedCheckpoint, open_quantized_checkpoint
 from orca.parallel import ParallelContext, Source, shard_tensor
+
+logger = logging.getLogger("orca.loader")
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {"gpt2": GPT2Model, "llama": LlamaModel}
 
@@ -229,11 +233,19 @@ def plan_quantization(choice: str, stored: QuantizedCheckpoint | None, device: t
             except ValueError as e:
                 raise ValueError(f"this {stored.format} checkpoint holds {kind} weights (quantization auto): {e}; "
                                  "int8, int4 and none dequantize them at load") from None
+            _warn_if_slow(kind, device)
         return QuantizationPlan(None, True, group_size)
     if choice == "none":
         return QuantizationPlan(None, False, group_size)
     check_supported(choice, device)
+    _warn_if_slow(choice, device)
     return QuantizationPlan(choice, False, group_size)
+
+
+def _warn_if_slow(kind: str, device: torch.device) -> None:
+    warning = slow_kind_warning(kind, device)
+    if warning:
+        logger.warning(warning)
 
 
 def _quantizable(parent: nn.Module, child: nn.Module) -> bool:

@@ -178,6 +178,15 @@ def check_supported(kind: str, device: torch.device) -> None:
         raise ValueError(f"unknown quantization {kind!r} (one of {', '.join(KINDS)})")
 
 
+def slow_kind_warning(kind: str, device: torch.device) -> str | None:
+    """What to tell a user whose kind runs, but slowly, on `device` (measured), else None."""
+    if kind == "int8" and device.type == "cuda":
+        return ("quantization int8 on CUDA runs torch's int8 weight-only matmul (_weight_int8pack_mm), measured "
+                "at 0.22x bfloat16's decode tokens/s at batch 1 and 0.08x at batch 16 on an H200 (1.1B Llama, "
+                "docs/BENCHMARKS.md): fp8 (0.8x) or none are faster there")
+    return None
+
+
 def kernel_dtype(kind: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The activation dtype a kind's kernel runs in: bfloat16 for int4 on CUDA (tinygemm's one dtype) and
     for int8/int4 on a CPU when the model is float32 (their float32 paths are slow); the model's otherwise."""
