@@ -92,8 +92,9 @@ class EngineConfig:
       correct, slow). "auto": batched on a CPU, the fastest measured there (docs/BENCHMARKS.md, "Results:
       the fast data plane, fourth step: batched increments"), and on CUDA, where it was measured ahead of
       reference on an H200 (1.1-9.7x decode tokens/s at batch 1-256; docs/BENCHMARKS.md, "Results: the CUDA
-      path on an H200"). flex with cuda_graphs is faster still at batch 1-64 there, but is not the default:
-      it serves without prefix caching, and its layout is built over the whole pool every iteration.
+      path on an H200"). flex with cuda_graphs is faster still at batch 1-64 there (3.2-6.2x); it is not
+      the default until it is measured on a GPU since its rework (prefix caching, a layout that grows with
+      the iteration, not the pool).
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
       each multiple of 8 below max_bs, and max_bs; a batch pads to the next size) and replays them, where
       that applies: CUDA, attention_backend flex, a dense model (no mixture-of-experts layers), one worker
@@ -168,9 +169,8 @@ class EngineConfig:
       are evicted least recently used first, only when the pool has no free block left. true (the
       default) or false; requests share cached K/V only when their cache_salt is the same. The cost at a
       0% hit rate and the gain on chat workloads: docs/BENCHMARKS.md, "Results: prefix caching".
-      attention_backend flex serves without it (its layout gives a pool block one owner per iteration, so
-      two requests could not read one shared block; logged at load). request_level_gpt never caches (the
-      paper's baseline; not a parameter there).
+      Every attention backend reads shared blocks (flex through each request's block table).
+      request_level_gpt never caches (the paper's baseline; not a parameter there).
     - speculative_method: speculative decoding (orca/core/speculative.py; README.md "Speculative decoding";
       docs/design.md). "off" (the default), or "ngram": prompt lookup, each request proposes the tokens that
       followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to
@@ -510,12 +510,6 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype] if self.dtype != "auto" else auto_dtype(self.torch_device)
-
-    @property
-    def effective_prefix_caching(self) -> bool:
-        """enable_prefix_caching, but never with attention_backend flex (its layout gives each pool block one
-        owner per iteration, so two requests sharing a cached block in one iteration cannot both read it)."""
-        return self.enable_prefix_caching and self.attention_backend != "flex"
 
     @property
     def effective_torch_compile(self) -> str:

@@ -122,20 +122,45 @@ def test_the_block_sparse_structure_covers_every_kept_pair(block_size: int) -> N
     padded = torch.zeros(q_tiles * FLEX_Q_BLOCK, kv_tiles * layout.kv_block, dtype=torch.bool)
     padded[:rows, :slots] = keep
     needed = padded.view(q_tiles, FLEX_Q_BLOCK, kv_tiles, layout.kv_block).any(3).any(1)
-    visited = layout.block_mask().to_dense()[0, 0].bool()
-    assert visited.shape == needed.shape
+    visited = torch.zeros(q_tiles, kv_tiles, dtype=torch.bool)  # (to_dense takes kv_indices as the pool wide)
+    for t, (count, indices) in enumerate(zip(layout.kv_num_blocks[0, 0].tolist(), layout.kv_indices[0, 0].tolist())):
+        visited[t, indices[:count]] = True
     assert not (needed & ~visited).any(), "a tile the mask keeps pairs in is skipped"
-    # Every visited tile is one a request with rows in that query tile owns a block of, and no more: the
-    # skipped share is what the fused kernel saves.
-    owner = layout.block_owner.repeat_interleave(block_size)
-    row_requests = layout.q_request
-    for t in range(q_tiles):
-        requests = set(row_requests[t * FLEX_Q_BLOCK : (t + 1) * FLEX_Q_BLOCK].tolist())
-        for j in range(kv_tiles):
-            tile_owners = set(owner[j * layout.kv_block : (j + 1) * layout.kv_block].tolist())
-            assert bool(visited[t, j]) == bool(requests & tile_owners), (t, j)
+    # Every visited tile holds a block of a request with a row in that query tile, at or before that row's
+    # position, and no more: the skipped share (other requests' blocks, a prompt's later blocks) is what
+    # the fused kernel saves.
+    expected_visits = torch.zeros(q_tiles, kv_tiles, dtype=torch.bool)
+    row = 0
+    for (n, past), table in zip(MIXED, tables):
+        for r in range(row, row + n):
+            for j in range((past + r - row) // block_size + 1):
+                expected_visits[r // FLEX_Q_BLOCK, table[j] * block_size // layout.kv_block] = True
+        row += n
+    assert torch.equal(visited, expected_visits)
+    # The structure is as wide as the most tiles a query tile visits, not the pool's tiles.
+    assert layout.kv_indices.shape[-1] == int(layout.kv_num_blocks.max()) <= kv_tiles
     if block_size == 16:  # (smaller blocks, shuffled over the pool, touch most tiles)
         assert visited.sum() < visited.numel() / 2
+
+
+def test_the_flex_layout_grows_with_the_iteration_not_the_pool() -> None:
+    """The same iteration over a pool 256 times larger: the tables and the block-sparse structure are the
+    same; only the per-block index grows (one int32 per pool block). The old layout made (requests x pool
+    tiles) and (query tiles x pool tiles) tensors: 1.2 G entries for a 77k-token iteration over an H200's
+    default pool."""
+    rng = random.Random(5)
+    lengths, context = [1] * 40 + [37, 90], [rng.randint(1, 300) for _ in range(40)] + [0, 25]
+    layouts = []
+    for num_blocks in (2048, 2048 * 256):
+        free = rng.sample(range(num_blocks), 1500)
+        tables = [[free.pop() for _ in range(-(-(n + past) // 16))] for n, past in zip(lengths, context)]
+        layouts.append(FlexLayout.build(lengths, context, tables, 16, num_blocks * 16, torch.device("cpu")))
+    small, large = layouts
+    widest = max(-(-(n + past) // 16) for n, past in zip(lengths, context))
+    assert small.tables.shape == large.tables.shape == (42, widest)
+    assert small.kv_indices.shape == large.kv_indices.shape
+    assert large.kv_indices.shape[-1] == int(large.kv_num_blocks.max()) <= 16 * widest
+    assert large.block_index.shape == (2048 * 256,)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -409,7 +434,7 @@ def test_captured_sizes_compile_nothing_after_the_warm_up() -> None:
         call(FlexLayout.build(lengths, [pr.start for pr in plan.requests], tables, block_size, slots,
                               torch.device("cpu")), sum(lengths))
     after_warm_up = len(graphs)
-    static = FlexMetadata.graph_buffers(pool[None], block_size, 0, 40)
+    static = FlexMetadata.graph_buffers(pool[None], block_size, 0, 40, 64 // block_size + 1)
     for n in reversed(graph_sizes(40)):
         head = static.head(n)
         assert head.flex.kv_indices.is_contiguous() and head.flex.kv_num_blocks.is_contiguous()

@@ -234,6 +234,11 @@ class _TorchWithoutPinnedMemory:
         return torch.tensor(data, **kwargs)
 
 
+def _upload_array_unpinned(array: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """orca/models/device.py's upload_array, unpinned: a tensor of the array's values on `device`."""
+    return torch.tensor(array.tolist(), dtype=dtype, device=device)
+
+
 @dataclasses.dataclass
 class FakeCuda:
     mode: FakeTensorMode
@@ -249,7 +254,9 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     - upload's pinned staging buffer: made unpinned (_TorchWithoutPinnedMemory);
     - one-element tensors are not kept as constants: FakeTensorMode would otherwise run `to("cuda")` on their
       real value under inference_mode (torch 2.13 skips that only for _to_copy) and fail for want of CUDA;
-    - flex_attention runs uncompiled (compiled, it needs Inductor's Triton kernels and a GPU);
+    - flex_attention runs uncompiled (compiled, it needs Inductor's Triton kernels and a GPU), and its
+      layout's host arrays go to the device unpinned (upload_array pins a tensor made from numpy, which
+      FakeTensorMode cannot);
     - CUDA graphs are not captured: DecodeGraphs keeps its static buffers and runs them eagerly;
     - the load-time warm-up iterations are not run (they end in a host read; the test's iterations run the
       same path)."""
@@ -258,6 +265,7 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     monkeypatch.setattr(orca.models.device, "torch", staging)
     monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
     monkeypatch.setattr(orca.models.attention.flex, "_flex_function", lambda device_type: flex_attention)
+    monkeypatch.setattr(orca.models.attention.flex, "upload_array", _upload_array_unpinned)
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     monkeypatch.setattr(orca.worker, "load_model", _fake_device_loader(mode))
     monkeypatch.setattr(orca.worker, "DecodeGraphs",

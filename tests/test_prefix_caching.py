@@ -11,8 +11,7 @@ run's num_cached_tokens must be what the block arithmetic says (the longest comm
 request's computed tokens, whole blocks only, short of the prompt's last token), and 0 with caching off.
 Also: chunked prefill and preemption (with eviction from a small pool), both admission policies, eviction
 order (least recently used, only when no block is free), two requests reading the same cached blocks in one
-iteration under each attention backend (flex serves without caching: its layout gives a pool block one
-owner per iteration), cache_salt
+iteration under each attention backend (flex too, through each request's block table), cache_salt
 isolation, every block coming back, tensor parallelism 2 on gloo, and cache_salt validation.
 
 The engines run with one torch thread: the tiny models are dominated by per-op overhead, and on a small
@@ -296,13 +295,13 @@ def test_eviction_is_least_recently_used_and_only_when_the_pool_is_full(n_slots:
     [
         "reference",
         "batched",
-        "flex",  # (prefix caching off: EngineConfig.effective_prefix_caching)
+        "flex",
     ],
 )
 def test_requests_sharing_blocks_in_one_iteration(backend: str) -> None:
     """b takes a's cached prompt blocks by reference and both run in the same iterations (a in increment, b
-    in initiation, then both in increment): every attention backend must let both read the shared blocks.
-    flex cannot (FlexLayout gives each pool block one owner per iteration), so it serves without caching."""
+    in initiation, then both in increment): every attention backend must let both read the shared blocks
+    (flex through each request's block table in its mask)."""
     family, bs = "gpt2", 4
     prompt = scenario(family, bs)[0][:10]  # 2 full blocks and 2 tokens
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -318,9 +317,6 @@ def test_requests_sharing_blocks_in_one_iteration(backend: str) -> None:
         first = True
         while core.has_unfinished():
             outputs = core.step()
-            if first and backend == "flex":
-                assert not core.blocks.enable_caching and core.blocks.table("a")[:2] != core.blocks.table("b")[:2]
-                first = False
             if first:  # b's prompt beside a's increment, over the same 2 blocks
                 assert sorted(o.request_id for o in outputs) == ["a", "b"]
                 assert core.blocks.table("a")[:2] == core.blocks.table("b")[:2]
@@ -329,7 +325,7 @@ def test_requests_sharing_blocks_in_one_iteration(backend: str) -> None:
             for out in outputs:
                 tokens[out.request_id].extend(out.new_token_ids)
                 cached[out.request_id] = out.num_cached_tokens
-        assert cached == {"a": 0, "b": 0 if backend == "flex" else 8}
+        assert cached == {"a": 0, "b": 8}
         assert tokens == {"a": expected, "b": expected}
         assert_every_block_back(core)
     finally:

@@ -162,10 +162,8 @@ class EngineCore:
                 f"n_workers {n_workers} exceeds the {self.executor.max_in_flight} batches this executor "
                 f"can keep in flight (one per pipeline stage)"
             )
-        if config.enable_prefix_caching and not config.effective_prefix_caching:
-            logger.warning("prefix caching is off: attention_backend flex cannot read a block two requests share")
         self.blocks = BlockManager(
-            self.executor.num_blocks, config.block_size, enable_caching=config.effective_prefix_caching
+            self.executor.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
         # Multi-LoRA (orca/core/lora.py): the adapters served by name, and the workers' slots.
         self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
@@ -202,7 +200,7 @@ class EngineCore:
                 model=str(self.checkpoint), max_bs=config.max_bs, block_size=self.blocks.block_size,
                 kv_total_blocks=self.blocks.num_blocks, kv_admission=config.kv_admission,
                 max_num_batched_tokens=config.max_num_batched_tokens, n_workers=n_workers,
-                prefix_caching=config.effective_prefix_caching,
+                prefix_caching=config.enable_prefix_caching,
             )
 
         try:

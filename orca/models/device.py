@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -19,3 +20,12 @@ def upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: 
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def upload_array(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array (any shape) as a tensor of `dtype` on `device`: on CUDA copied into pinned memory, then
+    copied over without blocking, as upload does (torch.tensor cannot pin what it builds from numpy)."""
+    host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -267,6 +267,7 @@ class Worker:
                 self.model, self.attention, self.kv_pool, self.kv_layout.block_size,
                 pad_slot=num_blocks * self.kv_layout.block_size,
                 sizes=graph_sizes(self.config.max_bs), capture=self.device.type == "cuda",
+                max_blocks=-(-self._max_len() // self.kv_layout.block_size) + 1,
             )
         elif self.device.type == "cuda":
             logger.info("decode iterations run without CUDA graphs: %s", self.no_graphs_reason)

@@ -137,7 +137,7 @@ def run_orca_offline(
         result["dtype"] = str(engine.config.torch_dtype).removeprefix("torch.")
         result["device"] = str(engine.config.torch_device)
         result["enable_prefix_caching"] = engine.config.enable_prefix_caching
-        result["effective_prefix_caching"] = engine.config.effective_prefix_caching  # never with flex attention
+        result["effective_prefix_caching"] = engine.config.enable_prefix_caching
         result["quantization"], result["kv_cache_dtype"] = engine.config.quantization, engine.config.kv_cache_dtype
         # What auto resolved to (the in-process worker's; the offline engine always has one).
         worker = getattr(engine.executor, "worker", None)

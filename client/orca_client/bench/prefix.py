@@ -353,7 +353,7 @@ def run_offline(args: argparse.Namespace, workload: Workload, render: Renderer,
         summary = {
             "enable_prefix_caching": engine.config.enable_prefix_caching,
             # what the engine does (attention_backend flex serves without the cache)
-            "effective_prefix_caching": getattr(engine.config, "effective_prefix_caching", caching),
+            "effective_prefix_caching": getattr(engine.config, "enable_prefix_caching", caching),
             "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
             "device": str(engine.config.torch_device),
             "max_bs": engine.config.max_bs, "block_size": engine.block_size, "n_slots": engine.n_slots,

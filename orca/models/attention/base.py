@@ -51,8 +51,9 @@ def resolve_attention_backend(choice: str, device: torch.device) -> str:
     prompts, one batch for the increments: 1.05-1.06x the reference's tokens/s offline; flex's paged mask
     does not compile for a CPU in torch 2.13) and on CUDA (an H200, 2026-11-26: 1.1x the reference's
     decode tokens/s at batch 1, 6.1x at 64, 9.7x at 256). flex with CUDA graphs beat batched there at batch
-    1-64 (3.2-6.2x) and tied at 256, but it serves without prefix caching and builds its block-sparse
-    layout over the whole pool each iteration (docs/BENCHMARKS.md, "Results: the CUDA path on an H200")."""
+    1-64 (3.2-6.2x) and tied at 256 (docs/BENCHMARKS.md, "Results: the CUDA path on an H200"); it then
+    served without prefix caching and built its block-sparse layout over the whole pool. Since reworked
+    (both fixed), it becomes the default on CUDA only once measured there."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
     if choice == "auto":
@@ -188,9 +189,11 @@ class AttentionMetadata:
 
     # -- CUDA graphs (cuda_graphs backends) --------------------------------------------------------------
     @classmethod
-    def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int) -> AttentionMetadata:
+    def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int,
+                      max_blocks: int) -> AttentionMetadata:
         """Metadata of `rows` padding rows over static buffers, which a captured graph reads: each
-        iteration's values are copied in (copy_) into the head (head) of its size."""
+        iteration's values are copied in (copy_) into the head (head) of its size. A request holds at most
+        `max_blocks` blocks (the model's longest sequence)."""
         raise NotImplementedError(f"attention backend {cls.name} has no fixed shapes for CUDA graphs")
 
     def head(self, num_tokens: int) -> AttentionMetadata:

@@ -1,18 +1,21 @@
 """attention_backend ``flex``: one ``flex_attention`` call per layer for every token of the iteration (prompt
 chunks and increments together, grouped-query attention without repeating K/V), reading keys and values
 straight from the whole pool, so nothing is gathered and the shapes depend only on the token count (what
-CUDA graphs need: orca/worker/cuda_graphs.py). A mask function keeps, for each query, the slots its own
-request owns up to its position (and within its sliding window); a block-sparse structure built from the
-block tables (FlexLayout) lets the fused kernel skip every block of the pool no query of a tile needs. On
+CUDA graphs need: orca/worker/cuda_graphs.py). A mask function keeps, for each query, the slots of the
+blocks in its request's block table up to its position (and within its sliding window), so requests that
+share cached blocks (the prefix cache) both read them; a block-sparse structure built from the block
+tables (FlexLayout) lets the fused kernel skip every block of the pool no query of a tile needs, and grows
+with the iteration's requests and blocks, not with the pool. On
 CUDA the call is compiled (Triton) with dynamic token counts, and warmed up at load, never in a user's
 request (warm_up_rows); on a CPU it runs PyTorch's unfused flex implementation, which evaluates the mask
 over the whole pool: correct, for checking the fused path on a CPU, not fast.
 
 `auto` never picks it: on a CPU flex's paged mask does not compile in torch 2.13 and batched is the fastest
 measured; on CUDA (an H200) flex with CUDA graphs was 3.2-6.2x batched's decode tokens/s at batch 1-64 and
-0.93x at 256, but it serves without prefix caching, and FlexLayout.build makes (requests x pool tiles) and
-(query tiles x pool tiles) tensors every iteration: with a GPU-sized pool (4M slots, 250k tiles, on the
-H200) a 77k-token prompt iteration's would be about 1.2 G entries. Choose it with n_slots bounding the pool.
+0.93x at 256. That was before this layout: it gave each pool block one owner per iteration (so no prefix
+caching) and built (requests x pool tiles) and (query tiles x pool tiles) tensors every iteration (about
+1.2 G entries for a 77k-token prompt iteration over an H200's default pool). Measured on a GPU since, it
+can become CUDA's default.
 
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each
@@ -28,10 +31,11 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from orca.models.attention.base import AttentionMetadata, PhaseTimer, token_slots
-from orca.models.device import upload
+from orca.models.device import upload, upload_array
 
 # The flex backend's tiles: FLEX_Q_BLOCK query rows (a tile of increments spans up to this many requests,
 # whose blocks its kernel program reads) by at least FLEX_KV_BLOCK pool slots (a whole number of K/V blocks).
@@ -113,12 +117,13 @@ class FlexMetadata(AttentionMetadata):
                 "mask over the whole K/V pool at every layer: correct, slow (reference is the fast choice here)")
 
     @classmethod
-    def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int) -> AttentionMetadata:
-        """An all-padding layout of `rows` rows; every size reads its head."""
+    def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int,
+                      max_blocks: int) -> AttentionMetadata:
+        """An all-padding layout of `rows` rows of up to `max_blocks` blocks each; every size reads its head."""
         device = kv_pool.device
         return cls(
             slot_mapping=torch.full((rows,), pad_slot, dtype=torch.int64, device=device), kv_pool=kv_pool,
-            flex=FlexLayout.build([], [], [], block_size, kv_pool.shape[3], device, padding=rows),
+            flex=FlexLayout.static(rows, max_blocks, block_size, kv_pool.shape[3], device),
         )
 
     def head(self, num_tokens: int) -> AttentionMetadata:
@@ -134,25 +139,31 @@ class FlexMetadata(AttentionMetadata):
 class FlexLayout:
     """What the flex backend needs of an iteration, built once and shared by every layer.
 
-    Per token row: its request (`q_request`) and position (`q_position`). Per pool block: the request of
-    this iteration that owns it (`block_owner`, -1 for the others) and the position of its first slot in
-    that request (`block_start`). A query keeps slot s when block_owner[s // block_size] is its request
-    and the slot's position block_start[...] + s % block_size is at most its own (and within its window):
-    slots past a request's length, in its partly filled last block, are never kept. Padding rows (after
-    the requests' rows) have request -1 and position -1: every slot's position is later, so they keep none
-    and come out as zeros (flex's rule for a fully masked row).
+    Per token row: its request (`q_request`, an index into `tables`) and position (`q_position`). Per
+    request of the iteration: its block table (`tables`, -1 past its length). Per pool block: its index in
+    the tables that hold it (`block_index`; 0 for the others). A block two requests share (the prefix
+    cache: a cached prefix's block j is block j of every request that reads it) has the same index in each,
+    so one value serves both. A query keeps slot s of block b = s // block_size when its request's table
+    holds b at b's index, and the slot's position block_index[b] * block_size + s % block_size is at most
+    its own (and within its window): slots past a request's length, in its partly filled last block, are
+    never kept. Padding rows (after the requests' rows) have request 0 and position -1: every slot's
+    position is later, so they keep none and come out as zeros (flex's rule for a fully masked row).
 
     The block-sparse structure: the token rows in tiles of FLEX_Q_BLOCK, the pool's slots in tiles of
-    `kv_block`; tile pair (i, j) is visited when a request with a row in query tile i owns a block in slot
-    tile j. `kv_num_blocks` (1, 1, Q tiles) and `kv_indices` (1, 1, Q tiles, KV tiles): how many slot tiles
-    each query tile visits and which, first."""
+    `kv_block`; query tile i visits slot tile j when a request with a row in tile i has a block in tile j
+    at a position no later than its last row's there (a prompt's rows skip the blocks after them).
+    `kv_num_blocks` (1, 1, Q tiles): how many slot tiles each query tile visits; `kv_indices` (1, 1, Q
+    tiles, width): which, first (0 after them). Its width is the most any query tile visits, not the pool's
+    tiles: the structure grows with the iteration's requests and blocks, never with the pool (built on the
+    host with numpy). CUDA graphs' static buffers (FlexMetadata.graph_buffers) have fixed widths, bounds
+    for any decode iteration, and take an iteration's narrower tables and indices in copy_."""
 
     q_request: torch.Tensor  # (T,) int32
     q_position: torch.Tensor  # (T,) int32
-    block_owner: torch.Tensor  # (pool blocks,) int32
-    block_start: torch.Tensor  # (pool blocks,) int32
+    tables: torch.Tensor  # (requests, table width) int32, -1 past each request's blocks
+    block_index: torch.Tensor  # (pool blocks,) int32
     kv_num_blocks: torch.Tensor  # (1, 1, Q tiles) int32
-    kv_indices: torch.Tensor  # (1, 1, Q tiles, KV tiles) int32
+    kv_indices: torch.Tensor  # (1, 1, Q tiles, width) int32
     block_size: int
     kv_block: int
     num_tokens: int
@@ -172,90 +183,119 @@ class FlexLayout:
     ) -> FlexLayout:
         kv_block = -(-FLEX_KV_BLOCK // block_size) * block_size  # whole K/V blocks per slot tile
         num_tokens = sum(lengths) + padding
-        q_request: list[int] = []
-        q_position: list[int] = []
-        owned: list[int] = []  # pool blocks in use by this iteration's requests, request by request
-        owners: list[int] = []
-        starts: list[int] = []
-        tile_pairs: list[int] = []  # (request, query tile) pairs, flattened request * Q tiles + tile
         num_q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
-        row = 0
-        for i, (n, past, table) in enumerate(zip(lengths, context_lens, block_tables)):
-            q_request.extend([i] * n)
-            q_position.extend(range(past, past + n))
-            used = -(-(past + n) // block_size)
-            owned.extend(table[:used])
-            owners.extend([i] * used)
-            starts.extend(range(0, used * block_size, block_size))
-            first_tile, last_tile = row // FLEX_Q_BLOCK, (row + n - 1) // FLEX_Q_BLOCK
-            tile_pairs.extend(i * num_q_tiles + t for t in range(first_tile, last_tile + 1))
-            row += n
-        q_request.extend([PADDING_ROW] * padding)
-        q_position.extend([PADDING_ROW] * padding)
-        num_blocks, num_kv_tiles = num_slots // block_size, -(-num_slots // kv_block)
-        owned_t, owners_t = upload(owned, torch.int64, device), upload(owners, torch.int64, device)
-        block_owner = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
-        block_owner[owned_t] = owners_t.to(torch.int32)
-        block_start = torch.zeros(num_blocks, dtype=torch.int32, device=device)
-        block_start[owned_t] = upload(starts, torch.int32, device)
-        # Which slot tiles each request reads, which query tiles each request has rows in; their product
-        # is which slot tiles each query tile visits.
         num_requests = len(lengths)
-        reads = torch.zeros(num_requests, num_kv_tiles, device=device)
-        reads[owners_t, owned_t * block_size // kv_block] = 1.0
-        rows = torch.zeros(num_requests * num_q_tiles, device=device)
-        rows[upload(tile_pairs, torch.int64, device)] = 1.0
-        visits = rows.view(num_requests, num_q_tiles).t() @ reads > 0  # (Q tiles, KV tiles)
-        kv_num_blocks = visits.sum(-1, dtype=torch.int32)
-        kv_indices = torch.argsort(visits.logical_not().to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        used = [min(-(-(past + n) // block_size), len(table))
+                for n, past, table in zip(lengths, context_lens, block_tables)]
+        # At least two requests' rows, two blocks and two slot tiles wide (padded with -1 and 0): compiled flex
+        # specialises a size of 1, so a one-request iteration would compile graphs of its own.
+        tables = np.full((max(num_requests, 2), max(max(used, default=0), 2)), -1, dtype=np.int32)
+        for i, (table, u) in enumerate(zip(block_tables, used)):
+            tables[i, :u] = table[:u]
+        q_request = np.zeros(num_tokens, dtype=np.int32)  # padding rows: request 0, position -1 (keep nothing)
+        q_position = np.full(num_tokens, PADDING_ROW, dtype=np.int32)
+        n_arr = np.asarray(lengths, dtype=np.int64)
+        past_arr = np.asarray(context_lens, dtype=np.int64)
+        row0 = np.concatenate([[0], np.cumsum(n_arr)[:-1]]) if num_requests else np.zeros(0, dtype=np.int64)
+        real = int(n_arr.sum())
+        q_request[:real] = np.repeat(np.arange(num_requests, dtype=np.int32), n_arr)
+        q_position[:real] = (np.arange(real) - np.repeat(row0, n_arr) + np.repeat(past_arr, n_arr)).astype(np.int32)
+        # The requests' blocks, flattened: owner, index in its table, slot tile.
+        used_arr = np.asarray(used, dtype=np.int64)
+        owner = np.repeat(np.arange(num_requests), used_arr)
+        index = np.arange(int(used_arr.sum())) - np.repeat(np.cumsum(used_arr) - used_arr, used_arr)
+        blocks = tables[owner, index].astype(np.int64)
+        num_blocks = num_slots // block_size
+        block_index = np.zeros(num_blocks, dtype=np.int32)
+        block_index[blocks] = index
+        # (query tile, slot tile) pairs: each block with every query tile of its request whose last row of
+        # that request is at or after the block's first position.
+        first_tile, last_tile = row0 // FLEX_Q_BLOCK, (row0 + n_arr - 1) // FLEX_Q_BLOCK
+        per_block = (last_tile - first_tile + 1)[owner]
+        pair_block = np.repeat(np.arange(len(blocks)), per_block)
+        pair_owner = owner[pair_block]
+        tile = first_tile[pair_owner] + np.arange(len(pair_block)) - np.repeat(np.cumsum(per_block) - per_block,
+                                                                               per_block)
+        last_row = np.minimum(row0[pair_owner] + n_arr[pair_owner], (tile + 1) * FLEX_Q_BLOCK) - 1
+        last_position = past_arr[pair_owner] + last_row - row0[pair_owner]
+        keep = index[pair_block] * block_size <= last_position
+        num_kv_tiles = -(-num_slots // kv_block)
+        keys = np.unique(tile[keep] * num_kv_tiles + blocks[pair_block[keep]] * block_size // kv_block)
+        key_tile, key_kv = keys // num_kv_tiles, keys % num_kv_tiles
+        kv_num_blocks = np.bincount(key_tile, minlength=num_q_tiles).astype(np.int32)
+        kv_indices = np.zeros((num_q_tiles, max(int(kv_num_blocks.max(initial=0)), 2)), dtype=np.int32)
+        kv_indices[key_tile, np.arange(len(keys)) - (np.cumsum(kv_num_blocks) - kv_num_blocks)[key_tile]] = key_kv
         return cls(
-            q_request=upload(q_request, torch.int32, device),
-            q_position=upload(q_position, torch.int32, device),
-            block_owner=block_owner,
-            block_start=block_start,
-            kv_num_blocks=kv_num_blocks[None, None],
-            kv_indices=kv_indices[None, None],
-            block_size=block_size,
-            kv_block=kv_block,
-            num_tokens=num_tokens,
-            num_slots=num_slots,
+            q_request=_to(q_request, device), q_position=_to(q_position, device),
+            tables=_dynamic(_to(tables, device), 0, 1), block_index=_to(block_index, device),
+            kv_num_blocks=_to(kv_num_blocks, device)[None, None],
+            kv_indices=_dynamic(_to(kv_indices, device)[None, None], 3), block_size=block_size,
+            kv_block=kv_block, num_tokens=num_tokens, num_slots=num_slots,
+        )
+
+    @classmethod
+    def static(cls, rows: int, max_blocks: int, block_size: int, num_slots: int, device: torch.device) -> FlexLayout:
+        """All-padding buffers for iterations of up to `rows` one-token requests of up to `max_blocks` blocks
+        each (CUDA graphs' decode iterations): tables (rows, max_blocks), and as many slot tiles per query
+        tile as its FLEX_Q_BLOCK requests can read."""
+        kv_block = -(-FLEX_KV_BLOCK // block_size) * block_size
+        num_q_tiles, num_kv_tiles = -(-rows // FLEX_Q_BLOCK), -(-num_slots // kv_block)
+        width = max(min(num_kv_tiles, FLEX_Q_BLOCK * (-(-max_blocks * block_size // kv_block) + 1)), 2)
+        # (1, 1, ...) views of 1-D and 2-D tensors, as build's are: compiled flex guards on a view's base
+        return cls(
+            q_request=torch.zeros(rows, dtype=torch.int32, device=device),
+            q_position=torch.full((rows,), PADDING_ROW, dtype=torch.int32, device=device),
+            tables=_dynamic(torch.full((max(rows, 2), max(max_blocks, 2)), -1, dtype=torch.int32, device=device), 0, 1),
+            block_index=torch.zeros(num_slots // block_size, dtype=torch.int32, device=device),
+            kv_num_blocks=torch.zeros(num_q_tiles, dtype=torch.int32, device=device)[None, None],
+            kv_indices=_dynamic(torch.zeros(num_q_tiles, width, dtype=torch.int32, device=device)[None, None], 3),
+            block_size=block_size, kv_block=kv_block, num_tokens=rows, num_slots=num_slots,
         )
 
     def head(self, num_tokens: int) -> FlexLayout:
         """The layout of this one's first `num_tokens` rows, sharing its tensors (views, so what is copied
         into this layout is what the head's masks read): one per CUDA graph size over one set of static
-        buffers (orca/worker/cuda_graphs.py)."""
+        buffers (orca/worker/cuda_graphs.py). The tables stay whole: a head's requests are among its rows."""
         q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
-        kv_tiles = self.kv_indices.shape[-1]
+        width = self.kv_indices.shape[-1]
         # The first q_tiles rows of the (1, 1, Q tiles, ...) buffers, viewed with a fresh layout's contiguous
         # strides (a [:, :, :q_tiles] slice keeps the whole buffer's strides, and compiled flex guards on
         # strides: each captured size would compile again, past dynamo's recompile limit, on a GPU run).
         return FlexLayout(
-            q_request=self.q_request[:num_tokens], q_position=self.q_position[:num_tokens],
-            block_owner=self.block_owner, block_start=self.block_start,
+            q_request=self.q_request[:num_tokens], q_position=self.q_position[:num_tokens], tables=self.tables,
+            block_index=self.block_index,
             kv_num_blocks=self.kv_num_blocks.view(-1)[:q_tiles].view(1, 1, q_tiles),
-            kv_indices=self.kv_indices.view(-1)[:q_tiles * kv_tiles].view(1, 1, q_tiles, kv_tiles),
+            kv_indices=_dynamic(self.kv_indices.view(-1)[:q_tiles * width].view(1, 1, q_tiles, width), 3),
             block_size=self.block_size, kv_block=self.kv_block, num_tokens=num_tokens, num_slots=self.num_slots,
         )
 
     def copy_(self, other: FlexLayout) -> None:
-        """Takes `other`'s values (an iteration of the same token count over the same pool) into this
-        layout's tensors, in place."""
+        """Takes `other`'s values (an iteration of the same token count over the same pool, its tables and
+        slot tiles within this layout's widths) into this layout's tensors, in place."""
         if (other.num_tokens, other.num_slots, other.block_size) != (self.num_tokens, self.num_slots, self.block_size):
             raise ValueError(f"a layout of {other.num_tokens} rows over {other.num_slots} slots does not fit one of "
                              f"{self.num_tokens} rows over {self.num_slots} slots")
-        for name in ("q_request", "q_position", "block_owner", "block_start", "kv_num_blocks", "kv_indices"):
+        (requests, width), kv_width = other.tables.shape, other.kv_indices.shape[-1]
+        if requests > self.tables.shape[0] or width > self.tables.shape[1] or kv_width > self.kv_indices.shape[-1]:
+            raise ValueError(f"an iteration of {requests} requests of up to {width} blocks, visiting up to "
+                             f"{kv_width} slot tiles per query tile, exceeds the static layout's "
+                             f"{tuple(self.tables.shape)} tables and {self.kv_indices.shape[-1]} slot tiles")
+        for name in ("q_request", "q_position", "block_index", "kv_num_blocks"):
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+        self.tables.fill_(-1)
+        self.tables[:requests, :width].copy_(other.tables, non_blocking=True)
+        self.kv_indices.zero_()
+        self.kv_indices[..., :kv_width].copy_(other.kv_indices, non_blocking=True)
 
     def mask_mod(self, window: int | None) -> Callable:
         """flex_attention's mask function: whether query row q keeps pool slot kv."""
-        q_request, q_position, owner, start = self.q_request, self.q_position, self.block_owner, self.block_start
+        q_request, q_position, tables, index = self.q_request, self.q_position, self.tables, self.block_index
         block_size = self.block_size
 
         def keep(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's signature (index tensors)
             block = kv // block_size
-            position = start[block] + kv % block_size
-            kept = (owner[block] == q_request[q]) & (position <= q_position[q])
+            position = index[block] * block_size + kv % block_size
+            kept = (tables[q_request[q], index[block]] == block) & (position <= q_position[q])
             if window is not None:
                 kept = kept & (q_position[q] - position < window)
             return kept
@@ -273,6 +313,20 @@ class FlexLayout:
                 compute_q_blocks=False,
             )
         return self._masks[window]
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return upload_array(array, torch.int32, device)
+
+
+def _dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
+    """`tensor` with `dims` (each at least 2 long) marked dynamic for compiled flex: the tables' and the
+    slot tiles' widths change with every iteration, and a size seen first as a constant would compile
+    again at its first change (in each of the graphs the warm-up compiles, and in a CUDA graph's capture)."""
+    import torch._dynamo
+
+    torch._dynamo.mark_dynamic(tensor, dims)
+    return tensor
 
 
 @functools.cache
