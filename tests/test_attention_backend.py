@@ -440,3 +440,27 @@ def test_captured_sizes_compile_nothing_after_the_warm_up() -> None:
         assert head.flex.kv_indices.is_contiguous() and head.flex.kv_num_blocks.is_contiguous()
         call(head.flex, n)
     assert len(graphs) == after_warm_up, f"{len(graphs) - after_warm_up} captured sizes compiled again"
+
+
+def test_the_reference_masks_are_built_once_per_iteration_and_keep_what_they_should() -> None:
+    """A later chunk, a verifying request's tokens and a windowed prompt longer than its window each need an
+    (n, past + n) mask: the same at every layer, so built once per iteration (ReferenceMetadata._mask)."""
+    lengths, context = [1, 1, 1, 5, 7, 12], [9, 20, 4, 30, 16, 0]
+    tables, next_block = [], 0
+    for n, past in zip(lengths, context):
+        used = -(-(n + past) // 4)
+        tables.append(list(range(next_block, next_block + used)))
+        next_block += used
+    pool = torch.randn(1, 2, 2, next_block * 4, 8)  # (layers, K and V, KV heads, slots, head dim)
+    meta = AttentionMetadata.build(lengths, context, tables, 4, pool, backend="batched")
+    q = torch.randn(sum(lengths), 4, 8)
+    first = selective_attention(q, torch.randn(sum(lengths), 2, 2, 8), meta, 0, 0.3, 6)
+    built = dict(meta._masks)
+    assert set(built) == {(3, 6), (4, 6), (5, 6)}  # the increments are batched; every other request masked
+    selective_attention(q, torch.randn(sum(lengths), 2, 2, 8), meta, 0, 0.3, 6)
+    assert all(meta._masks[key] is mask for key, mask in built.items())  # the second layer built none
+    for i in (3, 4, 5):
+        n, past = lengths[i], context[i]
+        rows, cols = torch.arange(n)[:, None] + past, torch.arange(past + n)[None]
+        assert torch.equal(built[(i, 6)], (cols <= rows) & (rows - cols < 6))
+    assert first.isfinite().all()
