@@ -23,6 +23,10 @@ order, each in its own process under its own time limit, inside one overall budg
    attention backend and with flex and CUDA graphs (speculative-<backend>.json).
 8. lora: ``orca-bench lora`` on the same model, 1, 4 and 16 random rank-8 adapters against the base
    model, with the default attention backend and with flex and CUDA graphs (lora-<backend>.json).
+9. prefix: ``orca-bench prefix --mode offline`` on the same model (its token ids: it has no tokenizer),
+   prefix caching on and off on the shared-prefix and multi-turn workloads, with the default attention
+   backend and with flex and CUDA graphs (prefix-<backend>.json): whether flex, which now serves with the
+   cache, should be CUDA's default.
 
 Where torch sees no GPU the same stages run on the CPU as a smoke check of the script (a tiny model, small
 batches; the tests skip): its figures mean nothing, and the summary says the GPU parts were skipped.
@@ -50,7 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_SYSTEMS_CUDA = ("orca-flex-graphs", "orca-flex", "orca-batched", "transformers", "orca-reference")
 DECODE_SYSTEMS_CPU = ("orca-batched", "transformers")
-STAGES = ("env", "tests", "quantized", "speculative", "lora", "decode", "offline")
+STAGES = ("env", "tests", "quantized", "speculative", "lora", "prefix", "decode", "offline")
 ORCA_OPTIONS = {  # orca-bench decode's systems as orca-bench offline options
     "orca-reference": ["--attention-backend", "reference", "--cuda-graphs", "off"],
     "orca-batched": ["--attention-backend", "batched", "--cuda-graphs", "off"],
@@ -446,12 +450,36 @@ def _processes(stage: str, cuda: bool, args: argparse.Namespace) -> int:
     """How many engine processes a bench stage runs (its share of the time left goes by these)."""
     if stage == "quantized":
         return 4 if cuda else 3
-    if stage in ("speculative", "lora"):
+    if stage in ("speculative", "lora", "prefix"):
         return len(FEATURE_BACKENDS) if cuda else 1
     if stage == "decode":
         systems = args.systems.split(",") if args.systems else DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU
         return len(systems)
     return 1
+
+
+def stage_prefix(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
+    """orca-bench prefix offline (caching on, then off; shared-prefix and multi-turn), per backend."""
+    size = (["--n-slots", FEATURE_N_SLOTS] if cuda else
+            ["--conversations", "2", "--turns", "2", "--requests", "4", "--concurrency", "2", "--output-tokens", "4",
+             "--prefix-tokens", "16", "--user-tokens", "8"])
+    record: dict[str, Any] = {"backends": {}}
+    stop = time.monotonic() + limit
+    backends = FEATURE_BACKENDS if cuda else ("auto",)
+    for i, backend in enumerate(backends):
+        target = check.out / f"prefix-{backend}.json"
+        run = check.run(f"prefix {backend}", [
+            check.python, "-m", "orca_client.bench.prefix", "--mode", "offline", "--model", str(checkpoint),
+            "--attention-backend", backend, *size, "--json", str(target)],
+            (stop - time.monotonic()) / (len(backends) - i))
+        if target.is_file():
+            result = json.loads(target.read_text())
+            run["summary"] = {name: {"ratios": w["offline"]["orca"]["ratios"],
+                                     "same_outputs": w["offline"]["orca"]["same_outputs"],
+                                     "prefix_cache_on": w["offline"]["orca"]["on"].get("prefix_cache")}
+                              for name, w in result["workloads"].items()}
+        record["backends"][backend] = run
+    return _combined(record, record["backends"])
 
 
 def _combined(record: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -501,7 +529,7 @@ def print_table(check: Check) -> None:
     for kind, run in s.get("quantized", {}).get("kinds", {}).items():
         for row in run.get("table", []):
             check.say(f"  quantized {kind}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
-    for stage in ("speculative", "lora"):
+    for stage in ("speculative", "lora", "prefix"):
         for backend, run in s.get(stage, {}).get("backends", {}).items():
             if run.get("summary"):
                 check.say(f"  {stage} ({backend}): {json.dumps(run['summary'], default=str)}")
@@ -561,6 +589,8 @@ def main() -> int:
                     record = stage_speculative(check, checkpoint, cuda, share)
                 elif name == "lora":
                     record = stage_lora(check, checkpoint, cuda, share)
+                elif name == "prefix":
+                    record = stage_prefix(check, checkpoint, cuda, share)
                 elif name == "decode":
                     record = decode = stage_decode(check, checkpoint, cuda, max(0.0, share), tmp,
                                                    tuple(args.systems.split(",")) if args.systems else None)

@@ -29,7 +29,7 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_and_says_the_gpu_parts_were_skipped(
     assert summary["cuda"] is False
     stages = summary["stages"]
     assert {name: stage["status"] for name, stage in stages.items()} == dict.fromkeys(
-        ("env", "tests", "checkpoint", "quantized", "speculative", "lora", "decode", "offline"), "ok")
+        ("env", "tests", "checkpoint", "quantized", "speculative", "lora", "prefix", "decode", "offline"), "ok")
     counts = stages["tests"]["counts"]
     assert counts["skipped"] > 0 and counts["passed"] == counts["failed"] == counts["errors"] == 0
     decode = json.loads((tmp_path / "decode.json").read_text())
@@ -47,5 +47,9 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_and_says_the_gpu_parts_were_skipped(
     assert set(random["same_tokens_as_off"]) == {"ngram", "draft"}
     lora = stages["lora"]["backends"]["auto"]["summary"]
     assert set(lora["ratio_to_base"]) == {"base", "1", "2"} and lora["base_same_tokens_as_lora_off"]["requests"] == 4
-    for name in ("quantized-int8.json", "quantized-int4.json", "speculative-auto.json", "lora-auto.json"):
+    prefix = stages["prefix"]["backends"]["auto"]["summary"]
+    assert set(prefix) == {"shared-prefix", "multi-turn"}
+    assert all(w["prefix_cache_on"]["hits"] > 0 for w in prefix.values())
+    for name in ("quantized-int8.json", "quantized-int4.json", "speculative-auto.json", "lora-auto.json",
+                 "prefix-auto.json"):
         assert (tmp_path / name).is_file()

@@ -319,7 +319,7 @@ def engine_config(args: argparse.Namespace, caching: bool) -> Any:
     return EngineConfig(
         model=args.model, max_bs=args.max_bs, dtype=args.dtype, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or None, n_slots=args.n_slots,
-        torch_compile=args.torch_compile, enable_prefix_caching=caching,
+        torch_compile=args.torch_compile, attention_backend=args.attention_backend, enable_prefix_caching=caching,
     )
 
 
@@ -352,8 +352,8 @@ def run_offline(args: argparse.Namespace, workload: Workload, render: Renderer,
             cache["blocks_at_end"] = getattr(after, "prefix_cache_blocks", None)
         summary = {
             "enable_prefix_caching": engine.config.enable_prefix_caching,
-            # what the engine does (attention_backend flex serves without the cache)
             "effective_prefix_caching": getattr(engine.config, "enable_prefix_caching", caching),
+            "attention_backend": engine.executor.worker.attention_backend,
             "dtype": str(engine.config.torch_dtype).removeprefix("torch."),
             "device": str(engine.config.torch_device),
             "max_bs": engine.config.max_bs, "block_size": engine.block_size, "n_slots": engine.n_slots,
@@ -793,6 +793,8 @@ def add_parser(sub: Any) -> None:
     e.add_argument("--dtype", default="auto", help="engine dtype (default: %(default)s)")
     e.add_argument("--torch-compile", default="auto", choices=("auto", "off"),
                    help="EngineConfig.torch_compile (default: %(default)s)")
+    e.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "batched", "flex"),
+                   help="EngineConfig.attention_backend (default: %(default)s; flex decodes from CUDA graphs on a GPU)")
     s = p.add_argument_group("serve (--mode serve)")
     s.add_argument("--max-num-seqs", type=positive_int, default=32,
                    help="vLLM's max_num_seqs: orca's max_bs (default: %(default)s)")
@@ -803,3 +805,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take")
     p.add_argument("--json", metavar="PATH", help="write every number to this JSON file")
     p.set_defaults(func=cmd_prefix)
+
+
+if __name__ == "__main__":  # without tritonclient (the GPU machine): python -m orca_client.bench.prefix
+    from orca_client.bench import main
+
+    sys.exit(main(only="prefix"))
