@@ -85,7 +85,8 @@ class EngineConfig:
     - attention_backend: how attention reads the paged K/V pool (orca/models/attention/). "reference":
       one scaled_dot_product_attention call per request and layer over that request's keys and values (the
       transformers-exact oracle). "batched": the reference for prompts and chunks, and an iteration's
-      increments, when there are BATCHED_MIN_INCREMENTS (3) or more, all at once: their keys and values
+      increments and short requests (up to 8 tokens after a cached prefix: speculative verification), when
+      there are BATCHED_MIN_INCREMENTS (3) or more, in batches: their keys and values
       gathered into padded batches, two batched matmuls and a masked softmax per layer. "flex": one
       flex_attention call per layer for every token of the iteration, straight from the pool through the
       block tables (compiled on CUDA and warmed up at load; on a CPU PyTorch's unfused implementation:

@@ -25,7 +25,7 @@ from checkpoints import make_mistral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, resolve_attention_backend, selective_attention
-from orca.models.attention.batched import BATCHED_MIN_INCREMENTS
+from orca.models.attention.batched import BATCHED_MAX_QUERIES, BATCHED_MIN_INCREMENTS
 from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
 from orca.worker import Worker, flex_warm_up_plans
 
@@ -100,6 +100,42 @@ def test_batched_increments_read_only_their_own_slots(increments: int, dtype: to
         meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
         assert bool(meta.increments) == (b == "batched" and increments >= BATCHED_MIN_INCREMENTS)
         out[b] = selective_attention(q, kv, meta, 1, 0.35, None).float()
+    assert out["batched"].isfinite().all()
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out["batched"], out["reference"], atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_short_requests_are_the_reference_s(dtype: torch.dtype, window: int | None) -> None:
+    """Speculating requests verifying their proposals (2 to BATCHED_MAX_QUERIES tokens after a cached
+    prefix) are batched in groups of their own after the increments, each row padded to its group's longest
+    request: outputs equal the reference's per-request masked calls, on a pool NaN outside the iteration's
+    blocks (no padding query or slot reads another's), with a sliding window too, beside a chunk longer
+    than BATCHED_MAX_QUERIES and a prompt (the reference's calls)."""
+    rng = random.Random(7)
+    block_size, num_blocks, heads, kv_heads, dim = 4, 96, 6, 2, 8
+    shape = ([(1, rng.randint(1, 30)) for _ in range(3)] + [(n, rng.randint(1, 30)) for n in (2, 5, 5, 3, 8)]
+             + [(BATCHED_MAX_QUERIES + 3, 6), (7, 0)])
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in shape]
+    lengths, context = [n for n, _ in shape], [p for _, p in shape]
+    torch.manual_seed(7)
+    pool = torch.full((2, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
+    for past, table in zip(context, tables):
+        for b in table:
+            pool[:, :, :, b * block_size : (b + 1) * block_size] = 0
+        for p in range(past):
+            pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(2, 2, kv_heads, dim)
+    q = torch.randn(sum(lengths), heads, dim, dtype=dtype)
+    kv = torch.randn(sum(lengths), 2, kv_heads, dim, dtype=dtype)
+    out = {}
+    for b in ("reference", "batched"):
+        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
+        out[b] = selective_attention(q, kv, meta, 1, 0.35, window).float()
+    groups = [(g.rows, g.queries) for g in meta.increments]
+    assert groups[0] == (3, 1) and sum(rows for rows, _ in groups[1:]) == 5 and max(q for _, q in groups) == 8
     assert out["batched"].isfinite().all()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out["batched"], out["reference"], atol=tolerance, rtol=0)
@@ -452,11 +488,11 @@ def test_the_reference_masks_are_built_once_per_iteration_and_keep_what_they_sho
         tables.append(list(range(next_block, next_block + used)))
         next_block += used
     pool = torch.randn(1, 2, 2, next_block * 4, 8)  # (layers, K and V, KV heads, slots, head dim)
-    meta = AttentionMetadata.build(lengths, context, tables, 4, pool, backend="batched")
+    meta = AttentionMetadata.build(lengths, context, tables, 4, pool, backend="reference")
     q = torch.randn(sum(lengths), 4, 8)
     first = selective_attention(q, torch.randn(sum(lengths), 2, 2, 8), meta, 0, 0.3, 6)
     built = dict(meta._masks)
-    assert set(built) == {(3, 6), (4, 6), (5, 6)}  # the increments are batched; every other request masked
+    assert set(built) == {(3, 6), (4, 6), (5, 6)}  # the increments need none; every other request one
     selective_attention(q, torch.randn(sum(lengths), 2, 2, 8), meta, 0, 0.3, 6)
     assert all(meta._masks[key] is mask for key, mask in built.items())  # the second layer built none
     for i in (3, 4, 5):

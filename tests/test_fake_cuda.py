@@ -547,9 +547,10 @@ def test_a_mixed_iteration_runs_on_fake_cuda(
     # The mixed iteration took each backend's own path over the scattered and consecutive block tables.
     meta = history[1]["_prepare"][2]
     assert type(meta).name == backend
-    if backend == "batched":
-        assert meta.increments and meta.increments[0].rows == 3  # the three increments, batched
-    if backend in ("reference", "batched"):
+    if backend == "batched":  # the three increments, batched; then e's 3-token chunk as a short request
+        assert [(g.rows, g.queries) for g in meta.increments] == [(3, 1), (1, 3)]
+        assert meta.increments[1].q_index.device.type == "cuda"
+    if backend == "reference":
         assert meta.gather_index is not None and any(view is not None for view in meta.views)
     # CUDA graphs for flex on one rank (their static buffers; nothing captured); none otherwise.
     assert (worker.decode_graphs is not None) == (backend == "flex" and tp == 1)

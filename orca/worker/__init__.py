@@ -35,6 +35,7 @@ from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.core.speculative import check_draft_model
 from orca.models.attention import AttentionMetadata, PhaseTimer, get_backend, resolve_attention_backend
+from orca.models.attention.batched import BATCHED_MAX_QUERIES
 from orca.models.attention.flex import FLEX_MIN_HEAD_DIM
 from orca.models.device import upload
 from orca.models.layers import resolve_linear_backend
@@ -675,12 +676,19 @@ def prompt_and_increment_plans(block_size: int) -> tuple[StepPlan, StepPlan]:
 
 
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
-    """Increments (one token after a cached prefix) first, shortest cached prefix first, then the rest in
-    plan order: the layout AttentionMetadata expects, which lets one-token requests share their merge and
-    the batched backend group increments of similar lengths (orca/models/attention/batched.py)."""
-    inc = sorted((r for r in requests if len(r.token_ids) == 1 and r.start > 0), key=lambda r: r.start)
-    rest = [r for r in requests if not (len(r.token_ids) == 1 and r.start > 0)]
-    return inc + rest
+    """Increments (one token after a cached prefix) first, shortest cached prefix first; then short requests
+    (up to BATCHED_MAX_QUERIES tokens after a cached prefix: speculating requests verifying their proposed
+    tokens), likewise; then the rest in plan order. The layout AttentionMetadata expects: one-token requests
+    share their merge, and the batched backend groups increments, then short requests, of similar lengths
+    (orca/models/attention/batched.py)."""
+    def kind(r: PlannedRequest) -> int:
+        if r.start == 0 or len(r.token_ids) > BATCHED_MAX_QUERIES:
+            return 2
+        return 0 if len(r.token_ids) == 1 else 1
+
+    inc = sorted((r for r in requests if kind(r) == 0), key=lambda r: r.start)
+    short = sorted((r for r in requests if kind(r) == 1), key=lambda r: r.start)
+    return inc + short + [r for r in requests if kind(r) == 2]
 
 
 def release_cached_memory() -> None:

@@ -211,12 +211,14 @@ def token_slots(table: Sequence[int], block_size: int, start: int, end: int) -> 
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-def leading_increments(lengths: Sequence[int], context_lens: Sequence[int]) -> int:
-    """How many requests, from the first, are increments (one token after a cached prefix)."""
-    num_increment = 0
-    while num_increment < len(lengths) and lengths[num_increment] == 1 and context_lens[num_increment] > 0:
-        num_increment += 1
-    return num_increment
+def leading_increments(lengths: Sequence[int], context_lens: Sequence[int], most: int = 1) -> int:
+    """How many requests, from the first, are increments (one token after a cached prefix); with `most`,
+    short requests too: up to that many tokens after a cached prefix (a speculating request verifying its
+    proposed tokens)."""
+    count = 0
+    while count < len(lengths) and 1 <= lengths[count] <= most and context_lens[count] > 0:
+        count += 1
+    return count
 
 
 def selective_attention(

@@ -9,9 +9,16 @@ attention_cpu.py), and the fastest measured on a CPU (docs/BENCHMARKS.md).
 `auto` picks it on a CPU (the reference's per-request calls for prompts, one batch for the increments:
 1.05-1.06x the reference's tokens/s offline here).
 
-Limits: it batches an iteration's increments from BATCHED_MIN_INCREMENTS on; fewer run the reference's
-per-request calls (the builder returns the reference's metadata), because the gather copies what it
-reads, while the reference reads a request's consecutive blocks as a view of the pool with no copy. It
+Short requests (up to BATCHED_MAX_QUERIES tokens after a cached prefix: speculating requests verifying their
+proposals) are batched too, in groups of their own after the increments' (each request's query rows padded
+to its group's longest, the real rows picked back out): for a verifying iteration of 4 increments and 8
+such requests (SmolLM2's heads, 30 layers) attention was 1.20-1.75x faster in bfloat16, 1.01-1.20x in
+float32, than one masked call per request (docs/BENCHMARKS.md, "Where lookup misses").
+
+Limits: it batches an iteration's increments (and short requests) from BATCHED_MIN_INCREMENTS on; fewer
+run the reference's per-request calls (the builder returns the reference's metadata), because the gather
+copies what it reads, while the reference reads a request's consecutive blocks as a view of the pool with
+no copy. It
 reads whole blocks: the slots past a row's length are masked and weigh 0, so they must hold finite
 numbers, and the worker zeroes each block it hands to a request (reads_whole_blocks, KVLayout.zero_blocks).
 A group's rows are padded to its longest row, so rows start a new group past BATCHED_GROUP_SLOTS slots of
@@ -38,6 +45,10 @@ BATCHED_MIN_INCREMENTS = 3
 # where the next row's longer blocks would pad the group's rows by more than this many slots, about what a
 # group's fixed cost (~60 us of calls here) buys in padded work.
 BATCHED_GROUP_SLOTS = 384
+# Short requests, up to this many new tokens after a cached prefix (a speculating request verifies its
+# proposed tokens: num_speculative_tokens + 1 of them), are batched too, in groups of their own after the
+# increments' (each row of a group padded to its longest row's tokens), instead of one masked call each.
+BATCHED_MAX_QUERIES = 8
 
 
 @dataclass(kw_only=True)
@@ -68,14 +79,14 @@ class BatchedMetadata(ReferenceMetadata):
         (its per-request calls)."""
         if padding:
             raise ValueError("padding rows need the flex backend")
-        num_increment = leading_increments(lengths, context_lens)
-        if num_increment < BATCHED_MIN_INCREMENTS:
+        num_batched = leading_increments(lengths, context_lens, BATCHED_MAX_QUERIES)
+        if num_batched < BATCHED_MIN_INCREMENTS:
             return ReferenceMetadata.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer,
-                                                 num_increment, kv_scales=kv_scales)
-        increments = IncrementBatch.groups(context_lens[:num_increment], block_tables[:num_increment], block_size,
-                                           kv_pool.device)
-        return cls.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer, num_increment,
-                               elsewhere=num_increment, kv_scales=kv_scales, increments=increments)
+                                                 leading_increments(lengths, context_lens), kv_scales=kv_scales)
+        increments = IncrementBatch.groups(lengths[:num_batched], context_lens[:num_batched],
+                                           block_tables[:num_batched], block_size, kv_pool.device)
+        return cls.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer, num_batched,
+                               elsewhere=num_batched, kv_scales=kv_scales, increments=increments)
 
     def attend(
         self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
@@ -88,82 +99,117 @@ class BatchedMetadata(ReferenceMetadata):
         group = num_heads // num_kv_heads
         outputs: list[torch.Tensor] = []
         for batch in self.increments:
-            n = batch.rows
+            n, queries = batch.rows, batch.queries
             blocks = pool.unflatten(2, (-1, batch.block_size))  # (2, KVH, pool blocks, block size, D)
             kv = blocks.index_select(2, batch.blocks).view(2, num_kv_heads * n, batch.width, head_dim)
             if scales is not None:
                 kv_scales = scales.unflatten(2, (-1, batch.block_size)).index_select(2, batch.blocks)
                 kv = dequantize_kv(kv, kv_scales.view(2, num_kv_heads * n, batch.width), q.dtype)
-            # The `group` query heads sharing a K/V head are `group` query rows against it: a batch of KVH x n
-            # (group, D) x (D, width) products, the scale and the mask added in the same call.
-            qb = q[batch.first : batch.first + n].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
-            qb = qb.reshape(num_kv_heads * n, group, head_dim)
-            mask = batch.mask(window, qb.dtype, num_kv_heads)  # (KVH x n, 1, width)
-            scores = torch.baddbmm(mask, qb, kv[0].transpose(1, 2), alpha=scale)  # (KVH x n, group, width)
+            # The `group` query heads sharing a K/V head are `group` query rows against it (and a short
+            # request's `queries` tokens, queries x group rows): a batch of KVH x n (queries x group, D) x
+            # (D, width) products, the scale and the mask added in the same call.
+            if batch.q_index is None:  # increments: one row each, consecutive
+                qb = q[batch.first : batch.first + n]
+            else:  # short requests: each one's rows, padded to `queries` (the padding rows' outputs dropped)
+                qb = q.index_select(0, batch.q_index)
+            qb = qb.view(n, queries, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4)
+            qb = qb.reshape(num_kv_heads * n, queries * group, head_dim)
+            mask = batch.mask(window, qb.dtype, num_kv_heads, group)  # (KVH x n, 1 or queries x group, width)
+            scores = torch.baddbmm(mask, qb, kv[0].transpose(1, 2), alpha=scale)  # (KVH x n, Q x group, width)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qb.dtype)  # float32, as SDPA's kernels
-            out = torch.bmm(probs, kv[1])  # (KVH x n, group, D)
-            outputs.append(out.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_heads * head_dim))
+            out = torch.bmm(probs, kv[1])  # (KVH x n, queries x group, D)
+            out = out.view(num_kv_heads, n, queries, group, head_dim).permute(1, 2, 0, 3, 4)
+            out = out.reshape(n * queries, num_heads * head_dim)
+            outputs.append(out if batch.out_index is None else out.index_select(0, batch.out_index))
         return ReferenceMetadata.attend(self, q, pool, scale, window, scales, outputs)
 
 
 @dataclass
 class IncrementBatch:
-    """A group of the batched backend's increments: rows [first, first + rows) of the iteration. Request r
-    (one query row, `past_r` cached tokens) has past_r + 1 keys and values, laid out as row r of a padded
-    (rows, width) batch of whole blocks, width = the group's longest row's blocks x block_size. `blocks`
-    lists each row's blocks holding its keys, then padding: the row's first block again. Whole blocks copy
-    in runs of block_size slots (1.7x faster than slot by slot here); the slots past a row's length (its
-    last block's tail, its padding blocks) are masked and weigh 0, and hold finite numbers because the
-    worker zeroes each block it hands to a request (KVLayout.zero_blocks). `mask(window)` is the additive
-    mask that keeps each row's own keys (the last `window` of them), built once per window and dtype and
-    shared by every layer."""
+    """A group of the batched backend's increments (or of its short requests): requests [first, first +
+    rows). Request r (`past_r` cached tokens, `n_r` new ones) has past_r + n_r keys and values, laid out as
+    row r of a padded (rows, width) batch of whole blocks, width = the group's longest row's blocks x
+    block_size. `blocks` lists each row's blocks holding its keys, then padding: the row's first block
+    again. Whole blocks copy in runs of block_size slots (1.7x faster than slot by slot here); the slots
+    past a row's length (its last block's tail, its padding blocks) are masked and weigh 0, and hold finite
+    numbers because the worker zeroes each block it hands to a request (KVLayout.zero_blocks).
+
+    Increments (`queries` 1) are rows [first, first + rows) of the iteration. A group of short requests
+    has `queries` = its longest request's new tokens: `q_index` picks each request's rows, padded to
+    `queries` with its last row again, and `out_index` the real rows back out of the (rows x queries)
+    outputs. `keys[r, j]`: the keys query j of request r sees (past_r + j + 1; 1 for a padding query).
+    `mask(window)` is the additive mask that keeps each query's own keys (the last `window` of them),
+    built once per window and dtype and shared by every layer."""
 
     first: int
     rows: int
     blocks: torch.Tensor  # (rows * blocks per row,) int64
-    keys: torch.Tensor  # (rows, 1) int64: keys and values per row, past + 1
+    keys: torch.Tensor  # (rows, queries) int64
     block_size: int
     width: int  # blocks per row x block_size
-    _masks: dict[tuple[int | None, torch.dtype, int], torch.Tensor] = field(default_factory=dict)
+    queries: int = 1
+    q_index: torch.Tensor | None = None  # (rows * queries,) int64: short requests' rows, padded
+    out_index: torch.Tensor | None = None  # (their tokens,) int64: the real rows of (rows * queries) outputs
+    _masks: dict[tuple[int | None, torch.dtype, int, int], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def groups(cls, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int,
-               device: torch.device) -> tuple[IncrementBatch, ...]:
-        """The increments (rows in this order) in groups: a row starts a new group when its blocks would pad
-        the current group's rows by more than BATCHED_GROUP_SLOTS slots. No increments: no group."""
+    def groups(cls, lengths: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+               block_size: int, device: torch.device) -> tuple[IncrementBatch, ...]:
+        """The increments, then the short requests (rows in this order), in groups: a row starts a new group
+        where the increments end, and when its blocks would pad the current group's rows by more than
+        BATCHED_GROUP_SLOTS slots. None: no group."""
         bounds, start, width = [], 0, 0
-        for i, past in enumerate(context_lens):
-            need = -(-(past + 1) // block_size)
-            if need > width and (i - start) * (need - width) * block_size > BATCHED_GROUP_SLOTS:
+        for i, (n, past) in enumerate(zip(lengths, context_lens)):
+            need = -(-(past + n) // block_size)
+            if i > start and ((n > 1) != (lengths[start] > 1) or (
+                    need > width and (i - start) * (need - width) * block_size > BATCHED_GROUP_SLOTS)):
                 bounds.append((start, i))
                 start = i
             width = need if i == start else max(width, need)
         if context_lens:
             bounds.append((start, len(context_lens)))
-        return tuple(cls.build(a, context_lens[a:b], block_tables[a:b], block_size, device) for a, b in bounds)
+        row_of = [0]
+        for n in lengths:
+            row_of.append(row_of[-1] + n)
+        return tuple(cls.build(a, row_of[a], lengths[a:b], context_lens[a:b], block_tables[a:b], block_size, device)
+                     for a, b in bounds)
 
     @classmethod
-    def build(cls, first: int, context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-              block_size: int, device: torch.device) -> IncrementBatch:
-        per_row = -(-(max(context_lens) + 1) // block_size)
+    def build(cls, first: int, first_row: int, lengths: Sequence[int], context_lens: Sequence[int],
+              block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device) -> IncrementBatch:
+        per_row = -(-max(p + n for n, p in zip(lengths, context_lens)) // block_size)
         blocks: list[int] = []
-        for past, table in zip(context_lens, block_tables):
-            used = -(-(past + 1) // block_size)
+        for n, past, table in zip(lengths, context_lens, block_tables):
+            used = -(-(past + n) // block_size)
             blocks.extend(table[:used])
             blocks.extend([table[0]] * (per_row - used))
-        keys = upload([[p + 1] for p in context_lens], torch.int64, device)
-        return cls(first, len(context_lens), upload(blocks, torch.int64, device), keys, block_size,
-                   per_row * block_size)
+        queries = max(lengths)
+        keys = [[past + j + 1 if j < n else 1 for j in range(queries)] for n, past in zip(lengths, context_lens)]
+        q_index = out_index = None
+        if queries > 1:
+            rows, kept, row = [], [], first_row
+            for i, n in enumerate(lengths):
+                rows.extend(row + min(j, n - 1) for j in range(queries))
+                kept.extend(i * queries + j for j in range(n))
+                row += n
+            q_index, out_index = upload(rows, torch.int64, device), upload(kept, torch.int64, device)
+        return cls(first, len(lengths), upload(blocks, torch.int64, device), upload(keys, torch.int64, device),
+                   block_size, per_row * block_size, queries, q_index, out_index)
 
-    def mask(self, window: int | None, dtype: torch.dtype, num_kv_heads: int) -> torch.Tensor:
-        """(KVH x requests, 1, width), K/V head major: 0 where a row keeps the slot, -inf elsewhere."""
-        key = (window, dtype, num_kv_heads)
+    def mask(self, window: int | None, dtype: torch.dtype, num_kv_heads: int, group: int = 1) -> torch.Tensor:
+        """K/V head major, 0 where a query keeps the slot, -inf elsewhere: (KVH x requests, 1, width) for
+        increments (one query row, broadcast over the heads' group), (KVH x requests, queries x group,
+        width) for short requests."""
+        key = (window, dtype, num_kv_heads, group if self.queries > 1 else 1)
         if key not in self._masks:
-            column = torch.arange(self.width, device=self.keys.device)[None]  # (1, width)
-            keep = column < self.keys
+            column = torch.arange(self.width, device=self.keys.device)  # (width,)
+            keys = self.keys[:, :, None]  # (rows, queries, 1)
+            keep = column < keys
             if window is not None:
-                keep &= column >= self.keys - window
+                keep &= column >= keys - window
             zeros = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-            self._masks[key] = zeros.masked_fill(~keep, float("-inf")).repeat(num_kv_heads, 1)[:, None]
+            mask = zeros.masked_fill(~keep, float("-inf"))  # (rows, queries, width)
+            if self.queries > 1:
+                mask = mask[:, :, None].expand(-1, -1, group, -1).reshape(self.rows, self.queries * group, -1)
+            self._masks[key] = mask.repeat(num_kv_heads, 1, 1)
         return self._masks[key]
-

@@ -183,7 +183,7 @@ class ReferenceMetadata(AttentionMetadata):
                         keys, values = keys[:, :, -window:], values[:, :, -window:]
                     outputs.append(F.scaled_dot_product_attention(q_inc[i], keys, values, scale=scale))
                 outputs = [torch.cat(outputs).view(n_inc, num_heads * head_dim)]  # (n_inc, H*D)
-        start = n_inc
+        start = sum(self.lengths[:n_inc])  # (the batched backend's leading requests may have several rows)
         for i in range(n_inc, len(self.lengths)):
             n, past = self.lengths[i], self.context_lens[i]
             qi = q[start : start + n].transpose(0, 1)[None]  # (1, H, n, D)
