@@ -280,11 +280,12 @@ def test_the_other_families_give_transformers_greedy_tokens_on_cuda(family: str)
     assert tokens == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
 
 
-@pytest.mark.parametrize("backend", ["batched", "reference"])
+@pytest.mark.parametrize("backend", ["batched", "reference", "flex"])
 def test_the_prefix_cache_reads_cached_kv_on_cuda_and_keeps_the_tokens(backend: str) -> None:
     """Requests that share a 24-token prefix with a finished one read its blocks from the cache (on the
-    device) and still give transformers' greedy tokens."""
-    path = tiny_checkpoint("llama")
+    device) and still give transformers' greedy tokens; with flex (compiled, its decode iterations from CUDA
+    graphs) several requests read the same cached blocks in one iteration through their block tables."""
+    path = _flex_checkpoint("llama") if backend == "flex" else tiny_checkpoint("llama")
     engine = _engine(path, attention_backend=backend, block_size=4, n_slots=256, max_bs=8)
     rng = random.Random(6)
     prefix = [rng.randrange(0, 190) for _ in range(24)]
@@ -300,6 +301,8 @@ def test_the_prefix_cache_reads_cached_kv_on_cuda_and_keeps_the_tokens(backend: 
     assert cached >= 5 * 24
     ref = _reference(path)
     assert tokens == [_hf_greedy(ref, prompt, 8) for prompt in prompts]
+    if backend == "flex" and CUDA:
+        assert engine.executor.worker.decode_graphs.replays > 0
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
