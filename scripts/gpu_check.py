@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -356,31 +357,49 @@ def stage_offline(check: Check, checkpoint: Path, cuda: bool, system: str, limit
 
 
 FEATURE_BACKENDS = ("auto", "flex")  # the default attention backend (batched on CUDA), and flex with CUDA graphs
-# The feature benches' pool on CUDA: room for their requests; flex's layout spans the whole pool every iteration
+# The feature benches' pool on CUDA: room for their requests (the default pool, sized from the GPU's memory,
+# would take most of it for each engine)
 FEATURE_N_SLOTS = "65536"
+# The quantized stage's weights: none first, the unquantized weights on the same machine, in the same stage
+# (fp8 needs a GPU of compute capability 8.9 or later)
+QUANTIZED_KINDS_CUDA = ("none", "int8", "int4", "fp8")
+QUANTIZED_KINDS_CPU = ("none", "int8", "int4")
 
 
-def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float, tmp: Path) -> dict[str, Any]:
+def _bench_runs(check: Check, stage: str, keys: tuple[str, ...], argv: Callable[[str], list[str]],
+                summarize: Callable[[dict[str, Any]], dict[str, Any]], limit: float) -> dict[str, dict[str, Any]]:
+    """One bench process per key (`python -m` and argv(key)), each writing <stage>-<key>.json under the output
+    folder, sharing `limit` seconds (what one leaves goes to those after it); each run's record with what
+    `summarize` draws from its JSON."""
+    runs: dict[str, dict[str, Any]] = {}
+    stop = time.monotonic() + limit
+    for i, key in enumerate(keys):
+        target = check.out / f"{stage}-{key}.json"
+        run = check.run(f"{stage} {key}", [check.python, "-m", *argv(key), "--json", str(target)],
+                        (stop - time.monotonic()) / (len(keys) - i))
+        if target.is_file():
+            run.update(summarize(json.loads(target.read_text())))
+        runs[key] = run
+    return runs
+
+
+def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
     """Decode tokens/s with the weights quantized at load, flex with CUDA graphs (batched on the CPU)."""
     system = "orca-flex-graphs" if cuda else "orca-batched"
     batches, new_tokens, repeats = ("1,16,64", "32", "2") if cuda else ("1,4", "4", "1")
-    record: dict[str, Any] = {"system": system, "kinds": {}}
-    stop = time.monotonic() + limit
-    # none first: the unquantized weights on the same machine, in the same stage (fp8 needs compute capability 8.9+)
-    kinds = ("none", "int8", "int4", "fp8") if cuda else ("none", "int8", "int4")
-    for i, kind in enumerate(kinds):
-        target = check.out / f"quantized-{kind}.json"
-        run = check.run(f"quantized {kind}", [
-            check.python, "-m", "orca_client.bench.decode", "--model", str(checkpoint), "--systems", system,
-            "--quantization", kind, "--batch-sizes", batches, "--new-tokens", new_tokens, "--repeats", repeats,
-            "--json", str(target)], (stop - time.monotonic()) / (len(kinds) - i))
-        if target.is_file():
-            result = json.loads(target.read_text())
-            run["table"] = [{"batch": r["batch"], "tokens_per_second": round(r[system]["decode_tokens_per_second"]),
-                             "roofline": round(r["roofline_tokens_per_second"]),
-                             "%roofline": round(100 * r[system]["fraction_of_roofline"], 1)}
-                            for r in result["runs"] if r.get(system)]
-        record["kinds"][kind] = run
+
+    def argv(kind: str) -> list[str]:
+        return ["orca_client.bench.decode", "--model", str(checkpoint), "--systems", system, "--quantization", kind,
+                "--batch-sizes", batches, "--new-tokens", new_tokens, "--repeats", repeats]
+
+    def table(result: dict[str, Any]) -> dict[str, Any]:
+        return {"table": [{"batch": r["batch"], "tokens_per_second": round(r[system]["decode_tokens_per_second"]),
+                           "roofline": round(r["roofline_tokens_per_second"]),
+                           "%roofline": round(100 * r[system]["fraction_of_roofline"], 1)}
+                          for r in result["runs"] if r.get(system)]}
+
+    kinds = QUANTIZED_KINDS_CUDA if cuda else QUANTIZED_KINDS_CPU
+    record: dict[str, Any] = {"system": system, "kinds": _bench_runs(check, "quantized", kinds, argv, table, limit)}
     return _combined(record, record["kinds"])
 
 
@@ -388,18 +407,14 @@ def stage_speculative(check: Check, checkpoint: Path, cuda: bool, limit: float) 
     size = (["--max-tokens", "64", "--streams", "8", "--single-prompts", "1", "--repeats", "2", "--n-slots",
              FEATURE_N_SLOTS] if cuda else
             ["--max-tokens", "8", "--streams", "2", "--single-prompts", "1", "--repeats", "1"])
-    record: dict[str, Any] = {"backends": {}}
-    stop = time.monotonic() + limit
-    backends = FEATURE_BACKENDS if cuda else ("auto",)
-    for i, backend in enumerate(backends):
-        target = check.out / f"speculative-{backend}.json"
-        run = check.run(f"speculative {backend}", [
-            check.python, "-m", "orca_client.bench.speculative", "--model", str(checkpoint), "--workload", "random",
-            "--methods", "off,ngram,draft", "--draft-layers", "2" if cuda else "1", "--attention-backend", backend,
-            *size, "--json", str(target)], (stop - time.monotonic()) / (len(backends) - i))
-        if target.is_file():
-            run["summary"] = _speculative_summary(json.loads(target.read_text()))
-        record["backends"][backend] = run
+
+    def argv(backend: str) -> list[str]:
+        return ["orca_client.bench.speculative", "--model", str(checkpoint), "--workload", "random", "--methods",
+                "off,ngram,draft", "--draft-layers", "2" if cuda else "1", "--attention-backend", backend, *size]
+
+    record: dict[str, Any] = {"backends": _bench_runs(
+        check, "speculative", FEATURE_BACKENDS if cuda else ("auto",), argv,
+        lambda result: {"summary": _speculative_summary(result)}, limit)}
     return _combined(record, record["backends"])
 
 
@@ -426,30 +441,28 @@ def stage_lora(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict
              FEATURE_N_SLOTS] if cuda else
             ["--adapters", "1,2", "--requests", "4", "--max-tokens", "4", "--load-rounds", "1",
              "--prompt-tokens", "8:16"])
-    record: dict[str, Any] = {"backends": {}}
-    stop = time.monotonic() + limit
-    backends = FEATURE_BACKENDS if cuda else ("auto",)
-    for i, backend in enumerate(backends):
-        target = check.out / f"lora-{backend}.json"
-        run = check.run(f"lora {backend}", [
-            check.python, "-m", "orca_client.bench.lora", "--model", str(checkpoint), "--rank", "8",
-            "--attention-backend", backend, *size, "--json", str(target)],
-            (stop - time.monotonic()) / (len(backends) - i))
-        if target.is_file():
-            result = json.loads(target.read_text())
-            run["summary"] = {
-                "tokens_per_second": {name: r["tokens_per_second"] for name, r in result["lora"]["runs"].items()},
-                "ratio_to_base": {name: r["ratio_to_base"] for name, r in result["lora"]["runs"].items()},
-                "lora_off_ratio_to_base": result["lora_off"]["ratio_to_base"],
-                "load": result.get("load"), "base_same_tokens_as_lora_off": result["base_same_tokens_as_lora_off"]}
-        record["backends"][backend] = run
+
+    def argv(backend: str) -> list[str]:
+        return ["orca_client.bench.lora", "--model", str(checkpoint), "--rank", "8", "--attention-backend", backend,
+                *size]
+
+    def summary(result: dict[str, Any]) -> dict[str, Any]:
+        runs = result["lora"]["runs"]
+        return {"summary": {
+            "tokens_per_second": {name: r["tokens_per_second"] for name, r in runs.items()},
+            "ratio_to_base": {name: r["ratio_to_base"] for name, r in runs.items()},
+            "lora_off_ratio_to_base": result["lora_off"]["ratio_to_base"],
+            "load": result.get("load"), "base_same_tokens_as_lora_off": result["base_same_tokens_as_lora_off"]}}
+
+    record: dict[str, Any] = {"backends": _bench_runs(check, "lora", FEATURE_BACKENDS if cuda else ("auto",), argv,
+                                                      summary, limit)}
     return _combined(record, record["backends"])
 
 
 def _processes(stage: str, cuda: bool, args: argparse.Namespace) -> int:
     """How many engine processes a bench stage runs (its share of the time left goes by these)."""
     if stage == "quantized":
-        return 4 if cuda else 3
+        return len(QUANTIZED_KINDS_CUDA if cuda else QUANTIZED_KINDS_CPU)
     if stage in ("speculative", "lora", "prefix"):
         return len(FEATURE_BACKENDS) if cuda else 1
     if stage == "decode":
@@ -463,22 +476,19 @@ def stage_prefix(check: Check, checkpoint: Path, cuda: bool, limit: float) -> di
     size = (["--n-slots", FEATURE_N_SLOTS] if cuda else
             ["--conversations", "2", "--turns", "2", "--requests", "4", "--concurrency", "2", "--output-tokens", "4",
              "--prefix-tokens", "16", "--user-tokens", "8"])
-    record: dict[str, Any] = {"backends": {}}
-    stop = time.monotonic() + limit
-    backends = FEATURE_BACKENDS if cuda else ("auto",)
-    for i, backend in enumerate(backends):
-        target = check.out / f"prefix-{backend}.json"
-        run = check.run(f"prefix {backend}", [
-            check.python, "-m", "orca_client.bench.prefix", "--mode", "offline", "--model", str(checkpoint),
-            "--attention-backend", backend, *size, "--json", str(target)],
-            (stop - time.monotonic()) / (len(backends) - i))
-        if target.is_file():
-            result = json.loads(target.read_text())
-            run["summary"] = {name: {"ratios": w["offline"]["orca"]["ratios"],
-                                     "same_outputs": w["offline"]["orca"]["same_outputs"],
-                                     "prefix_cache_on": w["offline"]["orca"]["on"].get("prefix_cache")}
-                              for name, w in result["workloads"].items()}
-        record["backends"][backend] = run
+
+    def argv(backend: str) -> list[str]:
+        return ["orca_client.bench.prefix", "--mode", "offline", "--model", str(checkpoint), "--attention-backend",
+                backend, *size]
+
+    def summary(result: dict[str, Any]) -> dict[str, Any]:
+        return {"summary": {name: {"ratios": w["offline"]["orca"]["ratios"],
+                                   "same_outputs": w["offline"]["orca"]["same_outputs"],
+                                   "prefix_cache_on": w["offline"]["orca"]["on"].get("prefix_cache")}
+                            for name, w in result["workloads"].items()}}
+
+    record: dict[str, Any] = {"backends": _bench_runs(check, "prefix", FEATURE_BACKENDS if cuda else ("auto",),
+                                                      argv, summary, limit)}
     return _combined(record, record["backends"])
 
 
@@ -584,7 +594,7 @@ def main() -> int:
                 rest = [n for n in stages[stages.index(name):] if n not in ("env", "tests")]
                 share = check.left() * _processes(name, cuda, args) / sum(_processes(n, cuda, args) for n in rest) - 5
                 if name == "quantized":
-                    record = stage_quantized(check, checkpoint, cuda, share, tmp)
+                    record = stage_quantized(check, checkpoint, cuda, share)
                 elif name == "speculative":
                     record = stage_speculative(check, checkpoint, cuda, share)
                 elif name == "lora":
