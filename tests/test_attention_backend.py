@@ -70,6 +70,25 @@ def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
     assert out["reference"].abs().max() > 0.1
 
 
+def _nan_pool_outside(shape: list[tuple[int, int]], rng: random.Random, block_size: int, num_blocks: int,
+                      kv_heads: int, dim: int, dtype: torch.dtype) -> tuple[list[int], list[int], list[list[int]],
+                                                                             torch.Tensor]:
+    """Requests of (new tokens, cached tokens) `shape`: their lengths, context lengths, block tables shuffled
+    over the pool, and a (layers 2) pool that is NaN outside their blocks, zeroed where they are (as the
+    worker zeroes each block it hands out: KVLayout.zero_blocks) and random in their cached slots."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in shape]
+    lengths, context = [n for n, _ in shape], [p for _, p in shape]
+    pool = torch.full((2, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
+    for past, table in zip(context, tables):
+        for b in table:
+            pool[:, :, :, b * block_size : (b + 1) * block_size] = 0
+        for p in range(past):  # the cached keys and values of each request, nothing else
+            pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(2, 2, kv_heads, dim)
+    return lengths, context, tables, pool
+
+
 @pytest.mark.parametrize("increments", [1, BATCHED_MIN_INCREMENTS - 1, BATCHED_MIN_INCREMENTS, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_increments_read_only_their_own_slots(increments: int, dtype: torch.dtype) -> None:
@@ -82,17 +101,8 @@ def test_batched_increments_read_only_their_own_slots(increments: int, dtype: to
     block_size, num_blocks, heads, kv_heads, dim = 4, 64, 6, 2, 8
     shape = [(1, rng.choice([0, 1, 2, 39])) for _ in range(increments)]
     shape = [(n, max(past, 1)) for n, past in shape] + [(7, 0)]
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in shape]
-    lengths, context = [n for n, _ in shape], [p for _, p in shape]
     torch.manual_seed(increments)
-    pool = torch.full((2, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
-    for past, table in zip(context, tables):
-        for b in table:  # zeroed when handed to the request, as the worker does (KVLayout.zero_blocks)
-            pool[:, :, :, b * block_size : (b + 1) * block_size] = 0
-        for p in range(past):  # the cached keys and values of each request, nothing else
-            pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(2, 2, kv_heads, dim)
+    lengths, context, tables, pool = _nan_pool_outside(shape, rng, block_size, num_blocks, kv_heads, dim, dtype)
     q = torch.randn(sum(lengths), heads, dim, dtype=dtype)
     kv = torch.randn(sum(lengths), 2, kv_heads, dim, dtype=dtype)
     out = {}
@@ -117,17 +127,8 @@ def test_batched_short_requests_are_the_reference_s(dtype: torch.dtype, window: 
     block_size, num_blocks, heads, kv_heads, dim = 4, 96, 6, 2, 8
     shape = ([(1, rng.randint(1, 30)) for _ in range(3)] + [(n, rng.randint(1, 30)) for n in (2, 5, 5, 3, 8)]
              + [(BATCHED_MAX_QUERIES + 3, 6), (7, 0)])
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in shape]
-    lengths, context = [n for n, _ in shape], [p for _, p in shape]
     torch.manual_seed(7)
-    pool = torch.full((2, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
-    for past, table in zip(context, tables):
-        for b in table:
-            pool[:, :, :, b * block_size : (b + 1) * block_size] = 0
-        for p in range(past):
-            pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(2, 2, kv_heads, dim)
+    lengths, context, tables, pool = _nan_pool_outside(shape, rng, block_size, num_blocks, kv_heads, dim, dtype)
     q = torch.randn(sum(lengths), heads, dim, dtype=dtype)
     kv = torch.randn(sum(lengths), 2, kv_heads, dim, dtype=dtype)
     out = {}

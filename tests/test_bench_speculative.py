@@ -134,15 +134,20 @@ def test_ngram_against_off(tmp_path: Path, options: tuple[str, ...], workloads: 
         assert ratios["streams"] > 0 and ratios["single"] > 0
         for run in ("streams", "single"):
             assert workload["methods"]["off"][run]["speculation"]["proposed_tokens"] == 0
-            spec = workload["methods"]["ngram"][run]["speculation"]
-            assert 0 <= spec["accepted_tokens"] <= spec["proposed_tokens"]
-            assert spec["verifications"] <= spec["proposed_tokens"]
-            if spec["proposed_tokens"]:
-                assert 0 <= spec["acceptance_rate"] <= 1 and spec["verifications"] >= 1
-                assert 1 <= spec["mean_tokens_per_verification"] <= 1 + result["options"]["num_speculative_tokens"]
+            _check_counters(workload["methods"]["ngram"][run]["speculation"], result)
     repetitive = result["workloads"]["repetitive"]["methods"]["ngram"]
     assert repetitive["streams"]["speculation"]["proposed_tokens"] > 0
     assert sum(repetitive[run]["speculation"]["accepted_tokens"] for run in ("streams", "single")) > 0
+
+
+def _check_counters(spec: dict, result: dict) -> None:
+    """A speculating run's counters agree with each other: no more accepted or verifying iterations than
+    proposed tokens, and where any were proposed, a rate in [0, 1] and 1 to k + 1 tokens per verification."""
+    assert 0 <= spec["accepted_tokens"] <= spec["proposed_tokens"]
+    assert spec["verifications"] <= spec["proposed_tokens"]
+    if spec["proposed_tokens"]:
+        assert 0 <= spec["acceptance_rate"] <= 1 and spec["verifications"] >= 1
+        assert 1 <= spec["mean_tokens_per_verification"] <= 1 + result["options"]["num_speculative_tokens"]
 
 
 @pytest.mark.parametrize("layers", [1, 3])
@@ -177,8 +182,7 @@ def test_draft_of_the_models_first_layers_against_off(tmp_path: Path, capsys: py
             assert workload["methods"]["off"][run]["speculation"]["proposed_tokens"] == 0
             spec = workload["methods"]["draft"][run]["speculation"]
             assert spec["proposed_tokens"] > 0 and spec["verifications"] >= 1, (name, run)
-            assert 0 <= spec["accepted_tokens"] <= spec["proposed_tokens"]
-            assert 1 <= spec["mean_tokens_per_verification"] <= 1 + result["options"]["num_speculative_tokens"]
+            _check_counters(spec, result)
             if layers == 3:
                 assert spec["acceptance_rate"] == 1.0, (name, run)
     out = capsys.readouterr().out

@@ -310,7 +310,7 @@ def test_a_quantized_kv_pool_on_cuda_stays_close_to_the_float_one(name: str, mon
     """tests/test_kv_cache_dtype.py's check on the device: each request's log-probabilities, while its
     tokens so far are the float pool's, within the format's tolerance; prefix cache hits read quantized
     blocks back."""
-    from test_kv_cache_dtype import GENERATION, LOGPROB_TOLERANCE, _generate
+    from test_kv_cache_dtype import GENERATION, _generate, assert_close_until_the_paths_part
 
     path = tiny_checkpoint("llama")
     want_tokens, want_rows, _ = _generate(_engine(path, **GENERATION), monkeypatch)
@@ -318,14 +318,7 @@ def test_a_quantized_kv_pool_on_cuda_stays_close_to_the_float_one(name: str, mon
     assert engine.executor.worker.kv_scales is not None and engine.executor.worker.kv_scales.device.type == DEVICE
     tokens, rows, cached = _generate(engine, monkeypatch)
     assert cached >= 2 * 4
-    before_parting = 0
-    for rid, want in want_tokens.items():
-        same = next((k for k, (a, b) in enumerate(zip(want, tokens[rid])) if a != b), len(want))
-        before_parting += same
-        for step in range(min(same + 1, len(want))):
-            error = (rows[rid][step] - want_rows[rid][step]).abs().max()
-            assert error < LOGPROB_TOLERANCE[name], (rid, step, error)
-    assert before_parting >= sum(map(len, want_tokens.values())) / 2
+    assert_close_until_the_paths_part(name, want_tokens, want_rows, tokens, rows)
 
 
 SPEC_POOL = dict(n_slots=256, block_size=4, max_num_batched_tokens=32, max_bs=8)

@@ -253,6 +253,14 @@ def test_generation_over_a_quantized_pool_stays_close_to_the_float_one(
     assert engine.executor.worker.attention_backend == "batched"  # auto on a CPU
     tokens, rows, cached = _generate(engine, monkeypatch)
     assert cached >= 2 * 4  # whole blocks of quantized keys and values read back from the prefix cache
+    assert_close_until_the_paths_part(name, want_tokens, want_rows, tokens, rows)
+
+
+def assert_close_until_the_paths_part(name: str, want_tokens: dict[str, list[int]], want_rows: dict[str, list],
+                                      tokens: dict[str, list[int]], rows: dict[str, list]) -> None:
+    """Each request's log-probabilities over a `name` pool, step by step while its tokens so far are the float
+    pool's, the step where they part included, within the format's tolerance of the float pool's; at least
+    half of all tokens come before the paths part."""
     before_parting = 0
     for rid, want in want_tokens.items():
         same = next((k for k, (a, b) in enumerate(zip(want, tokens[rid])) if a != b), len(want))
