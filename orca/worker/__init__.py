@@ -213,7 +213,7 @@ class Worker:
         # bound every iteration by what was profiled.
         unbounded = min(cfg.max_bs * max_len, max(max_len, PROFILE_TOKENS_WITHOUT_BUDGET))
         num_tokens = min(cfg.max_num_batched_tokens or unbounded, cfg.max_bs * max_len)
-        release_cached_memory()
+        torch.cuda.empty_cache()  # (what an earlier engine left was collected before the weights loaded)
         torch.cuda.reset_peak_memory_stats(self.device)
         # A profiling iteration: `num_tokens` prompt tokens in sequences of max_len, on a scratch pool.
         blocks = -(-num_tokens // cfg.block_size) + cfg.max_bs
@@ -235,7 +235,7 @@ class Worker:
         peak = (torch.cuda.max_memory_allocated(self.device) - blocks * self.bytes_per_block
                 - self._draft_scratch_bytes)
         self.kv_pool = self.kv_scales = self.draft_pool = self.draft_scales = None
-        release_cached_memory()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # Memory in use beyond this process's live tensors (whose peak is `peak`) counts against the budget
         # too: other processes, the CUDA context, and cached segments the allocator could not release (a

@@ -18,9 +18,9 @@ float32, than one masked call per request (docs/BENCHMARKS.md, "Where lookup mis
 Limits: it batches an iteration's increments (and short requests) from BATCHED_MIN_INCREMENTS on; fewer
 run the reference's per-request calls (the builder returns the reference's metadata), because the gather
 copies what it reads, while the reference reads a request's consecutive blocks as a view of the pool with
-no copy. It
-reads whole blocks: the slots past a row's length are masked and weigh 0, so they must hold finite
-numbers, and the worker zeroes each block it hands to a request (reads_whole_blocks, KVLayout.zero_blocks).
+no copy. It reads whole blocks: the slots past a row's length are masked and weigh 0, so they must hold
+finite numbers, and the worker zeroes each block it hands to a request (reads_whole_blocks,
+KVLayout.zero_blocks).
 A group's rows are padded to its longest row, so rows start a new group past BATCHED_GROUP_SLOTS slots of
 padding. A quantized pool (kv_cache_dtype) is dequantized as it is gathered: each group's blocks and their
 scales, then one multiply into the model's dtype (the zeroed blocks' values and scales both 0).

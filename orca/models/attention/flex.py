@@ -181,7 +181,7 @@ class FlexLayout:
         device: torch.device,
         padding: int = 0,
     ) -> FlexLayout:
-        kv_block = -(-FLEX_KV_BLOCK // block_size) * block_size  # whole K/V blocks per slot tile
+        kv_block = _kv_block(block_size)
         num_tokens = sum(lengths) + padding
         num_q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
         num_requests = len(lengths)
@@ -238,7 +238,7 @@ class FlexLayout:
         """All-padding buffers for iterations of up to `rows` one-token requests of up to `max_blocks` blocks
         each (CUDA graphs' decode iterations): tables (rows, max_blocks), and as many slot tiles per query
         tile as its FLEX_Q_BLOCK requests can read."""
-        kv_block = -(-FLEX_KV_BLOCK // block_size) * block_size
+        kv_block = _kv_block(block_size)
         num_q_tiles, num_kv_tiles = -(-rows // FLEX_Q_BLOCK), -(-num_slots // kv_block)
         width = max(min(num_kv_tiles, FLEX_Q_BLOCK * (-(-max_blocks * block_size // kv_block) + 1)), 2)
         # (1, 1, ...) views of 1-D and 2-D tensors, as build's are: compiled flex guards on a view's base
@@ -313,6 +313,11 @@ class FlexLayout:
                 compute_q_blocks=False,
             )
         return self._masks[window]
+
+
+def _kv_block(block_size: int) -> int:
+    """A slot tile: whole K/V blocks, at least FLEX_KV_BLOCK slots."""
+    return -(-FLEX_KV_BLOCK // block_size) * block_size
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
