@@ -331,10 +331,9 @@ def best_orca_system(decode: dict[str, Any], batch: int = 64) -> str | None:
 
 def stage_offline(check: Check, checkpoint: Path, cuda: bool, system: str, limit: float) -> dict[str, Any]:
     target = check.out / "offline.json"
-    # The pool bounded to what the workload can hold (256 x (512 + 256) slots): flex's block-sparse layout
-    # is built over the whole pool every iteration, and the GPU-sized default pool is millions of slots.
+    # The default pool, sized from the GPU's memory (flex's layout grows with the iteration, not the pool).
     workload = (["--num-requests", "256", "--max-bs", "256", "--prompt-len", "64:512", "--max-new-tokens", "32:256",
-                 "--token-ids", "3:32000", "--peak-seconds", "2", "--n-slots", "196608"] if cuda else
+                 "--token-ids", "3:32000", "--peak-seconds", "2"] if cuda else
                 ["--num-requests", "6", "--max-bs", "4", "--prompt-len", "8:32", "--max-new-tokens", "2:8",
                  "--token-ids", "3:250", "--peak-seconds", "0.5"])
     record = check.run(f"offline {system}", [

@@ -21,39 +21,43 @@ from typing import Any
 import pytest
 import torch
 from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_reference
-from checkpoints import make_mistral
+from checkpoints import make_llama, make_mistral, make_mixtral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, resolve_attention_backend, selective_attention
 from orca.models.attention.batched import BATCHED_MAX_QUERIES, BATCHED_MIN_INCREMENTS
 from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
-from orca.worker import Worker, flex_warm_up_plans
+from orca.worker import Worker, flex_warm_up_plans, why_not_flex_by_default
 
 BLOCK_SIZES = (1, 4, 16)
 # (new tokens, cached tokens) per request, increments first as the worker orders them: two increments at
 # different positions, a whole prompt, a prompt chunk after a cached prefix, a one-token prompt, another
 # chunk; 40 rows, so three query tiles of FLEX_Q_BLOCK, one shared by several requests.
 MIXED = [(1, 9), (1, 3), (1, 30), (12, 0), (5, 6), (1, 0), (9, 17), (10, 0)]
+# A decode iteration: increments only (flex lays it out per request: FlexLayout.per_request).
+DECODE = [(1, 9), (1, 3), (1, 30), (1, 0), (1, 17), (1, 44), (1, 15)]
 
 
-def _tables(rng: random.Random, block_size: int, num_blocks: int) -> list[list[int]]:
+def _tables(rng: random.Random, block_size: int, num_blocks: int, shape: list[tuple[int, int]] = MIXED
+            ) -> list[list[int]]:
     """Each request's blocks drawn at random from the pool: tables neither consecutive nor ordered."""
     free = list(range(num_blocks))
     rng.shuffle(free)
-    return [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in MIXED]
+    return [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in shape]
 
 
 @pytest.mark.parametrize("backend", ["flex", "batched"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("shape", [MIXED, DECODE], ids=["mixed", "decode"])
 def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
-    backend: str, block_size: int, heads: int, kv_heads: int, window: int | None
+    backend: str, block_size: int, heads: int, kv_heads: int, window: int | None, shape: list[tuple[int, int]]
 ) -> None:
     rng = random.Random(block_size)
     num_blocks, dim = 160 // block_size + 8, 8
-    tables = _tables(rng, block_size, num_blocks)
-    lengths, context = [n for n, _ in MIXED], [p for _, p in MIXED]
+    tables = _tables(rng, block_size, num_blocks, shape)
+    lengths, context = [n for n, _ in shape], [p for _, p in shape]
     torch.manual_seed(0)
     pool = torch.randn(3, 2, kv_heads, num_blocks * block_size, dim)  # cached keys/values everywhere
     q = torch.randn(sum(lengths), heads, dim)
@@ -63,7 +67,8 @@ def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
         pools[b] = pool.clone()
         meta = AttentionMetadata.build(lengths, context, tables, block_size, pools[b], backend=b)
         assert (meta.flex is not None) == (b == "flex")
-        assert bool(meta.increments) == (b == "batched")  # MIXED has 3 increments: batched
+        assert meta.flex is None or meta.flex.per_request == (shape is DECODE)
+        assert bool(meta.increments) == (b == "batched")  # MIXED has 3 increments, DECODE 7: batched
         out[b] = selective_attention(q, kv, meta, 1, 0.3, window)
     torch.testing.assert_close(out[backend], out["reference"], atol=1e-4, rtol=0)
     torch.testing.assert_close(pools[backend], pools["reference"], atol=0, rtol=0)  # the same K/V written
@@ -178,6 +183,35 @@ def test_the_block_sparse_structure_covers_every_kept_pair(block_size: int) -> N
     assert layout.kv_indices.shape[-1] == int(layout.kv_num_blocks.max()) <= kv_tiles
     if block_size == 16:  # (smaller blocks, shuffled over the pool, touch most tiles)
         assert visited.sum() < visited.numel() / 2
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_a_decode_iteration_is_laid_out_per_request(block_size: int) -> None:
+    """A decode iteration (and its padding rows, as CUDA graphs pad it) is a batch of one-row queries: each
+    query tile is one request and visits exactly the slot tiles of that request's blocks; padding rows keep
+    nothing and visit nothing."""
+    rng = random.Random(20 + block_size)
+    num_blocks, padding = 160 // block_size + 8, 3
+    tables = _tables(rng, block_size, num_blocks, DECODE)
+    lengths, context = [n for n, _ in DECODE], [p for _, p in DECODE]
+    layout = FlexLayout.build(lengths, context, tables, block_size, num_blocks * block_size, torch.device("cpu"),
+                              padding=padding)
+    rows, slots = len(DECODE) + padding, num_blocks * block_size
+    assert layout.per_request and layout.num_tokens == rows
+    assert layout.kv_num_blocks.shape == (rows, 1, 1) and layout.kv_indices.shape[:3] == (rows, 1, 1)
+    keep = layout.mask_mod(None)(torch.arange(rows)[:, None], 0, 0, torch.arange(slots)[None, :])  # (T, S)
+    assert keep.sum(-1).tolist() == [past + 1 for _, past in DECODE] + [0] * padding
+    for r, (count, indices) in enumerate(zip(layout.kv_num_blocks.view(-1).tolist(),
+                                             layout.kv_indices.view(rows, -1).tolist())):
+        own = set() if r >= len(DECODE) else {b * block_size // layout.kv_block for b in tables[r]}
+        assert set(indices[:count]) == own and count == len(own)
+    q = torch.randn(rows, 6, 8)
+    assert layout.query(q).shape == (rows, 6, 1, 8)
+    assert torch.equal(layout.output(layout.query(q)), q.reshape(rows, 48))
+    packed = FlexLayout.build([2, *lengths[1:]], [0, *context[1:]], [tables[0][:1], *tables[1:]], block_size,
+                              slots, torch.device("cpu"))
+    assert not packed.per_request  # one prompt of two tokens: packed
+    assert torch.equal(packed.output(packed.query(q[:-2])), q[:-2].reshape(rows - 2, 48))
 
 
 def test_the_flex_layout_grows_with_the_iteration_not_the_pool() -> None:
@@ -355,7 +389,8 @@ def test_what_earlier_requests_left_in_the_pool_harms_no_later_one(backend: str)
 
 def test_auto_is_the_measured_choice_and_bad_names_are_refused() -> None:
     assert resolve_attention_backend("auto", torch.device("cpu")) == "batched"
-    assert resolve_attention_backend("auto", torch.device("cuda")) == "batched"  # measured on an H200
+    assert resolve_attention_backend("auto", torch.device("cuda")) == "flex"  # with its CUDA graphs, on an H200
+    assert resolve_attention_backend("auto", torch.device("cuda"), "cuda_graphs is off") == "batched"
     for device in ("cpu", "cuda"):
         for backend in ("reference", "batched", "flex"):
             assert resolve_attention_backend(backend, torch.device(device)) == backend
@@ -397,6 +432,28 @@ def _counting_compiled_flex() -> tuple[Any, list[Any]]:
     return torch.compile(flex_attention, backend=counting, dynamic=True), graphs
 
 
+def test_auto_is_flex_on_cuda_only_where_its_graphs_serve_the_configuration(tmp_path: Path) -> None:
+    """why_not_flex_by_default, from the config and the checkpoint's config.json (nothing is loaded: a
+    "cuda" device is only a name here)."""
+    cuda = torch.device("cuda")
+    dense, moe = make_llama(tmp_path / "dense", head_dim=16), make_mixtral(tmp_path / "moe", head_dim=16)
+    assert why_not_flex_by_default(EngineConfig(model=str(dense)), cuda, dense, ranks=1) is None
+    reasons = {
+        "cpu": why_not_flex_by_default(EngineConfig(model=str(dense)), torch.device("cpu"), dense, 1),
+        "graphs off": why_not_flex_by_default(EngineConfig(model=str(dense), cuda_graphs="off"), cuda, dense, 1),
+        "ranks": why_not_flex_by_default(EngineConfig(model=str(dense)), cuda, dense, 2),
+        "int8 pool": why_not_flex_by_default(EngineConfig(model=str(dense), kv_cache_dtype="int8"), cuda, dense, 1),
+        "lora": why_not_flex_by_default(EngineConfig(model=str(dense), enable_lora=True), cuda, dense, 1),
+        "head_dim": why_not_flex_by_default(EngineConfig(model=str(tiny_checkpoint("llama"))), cuda,
+                                            tiny_checkpoint("llama"), 1),
+        "moe": why_not_flex_by_default(EngineConfig(model=str(moe)), cuda, moe, 1),
+    }
+    for name, words in {"cpu": "the device is cpu", "graphs off": "cuda_graphs is off", "ranks": "parallelism",
+                        "int8 pool": "kv_cache_dtype int8", "lora": "enable_lora", "head_dim": "head_dim 8 < 16",
+                        "moe": "mixture-of-experts"}.items():
+        assert reasons[name] is not None and words in reasons[name], (name, reasons[name])
+
+
 def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> None:
     """torch.compile(flex_attention, dynamic=True), as CUDA runs it, with a counting backend (dynamo's
     guards are what decide recompiles; the backend only runs the graph): a new layout and mask function every
@@ -424,7 +481,7 @@ def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> 
             tables.append(list(range(next_block, next_block + used)))
             next_block += used
         layout = FlexLayout.build(lengths, context, tables, block_size, slots, torch.device("cpu"))
-        q = torch.randn(1, 6, sum(lengths), 8)
+        q = layout.query(torch.randn(sum(lengths), 6, 8))
         for window in (None, 4):
             compiled(q, pool[0][None], pool[1][None], block_mask=layout.block_mask(window), enable_gqa=True)
         if iteration == len(warm_up) - 1:
@@ -462,7 +519,7 @@ def test_captured_sizes_compile_nothing_after_the_warm_up() -> None:
     pool = torch.zeros(2, 2, slots, 8)
 
     def call(layout: FlexLayout, rows: int) -> None:
-        q = torch.randn(1, 4, rows, 8)
+        q = layout.query(torch.randn(rows, 4, 8))
         compiled(q, pool[0][None], pool[1][None], block_mask=layout.block_mask(None), enable_gqa=True)
 
     for plan in flex_warm_up_plans(block_size, 64):

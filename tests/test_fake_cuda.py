@@ -233,10 +233,30 @@ class _TorchWithoutPinnedMemory:
         self.pinned += pin_memory
         return torch.tensor(data, **kwargs)
 
+    def zeros(self, *size: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        """upload_arrays' staging buffer: a real CPU tensor (its values are written through numpy), then
+        copied to the fake device."""
+        self.pinned += pin_memory
+        with unset_fake_temporarily():
+            host = torch.zeros(*size, **kwargs)
+        return _FakeStaged(host)
 
-def _upload_array_unpinned(array: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """orca/models/device.py's upload_array, unpinned: a tensor of the array's values on `device`."""
-    return torch.tensor(array.tolist(), dtype=dtype, device=device)
+
+class _FakeStaged:
+    """A host staging tensor whose `to(cuda)` makes a fake CUDA tensor of its values (FakeTensorMode cannot
+    copy a real host tensor that numpy wrote into)."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+
+    def numpy(self) -> Any:
+        with unset_fake_temporarily():
+            return self.host.numpy()
+
+    def to(self, device: Any, non_blocking: bool = False) -> torch.Tensor:
+        with unset_fake_temporarily():
+            values = self.host.tolist()
+        return torch.tensor(values, dtype=self.host.dtype, device=device)
 
 
 @dataclasses.dataclass
@@ -255,8 +275,8 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     - one-element tensors are not kept as constants: FakeTensorMode would otherwise run `to("cuda")` on their
       real value under inference_mode (torch 2.13 skips that only for _to_copy) and fail for want of CUDA;
     - flex_attention runs uncompiled (compiled, it needs Inductor's Triton kernels and a GPU), and its
-      layout's host arrays go to the device unpinned (upload_array pins a tensor made from numpy, which
-      FakeTensorMode cannot);
+      layout's host arrays go to the device unpinned (upload_arrays' staging buffer, which numpy writes
+      into: FakeTensorMode cannot copy that to a fake device, so it is made from its values);
     - CUDA graphs are not captured: DecodeGraphs keeps its static buffers and runs them eagerly;
     - the load-time warm-up iterations are not run (they end in a host read; the test's iterations run the
       same path)."""
@@ -265,7 +285,6 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     monkeypatch.setattr(orca.models.device, "torch", staging)
     monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
     monkeypatch.setattr(orca.models.attention.flex, "_flex_function", lambda device_type: flex_attention)
-    monkeypatch.setattr(orca.models.attention.flex, "upload_array", _upload_array_unpinned)
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     monkeypatch.setattr(orca.worker, "load_model", _fake_device_loader(mode))
     monkeypatch.setattr(orca.worker, "DecodeGraphs",

@@ -22,10 +22,22 @@ def upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def upload_array(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host array (any shape) as a tensor of `dtype` on `device`: on CUDA copied into pinned memory, then
-    copied over without blocking, as upload does (torch.tensor cannot pin what it builds from numpy)."""
-    host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+def upload_arrays(arrays: Sequence[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Host arrays (any shapes) as tensors of `dtype` on `device`, in one copy: laid out end to end in one
+    host buffer (pinned on CUDA, then copied over without blocking, as upload does), each returned as a
+    view of its part of the one device buffer. One pinned buffer and one copy per iteration, not one per
+    array (pinning is the costly part of a small copy: 0.1-0.5 ms each, measured on an H200's host)."""
+    # Each part starts at a multiple of ALIGN elements: kernels compiled for aligned inputs stay aligned.
+    sizes = [int(np.prod(a.shape)) for a in arrays]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // ALIGN) * ALIGN)
+    host = torch.zeros(starts[-1], dtype=dtype, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for a, start, n in zip(arrays, starts, sizes):
+        flat[start:start + n] = np.asarray(a).reshape(-1)
+    buffer = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return [buffer[start:start + n].view(a.shape) for a, start, n in zip(arrays, starts, sizes)]
+
+
+ALIGN = 16  # elements (64 bytes of int32)
