@@ -217,6 +217,23 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(family: str) -> None:
     assert tokens["auto"] == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_is_flex_with_cuda_graphs_on_cuda(family: str) -> None:
+    """attention_backend auto on CUDA, for a dense model of head_dim 16 or more on one worker: flex, decode
+    iterations in CUDA graphs (per-request decode layout), fp32 greedy equal to transformers'. On the CPU
+    dry run auto is batched."""
+    path = _flex_checkpoint(family)
+    engine = LLMEngine(EngineConfig(model=str(path), device=DEVICE, dtype="float32", **POOL))
+    worker = engine.executor.worker
+    assert worker.attention_backend == ("flex" if CUDA else "batched")
+    jobs = _workload(5, n=16)
+    tokens = _run(engine, jobs, temperature=0)
+    if CUDA:
+        assert worker.decode_graphs is not None and worker.decode_graphs.captured and worker.decode_graphs.replays > 0
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
+    assert tokens == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
+
+
 # -- quantized weights on CUDA (orca/models/quantization.py) ----------------------------------------------------
 @cuda_only
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])

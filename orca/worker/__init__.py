@@ -27,10 +27,11 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from orca.checkpoint import ModelConfig, resolve_checkpoint
+from orca.checkpoint import ModelConfig, read_model_config, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.core.speculative import check_draft_model
@@ -92,7 +93,11 @@ class Worker:
         ranks = 1 if par is None else par.tp_size * par.pp_size
         weight_bytes = checkpoint_bytes(self.checkpoint, self.dtype) // ranks
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype, weight_bytes)
-        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        self.no_flex_reason = why_not_flex_by_default(config, self.device, self.checkpoint, ranks)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device,
+                                                           self.no_flex_reason)
+        if config.attention_backend == "auto" and self.device.type == "cuda" and self.no_flex_reason is not None:
+            logger.info("attention_backend auto is batched, not flex, here: %s", self.no_flex_reason)
         # The backend: its metadata class, whose builder runs once per iteration and whose traits say what it
         # needs of the pool and of the load (orca/models/attention/base.py).
         self.attention: type[AttentionMetadata] = get_backend(self.attention_backend)
@@ -631,6 +636,31 @@ class Worker:
     def num_requests(self) -> int:
         """Requests this worker holds state for."""
         return len(self._requests)
+
+
+def why_not_flex_by_default(config: EngineConfig, device: torch.device, checkpoint: Path, ranks: int) -> str | None:
+    """Why attention_backend auto is not flex on this configuration (resolve_attention_backend), or None when
+    it is: flex is CUDA's default where its decode iterations run in CUDA graphs (why_no_graphs' conditions,
+    read from the checkpoint's config before the weights load) and it serves everything asked of it."""
+    if device.type != "cuda":
+        return f"the device is {device.type}"
+    if config.cuda_graphs == "off":
+        return "cuda_graphs is off (flex is ahead of batched only with its CUDA graphs)"
+    if ranks > 1:
+        return "tensor or pipeline parallelism (no CUDA graphs)"
+    if config.kv_cache_dtype != "auto":
+        return f"kv_cache_dtype {config.kv_cache_dtype} (flex reads an unquantized pool only)"
+    if config.enable_lora:
+        return "enable_lora (iterations with an adapter run without CUDA graphs)"
+    checkpoints = [checkpoint] + ([resolve_checkpoint(config.speculative_model)]
+                                  if config.speculative_method == "draft" and config.speculative_model else [])
+    for path in checkpoints:
+        mc, _ = read_model_config(path)
+        if mc.moe_layers and any(mc.moe_layers):
+            return "mixture-of-experts layers (no CUDA graphs)"
+        if mc.head_dim < FLEX_MIN_HEAD_DIM:
+            return f"head_dim {mc.head_dim} < {FLEX_MIN_HEAD_DIM} (torch's flex kernels)"
+    return None
 
 
 def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:

@@ -45,19 +45,19 @@ KV_QUANTIZED_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 KV_MIN_SCALE = 2.0**-100
 
 
-def resolve_attention_backend(choice: str, device: torch.device) -> str:
-    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = batched, the
-    fastest measured that serves every configuration: on a CPU (the reference's per-request calls for
-    prompts, one batch for the increments: 1.05-1.06x the reference's tokens/s offline; flex's paged mask
-    does not compile for a CPU in torch 2.13) and on CUDA (an H200, 2026-11-26: 1.1x the reference's
-    decode tokens/s at batch 1, 6.1x at 64, 9.7x at 256). flex with CUDA graphs beat batched there at batch
-    1-64 (3.2-6.2x) and tied at 256 (docs/BENCHMARKS.md, "Results: the CUDA path on an H200"); it then
-    served without prefix caching and built its block-sparse layout over the whole pool. Since reworked
-    (both fixed), it becomes the default on CUDA only once measured there."""
+def resolve_attention_backend(choice: str, device: torch.device, no_flex_reason: str | None = None) -> str:
+    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = flex on CUDA
+    where it runs with its CUDA graphs and serves the configuration (`no_flex_reason` None: the worker's
+    why_not_flex_by_default), else batched. On CUDA (an H200) flex with CUDA graphs made 2.7x batched's
+    tokens/s offline and 1.5-5x its decode tokens/s at batch 1-64 (docs/BENCHMARKS.md, "Results: the CUDA
+    path on an H200, third session"); without graphs it is behind batched (0.5-0.9x), so a configuration
+    graphs do not serve keeps batched. On a CPU batched is the fastest measured (the reference's
+    per-request calls for prompts, one batch for the increments: 1.05-1.06x the reference's tokens/s
+    offline; flex's paged mask does not compile for a CPU in torch 2.13)."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
     if choice == "auto":
-        return "batched"
+        return "flex" if device.type == "cuda" and no_flex_reason is None else "batched"
     return choice
 
 
