@@ -34,7 +34,7 @@ BLOCK_SIZES = (1, 4, 16)
 # different positions, a whole prompt, a prompt chunk after a cached prefix, a one-token prompt, another
 # chunk; 40 rows, so three query tiles of FLEX_Q_BLOCK, one shared by several requests.
 MIXED = [(1, 9), (1, 3), (1, 30), (12, 0), (5, 6), (1, 0), (9, 17), (10, 0)]
-# A decode iteration: increments only (flex lays it out per request: FlexLayout.per_request).
+# A decode iteration: increments only.
 DECODE = [(1, 9), (1, 3), (1, 30), (1, 0), (1, 17), (1, 44), (1, 15)]
 
 
@@ -67,7 +67,6 @@ def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
         pools[b] = pool.clone()
         meta = AttentionMetadata.build(lengths, context, tables, block_size, pools[b], backend=b)
         assert (meta.flex is not None) == (b == "flex")
-        assert meta.flex is None or meta.flex.per_request == (shape is DECODE)
         assert bool(meta.increments) == (b == "batched")  # MIXED has 3 increments, DECODE 7: batched
         out[b] = selective_attention(q, kv, meta, 1, 0.3, window)
     torch.testing.assert_close(out[backend], out["reference"], atol=1e-4, rtol=0)
@@ -185,33 +184,22 @@ def test_the_block_sparse_structure_covers_every_kept_pair(block_size: int) -> N
         assert visited.sum() < visited.numel() / 2
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_a_decode_iteration_is_laid_out_per_request(block_size: int) -> None:
-    """A decode iteration (and its padding rows, as CUDA graphs pad it) is a batch of one-row queries: each
-    query tile is one request and visits exactly the slot tiles of that request's blocks; padding rows keep
-    nothing and visit nothing."""
-    rng = random.Random(20 + block_size)
-    num_blocks, padding = 160 // block_size + 8, 3
-    tables = _tables(rng, block_size, num_blocks, DECODE)
-    lengths, context = [n for n, _ in DECODE], [p for _, p in DECODE]
-    layout = FlexLayout.build(lengths, context, tables, block_size, num_blocks * block_size, torch.device("cpu"),
-                              padding=padding)
-    rows, slots = len(DECODE) + padding, num_blocks * block_size
-    assert layout.per_request and layout.num_tokens == rows
-    assert layout.kv_num_blocks.shape == (rows, 1, 1) and layout.kv_indices.shape[:3] == (rows, 1, 1)
-    keep = layout.mask_mod(None)(torch.arange(rows)[:, None], 0, 0, torch.arange(slots)[None, :])  # (T, S)
-    assert keep.sum(-1).tolist() == [past + 1 for _, past in DECODE] + [0] * padding
-    for r, (count, indices) in enumerate(zip(layout.kv_num_blocks.view(-1).tolist(),
-                                             layout.kv_indices.view(rows, -1).tolist())):
-        own = set() if r >= len(DECODE) else {b * block_size // layout.kv_block for b in tables[r]}
-        assert set(indices[:count]) == own and count == len(own)
-    q = torch.randn(rows, 6, 8)
-    assert layout.query(q).shape == (rows, 6, 1, 8)
-    assert torch.equal(layout.output(layout.query(q)), q.reshape(rows, 48))
-    packed = FlexLayout.build([2, *lengths[1:]], [0, *context[1:]], [tables[0][:1], *tables[1:]], block_size,
-                              slots, torch.device("cpu"))
-    assert not packed.per_request  # one prompt of two tokens: packed
-    assert torch.equal(packed.output(packed.query(q[:-2])), q[:-2].reshape(rows - 2, 48))
+def test_the_static_layout_holds_a_decode_iteration_of_scattered_small_blocks() -> None:
+    """CUDA graphs' static layout (FlexLayout.static) takes any decode iteration of up to its rows and
+    max_blocks: with blocks smaller than a slot tile (4 slots, tiles of 16), a query tile of 16 requests whose
+    8 blocks each lie in different tiles visits 128 tiles, more than the tiles 8 contiguous blocks span (3
+    per request: 48), the bound the static layout used to have."""
+    block_size, max_blocks, rows = 4, 8, 16
+    num_blocks = 4 * rows * max_blocks  # every block used below in a tile of its own
+    tables = [[4 * (max_blocks * r + j) for j in range(max_blocks)] for r in range(rows)]
+    lengths, context = [1] * rows, [max_blocks * block_size - 1] * rows
+    layout = FlexLayout.build(lengths, context, tables, block_size, num_blocks * block_size, torch.device("cpu"))
+    assert int(layout.kv_num_blocks.max()) == rows * max_blocks
+    static = FlexLayout.static(rows, max_blocks, block_size, num_blocks * block_size, torch.device("cpu"))
+    static.copy_(layout)
+    rows_, slots = torch.arange(rows)[:, None], torch.arange(num_blocks * block_size)[None, :]
+    assert torch.equal(static.mask_mod(None)(0, 0, rows_, slots), layout.mask_mod(None)(0, 0, rows_, slots))
+    assert torch.equal(static.kv_indices[..., :rows * max_blocks], layout.kv_indices)
 
 
 def test_the_flex_layout_grows_with_the_iteration_not_the_pool() -> None:
@@ -481,7 +469,7 @@ def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> 
             tables.append(list(range(next_block, next_block + used)))
             next_block += used
         layout = FlexLayout.build(lengths, context, tables, block_size, slots, torch.device("cpu"))
-        q = layout.query(torch.randn(sum(lengths), 6, 8))
+        q = torch.randn(1, 6, sum(lengths), 8)
         for window in (None, 4):
             compiled(q, pool[0][None], pool[1][None], block_mask=layout.block_mask(window), enable_gqa=True)
         if iteration == len(warm_up) - 1:
@@ -519,7 +507,7 @@ def test_captured_sizes_compile_nothing_after_the_warm_up() -> None:
     pool = torch.zeros(2, 2, slots, 8)
 
     def call(layout: FlexLayout, rows: int) -> None:
-        q = layout.query(torch.randn(rows, 4, 8))
+        q = torch.randn(1, 4, rows, 8)
         compiled(q, pool[0][None], pool[1][None], block_mask=layout.block_mask(None), enable_gqa=True)
 
     for plan in flex_warm_up_plans(block_size, 64):

@@ -220,7 +220,7 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_auto_is_flex_with_cuda_graphs_on_cuda(family: str) -> None:
     """attention_backend auto on CUDA, for a dense model of head_dim 16 or more on one worker: flex, decode
-    iterations in CUDA graphs (per-request decode layout), fp32 greedy equal to transformers'. On the CPU
+    iterations in CUDA graphs, fp32 greedy equal to transformers'. On the CPU
     dry run auto is batched."""
     path = _flex_checkpoint(family)
     engine = LLMEngine(EngineConfig(model=str(path), device=DEVICE, dtype="float32", **POOL))

@@ -672,9 +672,8 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
 def warm_up_plans(block_size: int, max_len: int, rows: Sequence[int]) -> tuple[StepPlan, ...]:
     """The iterations that compile an attention backend's kernels at load: a two-token prompt, its
     one-token increment, then an iteration of each of `rows` token rows (the backend's warm_up_rows), each
-    as prompts of at most `max_len` tokens (the model's positions), then one of those prompts' increments
-    (a decode iteration of several requests), in blocks taken in order from the first. Every layer runs
-    (sliding-window layers compile their own mask)."""
+    as prompts of at most `max_len` tokens (the model's positions), in blocks taken in order from the
+    first. Every layer runs (sliding-window layers compile their own mask)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
     plans = list(prompt_and_increment_plans(block_size))
     next_block = -(-PROMPT_AND_INCREMENT_SLOTS // block_size)
@@ -685,19 +684,12 @@ def warm_up_plans(block_size: int, max_len: int, rows: Sequence[int]) -> tuple[S
         next_block += n
         return tuple(range(next_block - n, next_block))
 
-    prompts: list[tuple[str, int]] = []
     for k, num_rows in enumerate(rows):
         name = f"warm-up-{chr(ord('b') + k)}"  # (warm-up-a: the prompt and its increment)
         lengths = [max_len] * (num_rows // max_len) + ([num_rows % max_len] if num_rows % max_len else [])
         plans.append(StepPlan(-1, tuple(
             PlannedRequest(f"{name}-{i}", (0,) * n, 0, blocks(0, n), spec, sample_step=0) for i, n in enumerate(lengths)
         )))
-        prompts += [(f"{name}-{i}", n) for i, n in enumerate(lengths)]
-    # Then a decode iteration of those requests (flex's per-request shape, for two requests or more).
-    decoding = [(request_id, n) for request_id, n in prompts if n < max_len]
-    if len(decoding) >= 2:
-        plans.append(StepPlan(-1, tuple(
-            PlannedRequest(request_id, (0,), n, blocks(n, n + 1), sample_step=1) for request_id, n in decoding)))
     return tuple(plans)
 
 

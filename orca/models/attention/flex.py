@@ -100,10 +100,10 @@ class FlexMetadata(AttentionMetadata):
         with warnings.catch_warnings():  # the unfused CPU path warns that it is unfused, at every call
             warnings.simplefilter("ignore", UserWarning)
             out = _flex_function(q.device.type)(
-                layout.query(q), pool[0][None], pool[1][None], block_mask=layout.block_mask(window),
+                q.transpose(0, 1)[None], pool[0][None], pool[1][None], block_mask=layout.block_mask(window),
                 scale=scale, enable_gqa=num_heads != pool.shape[1], kernel_options=options,
-            )
-        return layout.output(out)
+            )  # (1, H, T, D)
+        return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
 
     @classmethod
     def compiles_at_load(cls, device: torch.device) -> bool:
@@ -149,24 +149,14 @@ class FlexLayout:
     never kept. Padding rows (after the requests' rows) have request 0 and position -1: every slot's
     position is later, so they keep none and come out as zeros (flex's rule for a fully masked row).
 
-    Two shapes (`per_request`). An iteration with a prompt or a chunk in it is packed: the rows are one
-    sequence, query (1, H, T, D), in query tiles of FLEX_Q_BLOCK rows. A decode iteration (every row a
-    request of its own: one token each, and padding rows) is per request: query (T, H, 1, D), a batch of
-    one-row sequences over the pool's one (broadcast) K/V sequence, PyTorch's paged-attention shape, which
-    inductor lowers to its decoding kernel with a query tile per request: each request reads its own
-    blocks only, where a packed tile of 16 increments would weigh every one of its 16 requests' blocks
-    for each of them. The mask is one function for both: row = b + q (b is 0 when packed, q when not).
-
-    The block-sparse structure: the pool's slots in tiles of `kv_block`; query tile i (rows of
-    FLEX_Q_BLOCK, or request i) visits slot tile j when a request with a row in tile i has a block in tile
-    j at a position no later than its last row's there (a prompt's rows skip the blocks after them).
-    `kv_num_blocks` ((1, 1, Q tiles) packed, (T, 1, 1) per request): how many slot tiles each query tile
-    visits; `kv_indices` (the same with a last dimension, width): which, first (0 after them). Its width is
-    the most any query tile visits, not the pool's tiles: the structure grows with the iteration's requests
-    and blocks, never with the pool (built on the host with numpy; the pool-sized block index on the device
-    from the iteration's blocks). CUDA graphs' static buffers (FlexMetadata.graph_buffers: per request,
-    decode iterations only) have fixed widths, bounds for any decode iteration, and take an iteration's
-    narrower tables and indices in copy_."""
+    The block-sparse structure: the token rows in tiles of FLEX_Q_BLOCK, the pool's slots in tiles of
+    `kv_block`; query tile i visits slot tile j when a request with a row in tile i has a block in tile j
+    at a position no later than its last row's there (a prompt's rows skip the blocks after them).
+    `kv_num_blocks` (1, 1, Q tiles): how many slot tiles each query tile visits; `kv_indices` (1, 1, Q
+    tiles, width): which, first (0 after them). Its width is the most any query tile visits, not the pool's
+    tiles: the structure grows with the iteration's requests and blocks, never with the pool (built on the
+    host with numpy; the pool-sized block index on the device, from the iteration's blocks). CUDA graphs' static buffers (FlexMetadata.graph_buffers) have fixed widths, bounds
+    for any decode iteration, and take an iteration's narrower tables and indices in copy_."""
 
     q_request: torch.Tensor  # (T,) int32
     q_position: torch.Tensor  # (T,) int32
@@ -178,7 +168,6 @@ class FlexLayout:
     kv_block: int
     num_tokens: int
     num_slots: int
-    per_request: bool = False  # a decode iteration: query (T, H, 1, D), a query tile per request
     _masks: dict[int | None, object] = field(default_factory=dict)
 
     @classmethod
@@ -194,9 +183,7 @@ class FlexLayout:
     ) -> FlexLayout:
         kv_block = _kv_block(block_size)
         num_tokens = sum(lengths) + padding
-        per_request = all(n == 1 for n in lengths)
-        tile_rows = 1 if per_request else FLEX_Q_BLOCK  # rows per query tile
-        num_q_tiles = -(-num_tokens // tile_rows)
+        num_q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
         num_requests = len(lengths)
         used = [min(-(-(past + n) // block_size), len(table))
                 for n, past, table in zip(lengths, context_lens, block_tables)]
@@ -220,13 +207,13 @@ class FlexLayout:
         blocks = tables[owner, index].astype(np.int64)
         # (query tile, slot tile) pairs: each block with every query tile of its request whose last row of
         # that request is at or after the block's first position.
-        first_tile, last_tile = row0 // tile_rows, (row0 + n_arr - 1) // tile_rows
+        first_tile, last_tile = row0 // FLEX_Q_BLOCK, (row0 + n_arr - 1) // FLEX_Q_BLOCK
         per_block = (last_tile - first_tile + 1)[owner]
         pair_block = np.repeat(np.arange(len(blocks)), per_block)
         pair_owner = owner[pair_block]
         tile = first_tile[pair_owner] + np.arange(len(pair_block)) - np.repeat(np.cumsum(per_block) - per_block,
                                                                                per_block)
-        last_row = np.minimum(row0[pair_owner] + n_arr[pair_owner], (tile + 1) * tile_rows) - 1
+        last_row = np.minimum(row0[pair_owner] + n_arr[pair_owner], (tile + 1) * FLEX_Q_BLOCK) - 1
         last_position = past_arr[pair_owner] + last_row - row0[pair_owner]
         keep = index[pair_block] * block_size <= last_position
         num_kv_tiles = -(-num_slots // kv_block)
@@ -235,70 +222,63 @@ class FlexLayout:
         kv_num_blocks = np.bincount(key_tile, minlength=num_q_tiles).astype(np.int32)
         kv_indices = np.zeros((num_q_tiles, max(int(kv_num_blocks.max(initial=0)), 2)), dtype=np.int32)
         kv_indices[key_tile, np.arange(len(keys)) - (np.cumsum(kv_num_blocks) - kv_num_blocks)[key_tile]] = key_kv
-        # The pool-sized block index is made on the device, from the iteration's (block, index) pairs: only
-        # they cross from the host (a pool of 250k blocks would be a 1 MB copy every iteration).
-        # Everything in one copy (upload_arrays), each part a view of one device buffer.
+        # Everything in one copy (upload_arrays: each part a view of one device buffer). The pool-sized block
+        # index is made on the device from the iteration's (block, index) pairs: only they cross from the
+        # host (a 250k-block pool's index was a 1 MB host array and pinned copy every iteration).
         q_request_t, q_position_t, tables_t, pairs, kv_num_blocks_t, kv_indices_t = upload_arrays(
             [q_request, q_position, tables, np.stack([blocks, index]), kv_num_blocks, kv_indices], torch.int32, device)
         block_index = torch.zeros(num_slots // block_size, dtype=torch.int32, device=device)
         block_index[pairs[0]] = pairs[1]
         return cls(
-            q_request=q_request_t, q_position=q_position_t,
-            tables=_dynamic(tables_t, 0, 1), block_index=block_index,
-            kv_num_blocks=kv_num_blocks_t[:, None, None] if per_request else kv_num_blocks_t[None, None],
-            kv_indices=(_dynamic(kv_indices_t[:, None, None], 0, 3) if per_request
-                        else _dynamic(kv_indices_t[None, None], 3)),
+            q_request=q_request_t, q_position=q_position_t, tables=_dynamic(tables_t, 0, 1), block_index=block_index,
+            kv_num_blocks=kv_num_blocks_t[None, None], kv_indices=_dynamic(kv_indices_t[None, None], 3),
             block_size=block_size, kv_block=kv_block, num_tokens=num_tokens, num_slots=num_slots,
-            per_request=per_request,
         )
 
     @classmethod
     def static(cls, rows: int, max_blocks: int, block_size: int, num_slots: int, device: torch.device) -> FlexLayout:
-        """All-padding buffers for decode iterations (per request: CUDA graphs') of up to `rows` one-token
-        requests of up to `max_blocks` blocks each: tables (rows, max_blocks), and as many slot tiles per
-        request as its blocks can span."""
+        """All-padding buffers for iterations of up to `rows` one-token requests of up to `max_blocks` blocks
+        each (CUDA graphs' decode iterations): tables (rows, max_blocks), and as many slot tiles per query
+        tile as its FLEX_Q_BLOCK requests can read: a block lies in one slot tile, and a request's blocks can
+        lie anywhere in the pool, so up to max_blocks tiles each (not the tiles max_blocks contiguous blocks
+        span, which blocks smaller than a tile, scattered, overrun)."""
         kv_block = _kv_block(block_size)
-        num_kv_tiles = -(-num_slots // kv_block)
-        width = max(min(num_kv_tiles, -(-max_blocks * block_size // kv_block) + 1), 2)
-        # (rows, 1, 1, ...) views of 1-D and 2-D tensors, as build's are: compiled flex guards on a view's base
+        num_q_tiles, num_kv_tiles = -(-rows // FLEX_Q_BLOCK), -(-num_slots // kv_block)
+        width = max(min(num_kv_tiles, FLEX_Q_BLOCK * max_blocks), 2)
+        # (1, 1, ...) views of 1-D and 2-D tensors, as build's are: compiled flex guards on a view's base
         return cls(
             q_request=torch.zeros(rows, dtype=torch.int32, device=device),
             q_position=torch.full((rows,), PADDING_ROW, dtype=torch.int32, device=device),
             tables=_dynamic(torch.full((max(rows, 2), max(max_blocks, 2)), -1, dtype=torch.int32, device=device), 0, 1),
             block_index=torch.zeros(num_slots // block_size, dtype=torch.int32, device=device),
-            kv_num_blocks=torch.zeros(rows, dtype=torch.int32, device=device)[:, None, None],
-            kv_indices=_dynamic(torch.zeros(rows, width, dtype=torch.int32, device=device)[:, None, None], 0, 3),
-            block_size=block_size, kv_block=kv_block, num_tokens=rows, num_slots=num_slots, per_request=True,
+            kv_num_blocks=torch.zeros(num_q_tiles, dtype=torch.int32, device=device)[None, None],
+            kv_indices=_dynamic(torch.zeros(num_q_tiles, width, dtype=torch.int32, device=device)[None, None], 3),
+            block_size=block_size, kv_block=kv_block, num_tokens=rows, num_slots=num_slots,
         )
 
     def head(self, num_tokens: int) -> FlexLayout:
         """The layout of this one's first `num_tokens` rows, sharing its tensors (views, so what is copied
         into this layout is what the head's masks read): one per CUDA graph size over one set of static
         buffers (orca/worker/cuda_graphs.py). The tables stay whole: a head's requests are among its rows."""
-        q_tiles = num_tokens if self.per_request else -(-num_tokens // FLEX_Q_BLOCK)
+        q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
         width = self.kv_indices.shape[-1]
-        # The first q_tiles query tiles of the buffers, viewed with a fresh layout's contiguous strides (a
-        # [:, :, :q_tiles] slice keeps the whole buffer's strides, and compiled flex guards on strides: each
-        # captured size would compile again, past dynamo's recompile limit, on a GPU run).
-        shape = (q_tiles, 1, 1) if self.per_request else (1, 1, q_tiles)
+        # The first q_tiles rows of the (1, 1, Q tiles, ...) buffers, viewed with a fresh layout's contiguous
+        # strides (a [:, :, :q_tiles] slice keeps the whole buffer's strides, and compiled flex guards on
+        # strides: each captured size would compile again, past dynamo's recompile limit, on a GPU run).
         return FlexLayout(
             q_request=self.q_request[:num_tokens], q_position=self.q_position[:num_tokens], tables=self.tables,
             block_index=self.block_index,
-            kv_num_blocks=self.kv_num_blocks.view(-1)[:q_tiles].view(shape),
-            kv_indices=_dynamic(self.kv_indices.view(-1)[:q_tiles * width].view(*shape, width),
-                                *((0, 3) if self.per_request else (3,))),
+            kv_num_blocks=self.kv_num_blocks.view(-1)[:q_tiles].view(1, 1, q_tiles),
+            kv_indices=_dynamic(self.kv_indices.view(-1)[:q_tiles * width].view(1, 1, q_tiles, width), 3),
             block_size=self.block_size, kv_block=self.kv_block, num_tokens=num_tokens, num_slots=self.num_slots,
-            per_request=self.per_request,
         )
 
     def copy_(self, other: FlexLayout) -> None:
         """Takes `other`'s values (an iteration of the same token count over the same pool, its tables and
         slot tiles within this layout's widths) into this layout's tensors, in place."""
-        if ((other.num_tokens, other.num_slots, other.block_size, other.per_request)
-                != (self.num_tokens, self.num_slots, self.block_size, self.per_request)):
-            raise ValueError(f"a layout of {other.num_tokens} rows over {other.num_slots} slots (per request: "
-                             f"{other.per_request}) does not fit one of {self.num_tokens} rows over {self.num_slots} "
-                             f"slots (per request: {self.per_request})")
+        if (other.num_tokens, other.num_slots, other.block_size) != (self.num_tokens, self.num_slots, self.block_size):
+            raise ValueError(f"a layout of {other.num_tokens} rows over {other.num_slots} slots does not fit one of "
+                             f"{self.num_tokens} rows over {self.num_slots} slots")
         (requests, width), kv_width = other.tables.shape, other.kv_indices.shape[-1]
         if requests > self.tables.shape[0] or width > self.tables.shape[1] or kv_width > self.kv_indices.shape[-1]:
             raise ValueError(f"an iteration of {requests} requests of up to {width} blocks, visiting up to "
@@ -317,12 +297,11 @@ class FlexLayout:
         block_size = self.block_size
 
         def keep(b, h, q, kv):  # noqa: ANN001, ANN202 - flex's signature (index tensors)
-            row = b + q  # packed: b is 0; per request: q is 0
             block = kv // block_size
             position = index[block] * block_size + kv % block_size
-            kept = (tables[q_request[row], index[block]] == block) & (position <= q_position[row])
+            kept = (tables[q_request[q], index[block]] == block) & (position <= q_position[q])
             if window is not None:
-                kept = kept & (q_position[row] - position < window)
+                kept = kept & (q_position[q] - position < window)
             return kept
 
         return keep
@@ -334,21 +313,10 @@ class FlexLayout:
 
             self._masks[window] = BlockMask.from_kv_blocks(
                 self.kv_num_blocks, self.kv_indices, BLOCK_SIZE=(FLEX_Q_BLOCK, self.kv_block),
-                mask_mod=self.mask_mod(window), seq_lengths=(1 if self.per_request else self.num_tokens,
-                                                             self.num_slots),
+                mask_mod=self.mask_mod(window), seq_lengths=(self.num_tokens, self.num_slots),
                 compute_q_blocks=False,
             )
         return self._masks[window]
-
-    def query(self, q: torch.Tensor) -> torch.Tensor:
-        """The iteration's (T, H, D) queries in flex_attention's shape: (T, H, 1, D) per request, (1, H, T,
-        D) packed."""
-        return q[:, :, None] if self.per_request else q.transpose(0, 1)[None]
-
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        """flex_attention's output for query(q) as (T, H x D)."""
-        rows = out.shape[0] if self.per_request else out.shape[2]
-        return (out if self.per_request else out[0].transpose(0, 1)).reshape(rows, -1)
 
 
 def _kv_block(block_size: int) -> int:
@@ -357,15 +325,12 @@ def _kv_block(block_size: int) -> int:
 
 
 def _dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
-    """`tensor` with `dims` marked dynamic for compiled flex: the tables' and the slot tiles' widths (and a
-    decode iteration's request count) change with every iteration, and a size seen first as a constant
-    would compile again at its first change (in each of the graphs the warm-up compiles, and in a CUDA
-    graph's capture). A dimension of 1 is left alone: dynamo specialises it (and raises where it is marked)."""
+    """`tensor` with `dims` (each at least 2 long) marked dynamic for compiled flex: the tables' and the
+    slot tiles' widths change with every iteration, and a size seen first as a constant would compile
+    again at its first change (in each of the graphs the warm-up compiles, and in a CUDA graph's capture)."""
     import torch._dynamo
 
-    dims = tuple(d for d in dims if tensor.shape[d] >= 2)
-    if dims:
-        torch._dynamo.mark_dynamic(tensor, dims)
+    torch._dynamo.mark_dynamic(tensor, dims)
     return tensor
 
 
