@@ -107,7 +107,8 @@ def profile_batch(args: argparse.Namespace, system: str, checkpoint: Path, batch
             "host_functions_by_own_time": by_own,
             "host_functions_by_cumulative_time": by_cum,
             "torch_ops_by_own_host_time": [
-                {"op": e.key, "calls_per_iteration": e.count / m, "self_cpu_us_per_iteration": e.self_cpu_time_total / m,
+                {"op": e.key, "calls_per_iteration": e.count / m,
+                 "self_cpu_us_per_iteration": e.self_cpu_time_total / m,
                  "self_device_us_per_iteration": (getattr(e, "self_device_time_total", 0) or 0) / m}
                 for e in ops],
             "device_busy_us_per_iteration": device_total / m,
@@ -118,11 +119,13 @@ def profile_batch(args: argparse.Namespace, system: str, checkpoint: Path, batch
                                 reverse=True)[: args.top] if (getattr(e, "self_device_time_total", 0) or 0) > 0],
         }
         print(f"== {system} B={batch}: step {result['step_ms_median']:.2f} ms, "
-              f"{result['tokens_per_second']:.0f} tok/s, device busy {result['device_busy_us_per_iteration'] / 1e3:.2f} ms;"
+              f"{result['tokens_per_second']:.0f} tok/s, "
+              f"device busy {result['device_busy_us_per_iteration'] / 1e3:.2f} ms;"
               f" phases (ms) " + ", ".join(f"{p} {v:.2f}" for p, v in result["phases_ms_median"].items()), flush=True)
         print(text.getvalue()[-6000:], flush=True)
         for k in result["device_kernels_by_time"][:12]:
-            print(f"  device {k['device_us_per_iteration']:8.1f} us/it {k['calls_per_iteration']:6.1f} calls  {k['kernel'][:100]}")
+            print(f"  device {k['device_us_per_iteration']:8.1f} us/it {k['calls_per_iteration']:6.1f} calls  "
+                  f"{k['kernel'][:100]}")
         cum = io.StringIO()
         pstats.Stats(profiler, stream=cum).sort_stats("cumulative").print_stats(40)
         print(cum.getvalue()[-9000:], flush=True)
@@ -133,7 +136,7 @@ def profile_batch(args: argparse.Namespace, system: str, checkpoint: Path, batch
 
 def _pstats_rows(stats: pstats.Stats, key: str, top: int, n: int) -> list[dict[str, Any]]:
     rows = []
-    for (path, line, name), (cc, nc, tt, ct, _) in sorted(
+    for (path, line, name), (_cc, nc, tt, ct, _) in sorted(
             stats.stats.items(), key=lambda kv: kv[1][2 if key == "tottime" else 3], reverse=True)[:top]:
         rows.append({"function": f"{Path(path).name}:{line}:{name}", "calls_per_iteration": nc / n,
                      "own_us_per_iteration": 1e6 * tt / n, "cumulative_us_per_iteration": 1e6 * ct / n})

@@ -10,12 +10,15 @@ CUDA the call is compiled (Triton) with dynamic token counts, and warmed up at l
 request (warm_up_rows); on a CPU it runs PyTorch's unfused flex implementation, which evaluates the mask
 over the whole pool: correct, for checking the fused path on a CPU, not fast.
 
-`auto` never picks it: on a CPU flex's paged mask does not compile in torch 2.13 and batched is the fastest
-measured; on CUDA (an H200) flex with CUDA graphs was 3.2-6.2x batched's decode tokens/s at batch 1-64 and
-0.93x at 256. That was before this layout: it gave each pool block one owner per iteration (so no prefix
-caching) and built (requests x pool tiles) and (query tiles x pool tiles) tensors every iteration (about
-1.2 G entries for a 77k-token prompt iteration over an H200's default pool). Measured on a GPU since, it
-can become CUDA's default.
+`auto` picks it on CUDA where its decode iterations run in CUDA graphs (orca/models/attention/base.py,
+resolve_attention_backend): on an H200 flex with graphs made 3.0-3.7x batched's tokens/s offline and
+3.2-6.2x its decode tokens/s at batch 1-64. Not on a CPU: there flex's paged mask does not compile in
+torch 2.13 and batched is the fastest measured.
+
+Decode iterations stay packed (query (1, H, T, D)): laid out per request instead (query (T, H, 1, D),
+PyTorch's paged-attention shape, a query tile per request), inductor lowered the dynamic batch to flex's
+main kernel, not its decoding kernel, which needs a static batch: slower on the H200 (attention 145 us per
+layer at batch 64, the iteration's device time 4.10 ms against 3.38 packed).
 
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each
@@ -155,8 +158,9 @@ class FlexLayout:
     `kv_num_blocks` (1, 1, Q tiles): how many slot tiles each query tile visits; `kv_indices` (1, 1, Q
     tiles, width): which, first (0 after them). Its width is the most any query tile visits, not the pool's
     tiles: the structure grows with the iteration's requests and blocks, never with the pool (built on the
-    host with numpy; the pool-sized block index on the device, from the iteration's blocks). CUDA graphs' static buffers (FlexMetadata.graph_buffers) have fixed widths, bounds
-    for any decode iteration, and take an iteration's narrower tables and indices in copy_."""
+    host with numpy; the pool-sized block index on the device, from the iteration's blocks). CUDA graphs'
+    static buffers (FlexMetadata.graph_buffers) have fixed widths, bounds for any decode iteration, and take
+    an iteration's narrower tables and indices in copy_."""
 
     q_request: torch.Tensor  # (T,) int32
     q_position: torch.Tensor  # (T,) int32
