@@ -355,6 +355,9 @@ def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     # 8 x (9 + 900) tokens fit the 8192-slot pool: nobody is preempted.
     streams = [client.generate(input_ids=p, max_tokens=900, temperature=0, ignore_eos=True) for p in prompts]
     tokens = [list(next(s).output_ids) for s in streams]  # each request is admitted and running
+    # Read until the gauge shows all 8: once, in a full `make test` on a 2-core host, a read just after the
+    # 8th first token still saw 1 (not reproduced alone; the cause not found), so a single read is a race.
+    wait_for(lambda: metrics(orca_server, model).get("orca_running_requests") == 8, "8 running requests", 20)
     during = metrics(orca_server, model)
     assert during["orca_running_requests"] == 8 and during["orca_waiting_requests"] == 0
     assert during["orca_kv_allocated_blocks"] >= 8  # a block each at least
