@@ -202,8 +202,11 @@ class EngineConfig:
       both: fewer blocks than without a draft (n_slots gives both pools that many slots). None: no draft.
     - speculative_disable_by_batch_size: an iteration of this many requests or more verifies no proposed
       tokens (its requests run as plain increments), as vLLM's option of that name: where the iteration's
-      rows are no longer bound by reading the weights (a CPU at several streams), proposals cost more than
-      they save (docs/BENCHMARKS.md, "Results: speculative decoding"). None (the default): never.
+      rows are no longer bound by reading the weights, proposals cost more than they save. Default 4,
+      measured on a 2-core CPU with SmolLM2 (docs/BENCHMARKS.md, "Results: speculative decoding", "Where
+      speculation stops paying"): n-gram lookup gained at 2-3 streams (1.05-1.32x) and cost at 4 (0.88-0.93x
+      in 4 runs of 5) and 8 (0.76-0.97x); not measured on a GPU. A value above max_bs (or None from
+      Python) never disables.
     - enable_lora: serve LoRA adapters (README.md "LoRA adapters"; orca/core/lora.py, orca/models/lora.py):
       requests name one (SamplingParams.lora_name, vllm_backend's `lora_name`; the OpenAI API's `model`)
       and one iteration mixes requests of several adapters and of none. true or false (the default: no
@@ -294,7 +297,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_model: str | None = None
-    speculative_disable_by_batch_size: int | None = None
+    speculative_disable_by_batch_size: int | None = 4
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16

@@ -408,8 +408,10 @@ def stage_speculative(check: Check, checkpoint: Path, cuda: bool, limit: float) 
             ["--max-tokens", "8", "--streams", "2", "--single-prompts", "1", "--repeats", "1"])
 
     def argv(backend: str) -> list[str]:
+        # Speculation's own cost at 8 streams too: never disabled by the batch (the default stops at 4).
         return ["orca_client.bench.speculative", "--model", str(checkpoint), "--workload", "random", "--methods",
-                "off,ngram,draft", "--draft-layers", "2" if cuda else "1", "--attention-backend", backend, *size]
+                "off,ngram,draft", "--draft-layers", "2" if cuda else "1", "--attention-backend", backend,
+                "--speculative-disable-by-batch-size", "1024", *size]
 
     record: dict[str, Any] = {"backends": _bench_runs(
         check, "speculative", FEATURE_BACKENDS if cuda else ("auto",), argv,

@@ -54,8 +54,10 @@ TINY_MODELS = {
     # metrics are off (REPORT_CUSTOM_METRICS, a model parameter): tests/test_server_vllm_compat.py.
     "orca_tiny_timeline": {"max_bs": "4", "n_slots": "1024", "max_num_batched_tokens": "32",
                            "REPORT_CUSTOM_METRICS": "false"},
-    # tests/test_server_e2e.py: speculative decoding (n-gram), otherwise orca_tiny.
-    "orca_tiny_spec": {"max_bs": "8", "n_slots": "8192", "speculative_method": "ngram"},
+    # tests/test_server_e2e.py: speculative decoding (n-gram), otherwise orca_tiny; proposals verified in
+    # iterations of up to 7 requests (the test's 4 at once; the default stops at 4).
+    "orca_tiny_spec": {"max_bs": "8", "n_slots": "8192", "speculative_method": "ngram",
+                       "speculative_disable_by_batch_size": "8"},
     # tests/test_server_lora.py: LoRA adapters, two slots. lora_a comes from lora_modules, lora_b from
     # vllm_backend's multi_lora.json (a path relative to the file): LORA_ADAPTERS, added by
     # build_test_repository; the test loads and unloads others at run time.

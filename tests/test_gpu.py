@@ -353,7 +353,7 @@ def test_speculative_decoding_on_cuda_keeps_the_greedy_tokens(backend: str, meth
     prompts = _prompts(10, seed=1, vocab=150)
     params = [SamplingParams(temperature=0, max_tokens=12 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     options = dict(attention_backend=backend, **SPEC_POOL)
-    spec = dict(speculative_method=method, num_speculative_tokens=4)
+    spec = dict(speculative_method=method, num_speculative_tokens=4, speculative_disable_by_batch_size=None)
     if method == "draft":
         spec["speculative_model"] = str(path)
     tokens, stats = {}, {}

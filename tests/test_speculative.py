@@ -22,7 +22,9 @@ from orca.core.request import Request
 from orca.core.scheduler import OrcaScheduler
 from orca.core.speculative import SPEC_MISSES_BEFORE_PAUSE, DraftProposer, NgramProposer
 
-SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+# Proposals verified in iterations of any size (None: never disabled by the batch; the default stops at 4):
+# the tests below check verification in busy batches.
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 4, "speculative_disable_by_batch_size": None}
 
 
 def _request(prompt: list[int], output: list[int] = (), max_tokens: int = 64, rid: str = "r") -> Request:
@@ -396,7 +398,8 @@ def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _draft(model: str) -> dict:
-    return {"speculative_method": "draft", "speculative_model": model, "num_speculative_tokens": 4}
+    return {"speculative_method": "draft", "speculative_model": model, "num_speculative_tokens": 4,
+            "speculative_disable_by_batch_size": None}
 
 
 def test_the_draft_proposer_takes_the_drafts_within_its_length_and_room_and_pauses() -> None:
@@ -591,6 +594,12 @@ def test_an_iteration_of_speculative_disable_by_batch_size_requests_verifies_no_
     assert all(bool(m.spec_token_ids) == proposes for m in batch.members)
 
 
-def test_speculative_disable_by_batch_size_is_checked() -> None:
+def test_speculative_disable_by_batch_size_is_checked_and_defaults_to_the_measured_crossover() -> None:
     with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be an integer >= 1"):
         EngineConfig(speculative_disable_by_batch_size=0)
+    # 4: n-gram lookup cost at 4 streams and more on the CPU measured (docs/BENCHMARKS.md); a config.pbtxt's
+    # empty value is the default, and None (Python) never disables.
+    assert EngineConfig().speculative_disable_by_batch_size == 4
+    shipped = EngineConfig.from_parameters({"speculative_disable_by_batch_size": ""})
+    assert shipped.speculative_disable_by_batch_size == 4
+    assert EngineConfig(speculative_disable_by_batch_size=None).speculative_disable_by_batch_size is None

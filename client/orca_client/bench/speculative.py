@@ -194,9 +194,10 @@ def engine_config(args: argparse.Namespace, method: str, draft: str | None = Non
         "speculative_method": method,
         "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
-        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
         "speculative_model": draft if method == "draft" else None,
     }
+    if args.speculative_disable_by_batch_size is not None:  # (else the engine's default)
+        options["speculative_disable_by_batch_size"] = args.speculative_disable_by_batch_size
     return EngineConfig(**options)
 
 
@@ -501,7 +502,8 @@ def add_parser(sub: Any) -> None:
                         "(its embeddings and head), built in a temporary directory (--model a checkpoint dir)")
     p.add_argument("--speculative-disable-by-batch-size", type=positive_int, default=None,
                    help="EngineConfig.speculative_disable_by_batch_size: iterations of this many requests or more "
-                        "verify no proposals (default: never)")
+                        "verify no proposals (default: the engine's, 4; above --streams: never, speculation's "
+                        "own cost at every stream count)")
     p.add_argument("--max-tokens", type=positive_int, default=128,
                    help="new tokens per request, EOS ignored (default: %(default)s)")
     p.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy",
