@@ -19,14 +19,16 @@ order, each in its own process under its own time limit, inside one overall budg
    weights quantized at load (int8, int4, fp8; one process each), at batch 1, 16 and 64, against the
    roofline of the quantized bytes (quantized-<kind>.json).
 7. speculative: ``orca-bench speculative`` on the same model, random-token prompts, off against n-gram
-   lookup and a draft model made of the model's first two layers (--draft-layers 2), with the default
-   attention backend and with flex and CUDA graphs (speculative-<backend>.json).
+   lookup and a draft model made of the model's first two layers (--draft-layers 2), with batched
+   attention and with flex and CUDA graphs (speculative-<backend>.json).
 8. lora: ``orca-bench lora`` on the same model, 1, 4 and 16 random rank-8 adapters against the base
-   model, with the default attention backend and with flex and CUDA graphs (lora-<backend>.json).
+   model, with batched attention and with flex and CUDA graphs (lora-<backend>.json).
 9. prefix: ``orca-bench prefix --mode offline`` on the same model (its token ids: it has no tokenizer),
-   prefix caching on and off on the shared-prefix and multi-turn workloads, with the default attention
-   backend and with flex and CUDA graphs (prefix-<backend>.json): whether flex, which now serves with the
-   cache, should be CUDA's default.
+   prefix caching on and off on the shared-prefix and multi-turn workloads, with batched attention and
+   with flex and CUDA graphs (prefix-<backend>.json).
+10. host: scripts/experiments/decode_host_profile.py on the same model, flex with CUDA graphs over the
+    default pool at batch 1, 64 and 256 (host.json): each decode iteration's step, the device's busy
+    time, the engine's phases and the host's costliest functions (the host and the device run in series).
 
 Where torch sees no GPU the same stages run on the CPU as a smoke check of the script (a tiny model, small
 batches; the tests skip): its figures mean nothing, and the summary says the GPU parts were skipped.
@@ -55,7 +57,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_SYSTEMS_CUDA = ("orca-flex-graphs", "orca-flex", "orca-batched", "transformers", "orca-reference")
 DECODE_SYSTEMS_CPU = ("orca-batched", "transformers")
-STAGES = ("env", "tests", "quantized", "speculative", "lora", "prefix", "decode", "offline")
+STAGES = ("env", "tests", "quantized", "speculative", "lora", "prefix", "host", "decode", "offline")
 ORCA_OPTIONS = {  # orca-bench decode's systems as orca-bench offline options
     "orca-reference": ["--attention-backend", "reference", "--cuda-graphs", "off"],
     "orca-batched": ["--attention-backend", "batched", "--cuda-graphs", "off"],
@@ -355,7 +357,7 @@ def stage_offline(check: Check, checkpoint: Path, cuda: bool, system: str, limit
     return record
 
 
-FEATURE_BACKENDS = ("auto", "flex")  # the default attention backend (batched on CUDA), and flex with CUDA graphs
+FEATURE_BACKENDS = ("batched", "flex")  # on CUDA (a CPU runs auto only): batched, and flex with CUDA graphs
 # The feature benches' pool on CUDA: room for their requests (the default pool, sized from the GPU's memory,
 # would take most of it for each engine)
 FEATURE_N_SLOTS = "65536"
@@ -493,6 +495,24 @@ def stage_prefix(check: Check, checkpoint: Path, cuda: bool, limit: float) -> di
     return _combined(record, record["backends"])
 
 
+def stage_host(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
+    """scripts/experiments/decode_host_profile.py: where a decode iteration's time goes (the step, the
+    device's busy time, the engine's phases, the host's functions), flex with CUDA graphs over the default
+    pool on CUDA (batched on a CPU)."""
+    target = check.out / "host.json"
+    size = (["--systems", "orca-flex-graphs", "--batch-sizes", "1,64,256", "--default-pool"] if cuda else
+            ["--systems", "orca-batched", "--batch-sizes", "1,4", "--steps", "4", "--top", "5"])
+    record = check.run("host", [check.python, str(ROOT / "scripts" / "experiments" / "decode_host_profile.py"),
+                                "--model", str(checkpoint), *size, "--json", str(target)], limit)
+    if target.is_file():
+        record["summary"] = [
+            {"system": r["system"], "batch": r["batch"], "step_ms": round(r["step_ms_median"], 2),
+             "device_busy_ms": round(r["device_busy_us_per_iteration"] / 1e3, 2),
+             "phases_ms": {k: round(v, 2) for k, v in r["phases_ms_median"].items()}}
+            for r in json.loads(target.read_text())["results"]]
+    return record
+
+
 def _combined(record: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     statuses = {run["status"] for run in runs.values()}
     record["status"] = "ok" if statuses == {"ok"} else ("failed" if statuses == {"failed"} else "partial")
@@ -540,6 +560,9 @@ def print_table(check: Check) -> None:
     for kind, run in s.get("quantized", {}).get("kinds", {}).items():
         for row in run.get("table", []):
             check.say(f"  quantized {kind}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    for row in s.get("host", {}).get("summary", []):
+        check.say(f"  host {row['system']} B={row['batch']}: step {row['step_ms']} ms, device busy "
+                  f"{row['device_busy_ms']} ms, phases {row['phases_ms']}")
     for stage in ("speculative", "lora", "prefix"):
         for backend, run in s.get(stage, {}).get("backends", {}).items():
             if run.get("summary"):
@@ -602,6 +625,8 @@ def main() -> int:
                     record = stage_lora(check, checkpoint, cuda, share)
                 elif name == "prefix":
                     record = stage_prefix(check, checkpoint, cuda, share)
+                elif name == "host":
+                    record = stage_host(check, checkpoint, cuda, share)
                 elif name == "decode":
                     record = decode = stage_decode(check, checkpoint, cuda, max(0.0, share), tmp,
                                                    tuple(args.systems.split(",")) if args.systems else None)

@@ -29,7 +29,8 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_and_says_the_gpu_parts_were_skipped(
     assert summary["cuda"] is False
     stages = summary["stages"]
     assert {name: stage["status"] for name, stage in stages.items()} == dict.fromkeys(
-        ("env", "tests", "checkpoint", "quantized", "speculative", "lora", "prefix", "decode", "offline"), "ok")
+        ("env", "tests", "checkpoint", "quantized", "speculative", "lora", "prefix", "host", "decode", "offline"),
+        "ok")
     counts = stages["tests"]["counts"]
     assert counts["skipped"] > 0 and counts["passed"] == counts["failed"] == counts["errors"] == 0
     decode = json.loads((tmp_path / "decode.json").read_text())
@@ -50,6 +51,9 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_and_says_the_gpu_parts_were_skipped(
     prefix = stages["prefix"]["backends"]["auto"]["summary"]
     assert set(prefix) == {"shared-prefix", "multi-turn"}
     assert all(w["prefix_cache_on"]["hits"] > 0 for w in prefix.values())
+    host = stages["host"]["summary"]  # where a decode iteration's time goes, per batch size
+    assert [(row["system"], row["batch"]) for row in host] == [("orca-batched", 1), ("orca-batched", 4)]
+    assert all(row["step_ms"] > 0 and row["phases_ms"]["model"] > 0 for row in host)
     for name in ("quantized-int8.json", "quantized-int4.json", "speculative-auto.json", "lora-auto.json",
-                 "prefix-auto.json"):
+                 "prefix-auto.json", "host.json"):
         assert (tmp_path / name).is_file()
