@@ -16,8 +16,8 @@ from checkpoints import make_mixtral
 
 import orca.worker
 from orca import EngineConfig, LLMEngine, SamplingParams
+from orca.checkpoint import read_model_config
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan
-from orca.models.loader import load_model
 from orca.worker import Worker
 from orca.worker.cuda_graphs import graph_size_for, graph_sizes, why_no_graphs
 
@@ -45,8 +45,11 @@ def test_sizes_and_the_size_a_batch_runs_in() -> None:
 
 def test_graphs_apply_only_where_they_can(tmp_path: Path) -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    dense, _ = load_model(tiny_checkpoint("llama"), torch.float32, cpu)
-    moe, _ = load_model(make_mixtral(tmp_path / "mixtral"), torch.float32, cpu)
+    # moe: the model config's mixture-of-experts layers (what the worker passes), as a mixture's checkpoint
+    # declares them and a dense one does not
+    dense = any(read_model_config(tiny_checkpoint("llama"))[0].moe_layers)
+    moe = any(read_model_config(make_mixtral(tmp_path / "mixtral"))[0].moe_layers)
+    assert not dense and moe
     assert why_no_graphs("auto", cuda, "flex", 1, dense) is None
     assert why_no_graphs("off", cuda, "flex", 1, dense) == "cuda_graphs is off"
     assert "not CUDA" in why_no_graphs("auto", cpu, "flex", 1, dense)

@@ -148,7 +148,7 @@ class Worker:
         # CUDA graphs for decode iterations (orca/worker/cuda_graphs.py): captured in init_kv_pool when
         # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
         self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
-                                              self.par.layout.world_size, self.model)
+                                              self.par.layout.world_size, any(mc.moe_layers))
         self.decode_graphs: DecodeGraphs | None = None
         # The compiled forward pass (orca/worker/compiled.py): compiled in init_kv_pool when why_not_compiled
         # finds no reason against.
@@ -640,14 +640,10 @@ class Worker:
 
 def why_not_flex_by_default(config: EngineConfig, device: torch.device, checkpoint: Path, ranks: int) -> str | None:
     """Why attention_backend auto is not flex on this configuration (resolve_attention_backend), or None when
-    it is: flex is CUDA's default where its decode iterations run in CUDA graphs (why_no_graphs' conditions,
-    read from the checkpoint's config before the weights load) and it serves everything asked of it."""
-    if device.type != "cuda":
+    it is: flex is CUDA's default where its decode iterations run in CUDA graphs (why_no_graphs, on the
+    checkpoint's config, read before the weights load) and it serves everything asked of it."""
+    if device.type != "cuda":  # (why_no_graphs says so too; here before any checkpoint is read)
         return f"the device is {device.type}"
-    if config.cuda_graphs == "off":
-        return "cuda_graphs is off (flex is ahead of batched only with its CUDA graphs)"
-    if ranks > 1:
-        return "tensor or pipeline parallelism (no CUDA graphs)"
     if config.kv_cache_dtype != "auto":
         return f"kv_cache_dtype {config.kv_cache_dtype} (flex reads an unquantized pool only)"
     if config.enable_lora:
@@ -656,8 +652,9 @@ def why_not_flex_by_default(config: EngineConfig, device: torch.device, checkpoi
                                   if config.speculative_method == "draft" and config.speculative_model else [])
     for path in checkpoints:
         mc, _ = read_model_config(path)
-        if mc.moe_layers and any(mc.moe_layers):
-            return "mixture-of-experts layers (no CUDA graphs)"
+        reason = why_no_graphs(config.cuda_graphs, device, "flex", ranks, any(mc.moe_layers))
+        if reason is not None:
+            return reason
         if mc.head_dim < FLEX_MIN_HEAD_DIM:
             return f"head_dim {mc.head_dim} < {FLEX_MIN_HEAD_DIM} (torch's flex kernels)"
     return None

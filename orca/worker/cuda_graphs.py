@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from orca.models.attention import AttentionMetadata, get_backend
-from orca.models.moe import SparseMoE
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +51,10 @@ def graph_size_for(num_rows: int, sizes: Sequence[int]) -> int | None:
 
 
 def why_no_graphs(choice: str, device: torch.device, attention_backend: str, world_size: int,
-                  model: nn.Module) -> str | None:
+                  moe: bool) -> str | None:
     """Why decode iterations are not captured (EngineConfig.cuda_graphs and the conditions above), or None
-    when they are."""
+    when they are. `moe`: the model has mixture-of-experts layers (its config's moe_layers, which the
+    worker's auto attention backend reads too, before the weights load)."""
     if choice == "off":
         return "cuda_graphs is off"
     if device.type != "cuda":
@@ -62,8 +62,8 @@ def why_no_graphs(choice: str, device: torch.device, attention_backend: str, wor
     if not get_backend(attention_backend).cuda_graphs:
         return f"attention_backend is {attention_backend} (graphs need flex's fixed shapes)"
     if world_size > 1:
-        return "the worker is one of several ranks"
-    if any(isinstance(m, SparseMoE) for m in model.modules()):
+        return "the worker is one of several ranks (tensor or pipeline parallelism)"
+    if moe:
         return "the model has mixture-of-experts layers (their routing reads token counts on the host)"
     return None
 
