@@ -93,6 +93,24 @@ def _nan_pool_outside(shape: list[tuple[int, int]], rng: random.Random, block_si
     return lengths, context, tables, pool
 
 
+def _reference_and_batched(shape: list[tuple[int, int]], rng: random.Random, seed: int, num_blocks: int,
+                           dtype: torch.dtype, window: int | None
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, AttentionMetadata]]:
+    """Requests of (new tokens, cached tokens) `shape` on a pool NaN outside their blocks (_nan_pool_outside,
+    its tables drawn with `rng`: blocks of 4, 6 query heads over 2 K/V heads of 8), queries and new keys and
+    values drawn after torch.manual_seed(seed): each of the reference and batched backends' outputs
+    (float32) and metadata."""
+    torch.manual_seed(seed)
+    lengths, context, tables, pool = _nan_pool_outside(shape, rng, 4, num_blocks, 2, 8, dtype)
+    q = torch.randn(sum(lengths), 6, 8, dtype=dtype)
+    kv = torch.randn(sum(lengths), 2, 2, 8, dtype=dtype)
+    out, metas = {}, {}
+    for b in ("reference", "batched"):
+        metas[b] = AttentionMetadata.build(lengths, context, tables, 4, pool.clone(), backend=b)
+        out[b] = selective_attention(q, kv, metas[b], 1, 0.35, window).float()
+    return out, metas
+
+
 @pytest.mark.parametrize("increments", [1, BATCHED_MIN_INCREMENTS - 1, BATCHED_MIN_INCREMENTS, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_increments_read_only_their_own_slots(increments: int, dtype: torch.dtype) -> None:
@@ -102,18 +120,11 @@ def test_batched_increments_read_only_their_own_slots(increments: int, dtype: to
     BATCHED_MIN_INCREMENTS increments run the reference's calls; from there on, one batch. bfloat16 matches
     the reference to its precision."""
     rng = random.Random(increments)
-    block_size, num_blocks, heads, kv_heads, dim = 4, 64, 6, 2, 8
     shape = [(1, rng.choice([0, 1, 2, 39])) for _ in range(increments)]
     shape = [(n, max(past, 1)) for n, past in shape] + [(7, 0)]
-    torch.manual_seed(increments)
-    lengths, context, tables, pool = _nan_pool_outside(shape, rng, block_size, num_blocks, kv_heads, dim, dtype)
-    q = torch.randn(sum(lengths), heads, dim, dtype=dtype)
-    kv = torch.randn(sum(lengths), 2, kv_heads, dim, dtype=dtype)
-    out = {}
-    for b in ("reference", "batched"):
-        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
+    out, metas = _reference_and_batched(shape, rng, increments, 64, dtype, None)
+    for b, meta in metas.items():
         assert bool(meta.increments) == (b == "batched" and increments >= BATCHED_MIN_INCREMENTS)
-        out[b] = selective_attention(q, kv, meta, 1, 0.35, None).float()
     assert out["batched"].isfinite().all()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out["batched"], out["reference"], atol=tolerance, rtol=0)
@@ -128,18 +139,10 @@ def test_batched_short_requests_are_the_reference_s(dtype: torch.dtype, window: 
     blocks (no padding query or slot reads another's), with a sliding window too, beside a chunk longer
     than BATCHED_MAX_QUERIES and a prompt (the reference's calls)."""
     rng = random.Random(7)
-    block_size, num_blocks, heads, kv_heads, dim = 4, 96, 6, 2, 8
     shape = ([(1, rng.randint(1, 30)) for _ in range(3)] + [(n, rng.randint(1, 30)) for n in (2, 5, 5, 3, 8)]
              + [(BATCHED_MAX_QUERIES + 3, 6), (7, 0)])
-    torch.manual_seed(7)
-    lengths, context, tables, pool = _nan_pool_outside(shape, rng, block_size, num_blocks, kv_heads, dim, dtype)
-    q = torch.randn(sum(lengths), heads, dim, dtype=dtype)
-    kv = torch.randn(sum(lengths), 2, kv_heads, dim, dtype=dtype)
-    out = {}
-    for b in ("reference", "batched"):
-        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
-        out[b] = selective_attention(q, kv, meta, 1, 0.35, window).float()
-    groups = [(g.rows, g.queries) for g in meta.increments]
+    out, metas = _reference_and_batched(shape, rng, 7, 96, dtype, window)
+    groups = [(g.rows, g.queries) for g in metas["batched"].increments]
     assert groups[0] == (3, 1) and sum(rows for rows, _ in groups[1:]) == 5 and max(q for _, q in groups) == 8
     assert out["batched"].isfinite().all()
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
