@@ -367,6 +367,11 @@ QUANTIZED_KINDS_CUDA = ("none", "int8", "int4", "fp8")
 QUANTIZED_KINDS_CPU = ("none", "int8", "int4")
 
 
+def feature_backends(cuda: bool) -> tuple[str, ...]:
+    """The attention backends each feature stage (speculative, lora, prefix) runs, a process each."""
+    return FEATURE_BACKENDS if cuda else ("auto",)
+
+
 def _bench_runs(check: Check, stage: str, keys: tuple[str, ...], argv: Callable[[str], list[str]],
                 summarize: Callable[[dict[str, Any]], dict[str, Any]], limit: float) -> dict[str, dict[str, Any]]:
     """One bench process per key (`python -m` and argv(key)), each writing <stage>-<key>.json under the output
@@ -416,7 +421,7 @@ def stage_speculative(check: Check, checkpoint: Path, cuda: bool, limit: float) 
                 "--speculative-disable-by-batch-size", "1024", *size]
 
     record: dict[str, Any] = {"backends": _bench_runs(
-        check, "speculative", FEATURE_BACKENDS if cuda else ("auto",), argv,
+        check, "speculative", feature_backends(cuda), argv,
         lambda result: {"summary": _speculative_summary(result)}, limit)}
     return _combined(record, record["backends"])
 
@@ -457,7 +462,7 @@ def stage_lora(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict
             "lora_off_ratio_to_base": result["lora_off"]["ratio_to_base"],
             "load": result.get("load"), "base_same_tokens_as_lora_off": result["base_same_tokens_as_lora_off"]}}
 
-    record: dict[str, Any] = {"backends": _bench_runs(check, "lora", FEATURE_BACKENDS if cuda else ("auto",), argv,
+    record: dict[str, Any] = {"backends": _bench_runs(check, "lora", feature_backends(cuda), argv,
                                                       summary, limit)}
     return _combined(record, record["backends"])
 
@@ -467,7 +472,7 @@ def _processes(stage: str, cuda: bool, args: argparse.Namespace) -> int:
     if stage == "quantized":
         return len(QUANTIZED_KINDS_CUDA if cuda else QUANTIZED_KINDS_CPU)
     if stage in ("speculative", "lora", "prefix"):
-        return len(FEATURE_BACKENDS) if cuda else 1
+        return len(feature_backends(cuda))
     if stage == "decode":
         systems = args.systems.split(",") if args.systems else DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU
         return len(systems)
@@ -490,7 +495,7 @@ def stage_prefix(check: Check, checkpoint: Path, cuda: bool, limit: float) -> di
                                    "prefix_cache_on": w["offline"]["orca"]["on"].get("prefix_cache")}
                             for name, w in result["workloads"].items()}}
 
-    record: dict[str, Any] = {"backends": _bench_runs(check, "prefix", FEATURE_BACKENDS if cuda else ("auto",),
+    record: dict[str, Any] = {"backends": _bench_runs(check, "prefix", feature_backends(cuda),
                                                       argv, summary, limit)}
     return _combined(record, record["backends"])
 
