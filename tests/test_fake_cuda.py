@@ -51,6 +51,9 @@ What it cannot reach, and why:
   sparse layout and the call's inputs are the real ones. (Inductor's CUDA lowering of flex_attention, which
   runs this far on a CPU build, refuses head_dim < 16, and so does the worker for flex on CUDA: the families
   here are built with head_dim 16.)
+- the paged decode kernel (Triton; flex's iterations of few rows per request on CUDA): a stand-in checks
+  that every tensor it is given is on the device and gives the output's shape; the layout it reads (rows,
+  tables; the CUDA graphs' static one) is the real one. tests/test_paged_decode.py runs the kernel itself.
 - the warm-up iterations at load (init_kv_pool's _warm_up): they end in the same host read; the test's own
   iterations run the same path.
 - the GPU's memory (the pool sized by a profiling pass: torch.cuda.mem_get_info, max_memory_allocated), its
@@ -277,6 +280,7 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     - flex_attention runs uncompiled (compiled, it needs Inductor's Triton kernels and a GPU), and its
       layout's host arrays go to the device unpinned (upload_arrays' staging buffer, which numpy writes
       into: FakeTensorMode cannot copy that to a fake device, so it is made from its values);
+    - the paged decode kernel is a stand-in (_paged_decode_on_the_device) for Triton's, which needs a GPU;
     - CUDA graphs are not captured: DecodeGraphs keeps its static buffers and runs them eagerly;
     - the load-time warm-up iterations are not run (they end in a host read; the test's iterations run the
       same path)."""
@@ -285,12 +289,20 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     monkeypatch.setattr(orca.models.device, "torch", staging)
     monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)
     monkeypatch.setattr(orca.models.attention.flex, "_flex_function", lambda device_type: flex_attention)
+    monkeypatch.setattr(orca.models.attention.flex, "paged_decode_attention", _paged_decode_on_the_device)
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
     monkeypatch.setattr(orca.worker, "load_model", _fake_device_loader(mode))
     monkeypatch.setattr(orca.worker, "DecodeGraphs",
                         lambda *args, capture, **kwargs: DecodeGraphs(*args, capture=False, **kwargs))
     monkeypatch.setattr(Worker, "_warm_up", lambda self, plans, what: None)
     return FakeCuda(mode, staging)
+
+
+def _paged_decode_on_the_device(q: torch.Tensor, pool: torch.Tensor, *tensors_and_options: Any) -> torch.Tensor:
+    """paged_decode_attention's stand-in: its tensors on q's device (cuda), its output's shape and dtype."""
+    tensors = [q, pool, *(t for t in tensors_and_options if isinstance(t, torch.Tensor))]
+    assert len(tensors) == 5 and {t.device.type for t in tensors} == {"cuda"}, [t.device for t in tensors]
+    return torch.empty_like(q)
 
 
 def _fake_device_loader(mode: FakeTensorMode) -> Callable[..., tuple[nn.Module, Any]]:

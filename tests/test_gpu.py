@@ -193,6 +193,56 @@ def test_fused_backends_match_reference_on_cuda(block_size: int, backend: str) -
     torch.testing.assert_close(out[backend], out["reference"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_flex_iterations_of_few_rows_per_request_match_reference_on_cuda(block_size: int, window: int | None) -> None:
+    """Increments, verifying rows and short prompts (at most PAGED_ROWS rows per request): on CUDA flex hands
+    them to the paged decode kernel (a layout without block-sparse structure), against per-request SDPA."""
+    from orca.models.attention import AttentionMetadata, selective_attention
+    from orca.models.attention.flex import PAGED_ROWS
+
+    rng = random.Random(block_size)
+    short = [(1, 9), (1, 3), (1, 300), (PAGED_ROWS, 0), (5, 6), (1, 0), (3, 17), (1, 64)] * 5
+    num_blocks = 8000 // block_size + 8
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in short]
+    lengths, context = [n for n, _ in short], [p for _, p in short]
+    torch.manual_seed(0)
+    pool = torch.randn(2, 2, 2, num_blocks * block_size, 64, device=DEVICE)
+    q = torch.randn(sum(lengths), 6, 64, device=DEVICE)
+    kv = torch.randn(sum(lengths), 2, 2, 64, device=DEVICE)
+    out = {}
+    for b in ("reference", "flex"):
+        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
+        if b == "flex":
+            assert meta.flex.paged == CUDA and (meta.flex.kv_indices is None) == CUDA
+        out[b] = selective_attention(q, kv, meta, 1, 0.125, window)
+    torch.testing.assert_close(out["flex"], out["reference"], atol=1e-4, rtol=0)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_the_paged_decode_kernel_on_cuda(rows: int, dtype: torch.dtype) -> None:
+    """The kernel compiled, a Llama-sized head layout (32 query heads on 8 K/V heads of 64): one row (the
+    most splits) to 300 (one split), against attention from each row's gathered keys and values."""
+    from test_paged_decode import _case, _expected
+
+    from orca.models.attention import paged_decode
+
+    q, pool, q_request, q_position, table, tables, positions = _case(
+        rows, rows=rows, heads=32, kv_heads=8, head_dim=64, block_size=16, num_blocks=rows * 12 + 4, dtype=dtype,
+        padding=3)
+    device = torch.device("cuda")
+    args = [t.to(device) for t in (q, pool, q_request, q_position, table)]
+    out = paged_decode.paged_decode_attention(*args, 16, 0.125, None)
+    expected = _expected(q, pool, tables, positions, 16, 0.125, None, 3)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:rows].float().cpu(), expected[:rows], atol=tolerance, rtol=tolerance)
+    assert torch.count_nonzero(out[rows:]) == 0
+
+
 @cuda_only
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cuda_graphs_on_and_off_give_the_same_tokens(family: str) -> None:

@@ -15,10 +15,13 @@ resolve_attention_backend): on an H200 flex with graphs made 3.0-3.7x batched's 
 3.2-6.2x its decode tokens/s at batch 1-64. Not on a CPU: there flex's paged mask does not compile in
 torch 2.13 and batched is the fastest measured.
 
-Decode iterations stay packed (query (1, H, T, D)): laid out per request instead (query (T, H, 1, D),
-PyTorch's paged-attention shape, a query tile per request), inductor lowered the dynamic batch to flex's
-main kernel, not its decoding kernel, which needs a static batch: slower on the H200 (attention 145 us per
-layer at batch 64, the iteration's device time 4.10 ms against 3.38 packed).
+On CUDA, iterations in which every request feeds at most PAGED_ROWS rows (every decode iteration, hence
+every CUDA graph; speculative verifications; short prompts) do not call flex_attention: packed, a query
+tile of increments reads every block of every request in it (7.6 of a 10.0 ms iteration's device time at
+batch 256 on an H200); laid out per request (query (T, H, 1, D)), inductor lowered the dynamic batch to
+flex's main kernel, not its decoding kernel, which needs a static batch (attention 145 us per layer at batch
+64, against 79 packed). They run the paged decode kernel (paged_decode.py: a Triton program per row and
+K/V head, reading the row's blocks through its table), on a `paged` FlexLayout: rows and tables only.
 
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each
@@ -29,6 +32,7 @@ kernel reads the pool as it is and would need its scales; refused at load, orca/
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from orca.models.attention.base import AttentionMetadata, PhaseTimer, token_slots
+from orca.models.attention.paged_decode import paged_decode_attention
 from orca.models.device import upload, upload_arrays
 
 # The flex backend's tiles: FLEX_Q_BLOCK query rows (a tile of increments spans up to this many requests,
@@ -52,6 +57,11 @@ FLEX_RECOMPILE_LIMIT = 64  # graphs of compiled flex_attention per process (see 
 # Inductor's flex kernels need a head dimension of at least this (torch 2.11: "NYI: embedding dimension of the
 # query, key, and value must be at least 16"); the worker refuses flex on CUDA below it, at load.
 FLEX_MIN_HEAD_DIM = 16
+# On CUDA an iteration in which every request feeds at most this many rows (increments, speculative
+# verifications, short prompts; every CUDA graph) attends with the paged decode kernel (paged_decode.py),
+# a program per row, instead of flex_attention, whose packed query tiles read every block of every
+# request in them; longer rows (prompts) stay with flex, whose tiles share a request's reads. 0: never.
+PAGED_ROWS = 8
 
 
 @dataclass(kw_only=True)
@@ -65,9 +75,10 @@ class FlexMetadata(AttentionMetadata):
     # Token counts are dynamic, but dynamo specialises a few (tests/test_attention_backend.py counts the
     # graphs): two rows, one row (the worker's prompt and increment), one query tile of more rows, several
     # tiles; and inductor's lowering guards on FLEX_DECODING_ROWS (its decoding kernel below that many query
-    # rows, its main kernel from there). So after the prompt and its increment: iterations of 5 rows, of more
-    # than two tiles and of more than FLEX_DECODING_ROWS.
-    warm_up_rows = (5, 2 * FLEX_Q_BLOCK + 1, FLEX_DECODING_ROWS + 1)
+    # rows, its main kernel from there). So after the prompt and its increment (which, on CUDA, compile the
+    # paged decode kernel instead): iterations of one tile of more than PAGED_ROWS rows (one request's: on
+    # CUDA, flex's), of more than two tiles and of more than FLEX_DECODING_ROWS.
+    warm_up_rows = (PAGED_ROWS + 1, 2 * FLEX_Q_BLOCK + 1, FLEX_DECODING_ROWS + 1)
 
     flex: FlexLayout = field()  # (required: the base's None is for the other backends)
 
@@ -92,13 +103,18 @@ class FlexMetadata(AttentionMetadata):
             slots.extend(token_slots(table, block_size, past, past + n))
         slots.extend([pad_slot] * padding)
         device = kv_pool.device
-        layout = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device, padding)
+        layout = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device, padding,
+                                  paged=device.type == "cuda" and 0 < max(lengths, default=0) <= PAGED_ROWS)
         return cls(slot_mapping=upload(slots, torch.int64, device), kv_pool=kv_pool, timer=timer, flex=layout)
 
     def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """One flex_attention call over the whole of `pool` (this layer's, new keys and values written)."""
         num_tokens, num_heads, head_dim = q.shape
         layout = self.flex
+        if layout.paged:
+            out = paged_decode_attention(q, pool, layout.q_request, layout.q_position, layout.tables,
+                                         layout.block_size, scale, window)
+            return out.reshape(num_tokens, num_heads * head_dim)
         options = {"BLOCK_M": FLEX_Q_BLOCK, "BLOCK_N": FLEX_KV_BLOCK} if q.device.type == "cuda" else None
         with warnings.catch_warnings():  # the unfused CPU path warns that it is unfused, at every call
             warnings.simplefilter("ignore", UserWarning)
@@ -126,7 +142,8 @@ class FlexMetadata(AttentionMetadata):
         device = kv_pool.device
         return cls(
             slot_mapping=torch.full((rows,), pad_slot, dtype=torch.int64, device=device), kv_pool=kv_pool,
-            flex=FlexLayout.static(rows, max_blocks, block_size, kv_pool.shape[3], device),
+            flex=FlexLayout.static(rows, max_blocks, block_size, kv_pool.shape[3], device,
+                                   paged=device.type == "cuda" and PAGED_ROWS >= 1),
         )
 
     def head(self, num_tokens: int) -> AttentionMetadata:
@@ -160,18 +177,23 @@ class FlexLayout:
     tiles: the structure grows with the iteration's requests and blocks, never with the pool (built on the
     host with numpy; the pool-sized block index on the device, from the iteration's blocks). CUDA graphs'
     static buffers (FlexMetadata.graph_buffers) have fixed widths, bounds for any decode iteration, and take
-    an iteration's narrower tables and indices in copy_."""
+    an iteration's narrower tables and indices in copy_.
+
+    A `paged` layout (on CUDA, rows of few tokens per request: FlexMetadata.attend hands it to the paged
+    decode kernel) has the rows and the tables only: no block index and no block-sparse structure, which
+    only flex_attention reads."""
 
     q_request: torch.Tensor  # (T,) int32
     q_position: torch.Tensor  # (T,) int32
     tables: torch.Tensor  # (requests, table width) int32, -1 past each request's blocks
-    block_index: torch.Tensor  # (pool blocks,) int32
-    kv_num_blocks: torch.Tensor  # (1, 1, Q tiles) int32
-    kv_indices: torch.Tensor  # (1, 1, Q tiles, width) int32
+    block_index: torch.Tensor | None  # (pool blocks,) int32; None when paged
+    kv_num_blocks: torch.Tensor | None  # (1, 1, Q tiles) int32; None when paged
+    kv_indices: torch.Tensor | None  # (1, 1, Q tiles, width) int32; None when paged
     block_size: int
     kv_block: int
     num_tokens: int
     num_slots: int
+    paged: bool = False
     _masks: dict[int | None, object] = field(default_factory=dict)
 
     @classmethod
@@ -184,6 +206,7 @@ class FlexLayout:
         num_slots: int,
         device: torch.device,
         padding: int = 0,
+        paged: bool = False,
     ) -> FlexLayout:
         kv_block = _kv_block(block_size)
         num_tokens = sum(lengths) + padding
@@ -204,6 +227,11 @@ class FlexLayout:
         real = int(n_arr.sum())
         q_request[:real] = np.repeat(np.arange(num_requests, dtype=np.int32), n_arr)
         q_position[:real] = (np.arange(real) - np.repeat(row0, n_arr) + np.repeat(past_arr, n_arr)).astype(np.int32)
+        if paged:
+            q_request_t, q_position_t, tables_t = upload_arrays([q_request, q_position, tables], torch.int32, device)
+            return cls(q_request=q_request_t, q_position=q_position_t, tables=tables_t, block_index=None,
+                       kv_num_blocks=None, kv_indices=None, block_size=block_size, kv_block=kv_block,
+                       num_tokens=num_tokens, num_slots=num_slots, paged=True)
         # The requests' blocks, flattened: owner, index in its table, slot tile.
         used_arr = np.asarray(used, dtype=np.int64)
         owner = np.repeat(np.arange(num_requests), used_arr)
@@ -240,13 +268,22 @@ class FlexLayout:
         )
 
     @classmethod
-    def static(cls, rows: int, max_blocks: int, block_size: int, num_slots: int, device: torch.device) -> FlexLayout:
+    def static(cls, rows: int, max_blocks: int, block_size: int, num_slots: int, device: torch.device,
+               paged: bool = False) -> FlexLayout:
         """All-padding buffers for iterations of up to `rows` one-token requests of up to `max_blocks` blocks
         each (CUDA graphs' decode iterations): tables (rows, max_blocks), and as many slot tiles per query
         tile as its FLEX_Q_BLOCK requests can read: a block lies in one slot tile, and a request's blocks can
         lie anywhere in the pool, so up to max_blocks tiles each (not the tiles max_blocks contiguous blocks
         span, which blocks smaller than a tile, scattered, overrun)."""
         kv_block = _kv_block(block_size)
+        if paged:
+            return cls(
+                q_request=torch.zeros(rows, dtype=torch.int32, device=device),
+                q_position=torch.full((rows,), PADDING_ROW, dtype=torch.int32, device=device),
+                tables=torch.full((max(rows, 2), max(max_blocks, 2)), -1, dtype=torch.int32, device=device),
+                block_index=None, kv_num_blocks=None, kv_indices=None, block_size=block_size, kv_block=kv_block,
+                num_tokens=rows, num_slots=num_slots, paged=True,
+            )
         num_q_tiles, num_kv_tiles = -(-rows // FLEX_Q_BLOCK), -(-num_slots // kv_block)
         width = max(min(num_kv_tiles, FLEX_Q_BLOCK * max_blocks), 2)
         # (1, 1, ...) views of 1-D and 2-D tensors, as build's are: compiled flex guards on a view's base
@@ -264,6 +301,9 @@ class FlexLayout:
         """The layout of this one's first `num_tokens` rows, sharing its tensors (views, so what is copied
         into this layout is what the head's masks read): one per CUDA graph size over one set of static
         buffers (orca/worker/cuda_graphs.py). The tables stay whole: a head's requests are among its rows."""
+        if self.paged:
+            return dataclasses.replace(self, q_request=self.q_request[:num_tokens],
+                                       q_position=self.q_position[:num_tokens], num_tokens=num_tokens, _masks={})
         q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
         width = self.kv_indices.shape[-1]
         # The first q_tiles rows of the (1, 1, Q tiles, ...) buffers, viewed with a fresh layout's contiguous
@@ -280,18 +320,25 @@ class FlexLayout:
     def copy_(self, other: FlexLayout) -> None:
         """Takes `other`'s values (an iteration of the same token count over the same pool, its tables and
         slot tiles within this layout's widths) into this layout's tensors, in place."""
+        if other.paged != self.paged:
+            raise ValueError("a paged layout and a flex_attention one do not copy into each other")
         if (other.num_tokens, other.num_slots, other.block_size) != (self.num_tokens, self.num_slots, self.block_size):
             raise ValueError(f"a layout of {other.num_tokens} rows over {other.num_slots} slots does not fit one of "
                              f"{self.num_tokens} rows over {self.num_slots} slots")
-        (requests, width), kv_width = other.tables.shape, other.kv_indices.shape[-1]
-        if requests > self.tables.shape[0] or width > self.tables.shape[1] or kv_width > self.kv_indices.shape[-1]:
+        requests, width = other.tables.shape
+        kv_width, kv_room = (0, 0) if self.paged else (other.kv_indices.shape[-1], self.kv_indices.shape[-1])
+        if requests > self.tables.shape[0] or width > self.tables.shape[1] or kv_width > kv_room:
             raise ValueError(f"an iteration of {requests} requests of up to {width} blocks, visiting up to "
                              f"{kv_width} slot tiles per query tile, exceeds the static layout's "
-                             f"{tuple(self.tables.shape)} tables and {self.kv_indices.shape[-1]} slot tiles")
-        for name in ("q_request", "q_position", "block_index", "kv_num_blocks"):
-            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
+                             f"{tuple(self.tables.shape)} tables and {kv_room} slot tiles")
+        self.q_request.copy_(other.q_request, non_blocking=True)
+        self.q_position.copy_(other.q_position, non_blocking=True)
         self.tables.fill_(-1)
         self.tables[:requests, :width].copy_(other.tables, non_blocking=True)
+        if self.paged:
+            return
+        for name in ("block_index", "kv_num_blocks"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
         self.kv_indices.zero_()
         self.kv_indices[..., :kv_width].copy_(other.kv_indices, non_blocking=True)
 
@@ -312,6 +359,8 @@ class FlexLayout:
 
     def block_mask(self, window: int | None = None):  # noqa: ANN201 - a BlockMask (imported lazily)
         """The BlockMask of this iteration (one per window size: the sliding layers' differs)."""
+        if self.paged:
+            raise ValueError("a paged layout has no block-sparse structure (the paged decode kernel reads it)")
         if window not in self._masks:
             from torch.nn.attention.flex_attention import BlockMask
 

@@ -1,0 +1,123 @@
+"""Paged attention for decode iterations on CUDA: a Triton kernel that reads each query row's keys and
+values straight from the pool through its request's block table, a program per (row, K/V head, split).
+
+Why its own kernel: flex_attention (orca/models/attention/flex.py) lays an iteration's rows out packed, one
+query tile spanning several requests, so a tile of increments reads every block of every request in it and
+masks out most of what it reads, and from FLEX_DECODING_ROWS rows on inductor lowers it to its main kernel.
+On an H200 (the 1.1B random Llama, bf16, 128-token prompts) flex's attention was 1.27 ms of a decode
+iteration's 3.3 ms device time at batch 64 and 7.6 of 10.0 ms at batch 256 (docs/bench/gpu/run7-host.json),
+where reading the keys and values once takes well under 0.2 ms. PyTorch has no paged attention op, and
+flex's own paged layout (a query tile per request) needs a static batch (flex.py's docstring).
+
+The kernel: the program of row t and K/V head h loads the row's query heads that share h (grouped-query
+attention, no repeat of keys and values; padded to a tile of at least 16 rows for tl.dot), then walks the
+row's positions [max(0, p - window + 1), p] in tiles of BLOCK_N slots: each slot's block from the request's
+table, keys and values gathered by slot, an online softmax (flash attention's running max and sum). With
+`splits` > 1 each program takes one contiguous share of the row's tiles and writes its partial result
+(running max, sum and unnormalised output, float32); a second kernel combines the shares (flash decoding):
+that keeps the GPU busy when rows x heads are few and contexts long. The split count depends only on the
+row count and the GPU (`num_splits`), so a CUDA graph of a batch size captures one launch configuration.
+
+Rows whose position is -1 (FlexLayout's padding rows) read nothing and come out as zeros. The pool is read
+as it is (the model's dtype: kv_cache_dtype auto, as flex). Tested on a CPU under TRITON_INTERPRET=1
+(tests/test_paged_decode.py) and on CUDA against the reference backend (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+BLOCK_N = 64  # pool slots per tile of a program's loop
+MIN_DOT = 16  # tl.dot's smallest tile side: the query heads of a K/V head and the head dimension pad to it
+MAX_SPLITS = 16
+NUM_WARPS = 4
+
+
+def num_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """How many shares of its positions each (row, K/V head) pair is split into: enough programs for two
+    per streaming multiprocessor, at most MAX_SPLITS, 1 when the pairs alone fill the GPU."""
+    if device.type != "cuda":
+        return 1 if rows * kv_heads >= 64 else min(MAX_SPLITS, 4)
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(MAX_SPLITS, -(-2 * sms // max(1, rows * kv_heads))))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    q_request: torch.Tensor,
+    q_position: torch.Tensor,
+    tables: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """q (T, H, D) over `pool` (one layer's, (2, KVH, slots, D)): row t reads the slots of request
+    q_request[t]'s blocks (its row of `tables`, (requests, width)) at positions up to q_position[t] (and
+    within `window`) -> (T, H, D) in q's dtype."""
+    num_rows, num_heads, head_dim = q.shape
+    kv_heads = pool.shape[1]
+    group = num_heads // kv_heads
+    if num_heads % kv_heads or pool.shape[3] != head_dim:
+        raise ValueError(f"{num_heads} query heads of {head_dim} over {kv_heads} K/V heads of {pool.shape[3]}")
+    splits = splits or num_splits(num_rows, kv_heads, q.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits {splits} is outside [1, {MAX_SPLITS}]")
+    if q.stride(2) != 1:  # the kernel steps through a head's values one element apart (the pool's are)
+        q = q.contiguous()
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_rows == 0:
+        return out
+    keys, values = pool[0], pool[1]
+    block_g = max(MIN_DOT, _next_power_of_2(group))
+    block_d = max(MIN_DOT, _next_power_of_2(head_dim))
+    # The dots run on float32 tiles: IEEE for a float32 model; tf32 for 16-bit ones, which holds bf16 and fp16
+    # values exactly (and rounds the softmax weights less than a cast to bf16 would). Float32 tiles also keep
+    # Triton's interpreter right: it computes 16-bit dots wrongly on a CPU (triton 3.9).
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    stage, combine = _kernels()
+    log2_scale = scale * math.log2(math.e)
+    # One compilation of each kernel, whatever the split count (a launch argument): none in a user's request
+    # after the load's warm-up. With one split the partial buffers are not written (one float stands in).
+    shape = (splits, num_rows, num_heads, head_dim) if splits > 1 else (1, 1, 1, 1)
+    acc = torch.empty(shape, dtype=torch.float32, device=q.device)
+    maxes = torch.empty(shape[:3], dtype=torch.float32, device=q.device)  # (a tensor each: both 16-byte aligned,
+    sums = torch.empty(shape[:3], dtype=torch.float32, device=q.device)  # as Triton's specialisation assumes)
+    stage[(num_rows, kv_heads, splits)](
+        q, keys, values, q_request, q_position, tables,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        tables.stride(0), block_size, window or 0, log2_scale, group, head_dim, splits,
+        out, out.stride(0), out.stride(1), acc, maxes, sums, acc.stride(0), acc.stride(1), acc.stride(2),
+        maxes.stride(0), maxes.stride(1),
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, PRECISION=precision, num_warps=NUM_WARPS,
+    )
+    if splits > 1:
+        combine[(num_rows, num_heads)](
+            acc, maxes, sums, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0),
+            maxes.stride(1), out.stride(0), out.stride(1), head_dim,
+            BLOCK_S=_next_power_of_2(MAX_SPLITS), BLOCK_D=block_d, num_warps=NUM_WARPS,
+        )
+    return out
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _kernels():  # noqa: ANN202 - two triton.JITFunction
+    """The stage and combine kernels, imported at first use: only CUDA, and the tests, need Triton (whose
+    interpreter, TRITON_INTERPRET=1, is chosen when a kernel is defined: tests/test_paged_decode.py reloads
+    the kernels' module under it)."""
+    from orca.models.attention import paged_decode_kernels
+
+    return paged_decode_kernels.stage, paged_decode_kernels.combine
