@@ -21,7 +21,6 @@ import torch
 
 from orca.models.attention import paged_decode
 
-
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
