@@ -205,6 +205,48 @@ def test_the_static_layout_holds_a_decode_iteration_of_scattered_small_blocks() 
     assert torch.equal(static.kv_indices[..., :rows * max_blocks], layout.kv_indices)
 
 
+def test_a_paged_layout_has_the_rows_and_tables_and_copies_into_the_static_one() -> None:
+    """The layout the paged decode kernel reads (CUDA's iterations of few rows per request): the same rows
+    and tables as flex's, no block-sparse structure; CUDA graphs' static paged layout takes a padded
+    decode iteration's (copy_, head), and a paged and an unpaged layout do not mix."""
+    from orca.models.attention.flex import PADDING_ROW
+
+    cpu, block_size, max_blocks = torch.device("cpu"), 4, 6
+    tables = [[7, 3], [11, 12, 13], [0]]
+    lengths, context, padding = [1, 1, 1], [5, 9, 0], 2
+    flex = FlexLayout.build(lengths, context, tables, block_size, 64 * block_size, cpu, padding)
+    paged = FlexLayout.build(lengths, context, tables, block_size, 64 * block_size, cpu, padding, paged=True)
+    assert paged.paged and paged.kv_indices is None and paged.block_index is None
+    for name in ("q_request", "q_position", "tables"):
+        assert torch.equal(getattr(paged, name), getattr(flex, name)), name
+    assert paged.q_position.tolist() == [5, 9, 0, PADDING_ROW, PADDING_ROW]
+    with pytest.raises(ValueError, match="no block-sparse structure"):
+        paged.block_mask()
+    static = FlexLayout.static(8, max_blocks, block_size, 64 * block_size, cpu, paged=True)
+    head = static.head(5)
+    head.copy_(paged)
+    assert torch.equal(static.q_position[:5], paged.q_position) and torch.equal(static.q_request[:5], paged.q_request)
+    assert static.tables[:3, :3].tolist() == [[7, 3, -1], [11, 12, 13], [0, -1, -1]]
+    assert (static.tables[:, 3:] == -1).all() and static.q_position[5:].tolist() == [PADDING_ROW] * 3
+    with pytest.raises(ValueError, match="do not copy into each other"):
+        FlexLayout.static(5, max_blocks, block_size, 64 * block_size, cpu).copy_(paged)
+    with pytest.raises(ValueError, match="exceeds the static layout"):
+        FlexLayout.static(5, 2, block_size, 64 * block_size, cpu, paged=True).copy_(paged)
+
+
+def test_flex_is_paged_on_cuda_for_iterations_of_few_rows_per_request() -> None:
+    """Which iterations the paged decode kernel takes (FlexMetadata.for_iteration asks takes_paged_decode):
+    on CUDA, at most PAGED_ROWS rows per request; longer rows, and every iteration on a CPU, run
+    flex_attention."""
+    from orca.models.attention.flex import PAGED_ROWS, FlexMetadata, takes_paged_decode
+
+    cuda = torch.device("cuda")
+    assert takes_paged_decode(cuda, [1, 1, 1]) and takes_paged_decode(cuda, [1, PAGED_ROWS])
+    assert not takes_paged_decode(cuda, [1, PAGED_ROWS + 1]) and not takes_paged_decode(cuda, [])
+    assert not takes_paged_decode(torch.device("cpu"), [1, 1])
+    assert not FlexMetadata.for_iteration([1, 1], [3, 3], [[0], [1]], 4, torch.zeros(2, 2, 64 * 4, 16)).flex.paged
+
+
 def test_the_flex_layout_grows_with_the_iteration_not_the_pool() -> None:
     """The same iteration over a pool 256 times larger: the tables and the block-sparse structure are the
     same; only the per-block index grows (one int32 per pool block). The old layout made (requests x pool

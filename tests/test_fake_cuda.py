@@ -302,7 +302,11 @@ def _paged_decode_on_the_device(q: torch.Tensor, pool: torch.Tensor, *tensors_an
     """paged_decode_attention's stand-in: its tensors on q's device (cuda), its output's shape and dtype."""
     tensors = [q, pool, *(t for t in tensors_and_options if isinstance(t, torch.Tensor))]
     assert len(tensors) == 5 and {t.device.type for t in tensors} == {"cuda"}, [t.device for t in tensors]
+    _paged_decode_on_the_device.calls += 1
     return torch.empty_like(q)
+
+
+_paged_decode_on_the_device.calls = 0
 
 
 def _fake_device_loader(mode: FakeTensorMode) -> Callable[..., tuple[nn.Module, Any]]:
@@ -414,7 +418,8 @@ class _Requests:
 
 
 def _plans(vocab_size: int, decode: bool) -> list[StepPlan]:
-    """The prompts; the mixed iteration; with `decode`, a decode iteration. Prompts and chunks of 8 tokens, so
+    """The prompts; the mixed iteration; with `decode`, a decode iteration. Prompts and chunks of 8 tokens (one
+    of 12: on CUDA flex attends to rows of up to 8 per request with its paged decode kernel), so
     that the attention calls of different requests share their shapes (FakeTensorMode computes each new
     shape's output once)."""
     r = _Requests(NUM_BLOCKS)
@@ -422,7 +427,7 @@ def _plans(vocab_size: int, decode: bool) -> list[StepPlan]:
     prompts = StepPlan(0, (r.feed("a", 8, GREEDY), r.feed("b", 8, GREEDY), r.feed("c", 8, GREEDY),
                            r.feed("e", 8, GREEDY, samples=False)))  # and the first chunk of e's prompt
     increments = [r.feed(request_id, 1) for request_id in "abc"]  # each in a new block: tables scattered
-    f = r.feed("f", 8, SAMPLED, allowed=allowed)  # a whole prompt
+    f = r.feed("f", 12, SAMPLED, allowed=allowed)  # a whole prompt, longer than flex's PAGED_ROWS
     e = r.feed("e", 3)  # the second chunk of e's prompt, after its 8 cached tokens, in a block apart
     plans = [prompts, StepPlan(1, (*increments, e, f))]
     if decode:
@@ -585,6 +590,9 @@ def test_a_mixed_iteration_runs_on_fake_cuda(
         assert meta.gather_index is not None and any(view is not None for view in meta.views)
     # CUDA graphs for flex on one rank (their static buffers; nothing captured); none otherwise.
     assert (worker.decode_graphs is not None) == (backend == "flex" and tp == 1)
+    if backend == "flex":  # the decode iteration through the paged decode kernel (the stand-in), the
+        assert history[-1]["_prepare"][2].flex.paged  # mixed one (a 12-token prompt) through flex_attention
+        assert not meta.flex.paged and _paged_decode_on_the_device.calls > 0
     if tp > 1:
         assert {"all_reduce", "all_gather"} <= set(collectives)
 

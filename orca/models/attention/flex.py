@@ -65,6 +65,12 @@ FLEX_MIN_HEAD_DIM = 16
 PAGED_ROWS = 8
 
 
+def takes_paged_decode(device: torch.device, lengths: Sequence[int]) -> bool:
+    """Whether an iteration whose requests feed `lengths` rows attends with the paged decode kernel (on CUDA,
+    at most PAGED_ROWS rows each) rather than flex_attention."""
+    return device.type == "cuda" and 0 < max(lengths, default=0) <= PAGED_ROWS
+
+
 @dataclass(kw_only=True)
 class FlexMetadata(AttentionMetadata):
     """The iteration's slots and its FlexLayout (`flex`), which every layer's call reads."""
@@ -105,7 +111,7 @@ class FlexMetadata(AttentionMetadata):
         slots.extend([pad_slot] * padding)
         device = kv_pool.device
         layout = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device, padding,
-                                  paged=device.type == "cuda" and 0 < max(lengths, default=0) <= PAGED_ROWS)
+                                  paged=takes_paged_decode(device, lengths))
         return cls(slot_mapping=upload(slots, torch.int64, device), kv_pool=kv_pool, timer=timer, flex=layout)
 
     def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -144,7 +150,7 @@ class FlexMetadata(AttentionMetadata):
         return cls(
             slot_mapping=torch.full((rows,), pad_slot, dtype=torch.int64, device=device), kv_pool=kv_pool,
             flex=FlexLayout.static(rows, max_blocks, block_size, kv_pool.shape[3], device,
-                                   paged=device.type == "cuda" and PAGED_ROWS >= 1),
+                                   paged=takes_paged_decode(device, [1])),
         )
 
     def head(self, num_tokens: int) -> AttentionMetadata:
