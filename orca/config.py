@@ -90,13 +90,14 @@ class EngineConfig:
       gathered into padded batches, two batched matmuls and a masked softmax per layer. "flex": one
       flex_attention call per layer for every token of the iteration, straight from the pool through the
       block tables (compiled on CUDA and warmed up at load; on a CPU PyTorch's unfused implementation:
-      correct, slow). "auto": batched on a CPU, the fastest measured there (docs/BENCHMARKS.md, "Results:
-      the fast data plane, fourth step: batched increments"); on CUDA flex, where its decode iterations
-      run in CUDA graphs and it serves the configuration (cuda_graphs auto, one worker, a dense model of
-      head_dim 16 or more, its draft model too, kv_cache_dtype auto, no enable_lora): 3.0-3.7x batched's
-      tokens/s offline on an H200, 3.2-6.2x its decode tokens/s at batch 1-64 (docs/BENCHMARKS.md,
-      "Results: the CUDA path on an H200"); elsewhere on CUDA batched (flex without graphs is behind it),
-      and the load logs why.
+      correct, slow); on CUDA an iteration of at most 8 rows per request (every decode iteration) runs a
+      paged decode kernel (Triton) instead. "auto": batched on a CPU, the fastest measured there
+      (docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"); on CUDA flex,
+      where its decode iterations run in CUDA graphs and it serves the configuration (cuda_graphs auto, one
+      worker, a dense model of head_dim 16 or more, its draft model too, kv_cache_dtype auto, no
+      enable_lora): on an H200 14.8x transformers' tokens/s offline, 1.4-4.3x batched's decode tokens/s at
+      batch 16-256 (docs/BENCHMARKS.md, "Results: the CUDA path on an H200"); elsewhere on CUDA batched
+      (flex without graphs is behind it), and the load logs why.
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
       each multiple of 8 below max_bs, and max_bs; a batch pads to the next size) and replays them, where
       that applies: CUDA, attention_backend flex, a dense model (no mixture-of-experts layers), one worker

@@ -46,15 +46,15 @@ KV_MIN_SCALE = 2.0**-100
 
 
 def resolve_attention_backend(choice: str, device: torch.device, no_flex_reason: str | None = None) -> str:
-    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = flex on CUDA
-    where it runs with its CUDA graphs and serves the configuration (`no_flex_reason` None: the worker's
-    why_not_flex_by_default), else batched. On an H200 flex with CUDA graphs made 3.0-3.7x batched's
-    tokens/s offline (256 requests, the default pool, prefix caching on) and 3.2-6.2x its decode tokens/s at
-    batch 1-64, 1.2x at 256 (since its paged decode kernel: 4.3x at 16, 2.8x at 64, 1.4x at 256); without
-    graphs it was behind batched at every batch size (0.5-0.9x), so a configuration graphs do not serve
-    keeps batched (docs/BENCHMARKS.md, "Results: the CUDA path on an H200", the four sessions). On a CPU batched is the fastest measured (the reference's per-request
-    calls for prompts, one batch for the increments: 1.05-1.06x the reference's tokens/s offline; flex's
-    paged mask does not compile for a CPU in torch 2.13)."""
+    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = flex on CUDA where it
+    runs with its CUDA graphs and serves the configuration (`no_flex_reason` None: the worker's
+    why_not_flex_by_default), else batched. On an H200 flex with CUDA graphs made 3.0-3.7x batched's tokens/s
+    offline (256 requests, the default pool, prefix caching on) and 3.2-6.2x its decode tokens/s at batch 1-64,
+    1.2x at 256 (since its paged decode kernel: 4.3x at 16, 2.8x at 64, 1.4x at 256); without graphs it was
+    behind batched at every batch size (0.5-0.9x), so a configuration graphs do not serve keeps batched
+    (docs/BENCHMARKS.md, "Results: the CUDA path on an H200", the four sessions). On a CPU batched is the
+    fastest measured (the reference's per-request calls for prompts, one batch for the increments: 1.05-1.06x
+    the reference's tokens/s offline; flex's paged mask does not compile for a CPU in torch 2.13)."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
     if choice == "auto":

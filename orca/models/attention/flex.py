@@ -13,8 +13,8 @@ over the whole pool: correct, for checking the fused path on a CPU, not fast.
 `auto` picks it on CUDA where its decode iterations run in CUDA graphs (orca/models/attention/base.py,
 resolve_attention_backend): on an H200 flex with graphs made 3.0-3.7x batched's tokens/s offline and
 3.2-6.2x its decode tokens/s at batch 1-64 (before the paged decode kernel below; with it, 14.8x
-transformers offline and 1.4-4.3x batched's decode at batch 16-256). Not on a CPU: there flex's paged mask does not compile in
-torch 2.13 and batched is the fastest measured.
+transformers offline and 1.4-4.3x batched's decode at batch 16-256). Not on a CPU: there flex's paged
+mask does not compile in torch 2.13 and batched is the fastest measured.
 
 On CUDA, iterations in which every request feeds at most PAGED_ROWS rows (every decode iteration, hence
 every CUDA graph; speculative verifications; short prompts) do not call flex_attention: packed, a query
