@@ -172,6 +172,8 @@ class BlockManager:
         none), cached ones first. RuntimeError when the pool has too few free blocks: callers check
         can_grow first."""
         need = self.blocks_needed(request_id, num_tokens, cached)
+        if not need and not cached and request_id in self._tables:  # most decode steps: room in its last block
+            return []
         if need and need > self._takeable(cached):
             raise RuntimeError(f"{request_id} needs {need} more blocks, {self.num_free_blocks} are free")
         table = self._tables.setdefault(request_id, [])
