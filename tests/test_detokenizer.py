@@ -69,6 +69,30 @@ def test_multibyte_characters_are_split_across_tokens(tokenizer: Any) -> None:
     assert REPLACEMENT in naive
 
 
+def test_the_windows_are_decoded_by_the_rust_tokenizer_as_transformers_would(tokenizer: Any) -> None:
+    """window_decoder takes transformers' decode's own call (SmolLM2's is a plain fast tokenizer): the same
+    text for every window, special tokens and broken characters included; a tokenizer class that overrides
+    decode keeps transformers' decode."""
+    from orca.frontend.detokenizer import window_decoder
+
+    decoder = window_decoder(tokenizer)
+    assert getattr(decoder, "func", None) == tokenizer.backend_tokenizer.decode
+    ids = tokenizer.encode("".join(TEXTS), add_special_tokens=False) + [tokenizer.eos_token_id, 0, 1]
+    for start in range(0, len(ids), 3):
+        for end in (start + 1, start + 4, start + 9):
+            assert decoder(ids[start:end]) == decode_all(tokenizer, ids[start:end])
+
+    class OwnDecode(type(tokenizer)):
+        def decode(self, *args: Any, **kwargs: Any) -> str:
+            return "own"
+
+    tokenizer.__class__, original = OwnDecode, tokenizer.__class__
+    try:
+        assert window_decoder(tokenizer)([1, 2]) == "own"
+    finally:
+        tokenizer.__class__ = original
+
+
 def test_special_tokens_are_skipped(tokenizer: Any) -> None:
     eos = tokenizer.eos_token_id
     ids = tokenizer.encode("Hi there", add_special_tokens=False)

@@ -5,18 +5,38 @@ never split. Each step decodes a small window of recent tokens (the tokens of th
 context, so a word's leading space survives) and emits only what is new; while the window ends in an
 incomplete UTF-8 sequence (decoded as U+FFFD) nothing is emitted yet. Text that could be the start of a
 stop string is held back until it is clear it is not one, so a stop string never reaches the client.
+
+The windows are decoded by the tokenizer's own Rust tokenizer (`tokenizers.Tokenizer.decode`) where
+transformers' decode is exactly that call (a fast tokenizer whose class overrides neither): 2.6 against
+6.9 us a window on SmolLM2's tokenizer, the output side's largest cost at a batch of 256.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 REPLACEMENT = "\ufffd"
 
 
+def window_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """ids -> text, skipping special tokens, without transformers' clean-up of spaces: the Rust tokenizer's
+    decode where transformers' TokenizersBackend would call just that, else transformers' decode."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # (an older transformers: its own decode)
+        TokenizersBackend = None  # noqa: N806
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and cls.decode is TokenizersBackend.decode and cls._decode is TokenizersBackend._decode):
+        return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
-        self._tokenizer = tokenizer
+        self._decode = window_decoder(tokenizer)
         self._stop = stop
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: context tokens already emitted
@@ -24,9 +44,6 @@ class IncrementalDetokenizer:
         self.text = ""  # everything decoded so far (may include held-back text)
         self.emitted = 0  # characters of self.text already returned to the caller
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int, final: bool = False) -> str:
         """Adds one generated token; returns the text now safe to send. With final=True everything left
