@@ -273,6 +273,8 @@ class OrcaScheduler:
         arrivals that are neither in flight nor in this batch when the pool is short. None when even
         that cannot make room (the request then waits, keeping what it holds)."""
         need = self.blocks.blocks_needed(req.request_id, num_tokens)
+        if need == 0:  # most decode steps: its last block has room
+            return []
         if need <= self.blocks.num_free_blocks:
             return self.blocks.grow(req.request_id, num_tokens)
         if self.kv_admission == "reserve":  # cannot happen: the reservation covers max_tokens

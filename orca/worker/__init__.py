@@ -708,14 +708,19 @@ def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedReques
     tokens), likewise; then the rest in plan order. The layout AttentionMetadata expects: one-token requests
     share their merge, and the batched backend groups increments, then short requests, of similar lengths
     (orca/models/attention/batched.py)."""
-    def kind(r: PlannedRequest) -> int:
-        if r.start == 0 or len(r.token_ids) > BATCHED_MAX_QUERIES:
-            return 2
-        return 0 if len(r.token_ids) == 1 else 1
+    inc: list[PlannedRequest] = []
+    short: list[PlannedRequest] = []
+    rest: list[PlannedRequest] = []
+    for r in requests:  # (one pass: a decode iteration of 256 requests sorts them at every step)
+        n = len(r.token_ids)
+        (rest if r.start == 0 or n > BATCHED_MAX_QUERIES else inc if n == 1 else short).append(r)
+    inc.sort(key=_start)
+    short.sort(key=_start)
+    return inc + short + rest
 
-    inc = sorted((r for r in requests if kind(r) == 0), key=lambda r: r.start)
-    short = sorted((r for r in requests if kind(r) == 1), key=lambda r: r.start)
-    return inc + short + [r for r in requests if kind(r) == 2]
+
+def _start(r: PlannedRequest) -> int:
+    return r.start
 
 
 def release_cached_memory() -> None:
