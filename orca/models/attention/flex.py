@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -219,17 +220,20 @@ class FlexLayout:
         num_tokens = sum(lengths) + padding
         num_q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
         num_requests = len(lengths)
-        used = [min(-(-(past + n) // block_size), len(table))
-                for n, past, table in zip(lengths, context_lens, block_tables)]
-        # At least two requests' rows, two blocks and two slot tiles wide (padded with -1 and 0): compiled flex
-        # specialises a size of 1, so a one-request iteration would compile graphs of its own.
-        tables = np.full((max(num_requests, 2), max(max(used, default=0), 2)), -1, dtype=np.int32)
-        for i, (table, u) in enumerate(zip(block_tables, used)):
-            tables[i, :u] = table[:u]
-        q_request = np.zeros(num_tokens, dtype=np.int32)  # padding rows: request 0, position -1 (keep nothing)
-        q_position = np.full(num_tokens, PADDING_ROW, dtype=np.int32)
         n_arr = np.asarray(lengths, dtype=np.int64)
         past_arr = np.asarray(context_lens, dtype=np.int64)
+        held = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_requests)
+        used_arr = np.minimum(-(-(past_arr + n_arr) // block_size), held)
+        # At least two requests' rows, two blocks and two slot tiles wide (padded with -1 and 0): compiled flex
+        # specialises a size of 1, so a one-request iteration would compile graphs of its own. Filled in one
+        # assignment of every request's used blocks (a row at a time cost 1 us a request at batch 256).
+        width = max(int(used_arr.max(initial=0)), 2)
+        tables = np.full((max(num_requests, 2), width), -1, dtype=np.int32)
+        tables[:num_requests][np.arange(width) < used_arr[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(itertools.islice(t, u) for t, u in zip(block_tables, used_arr.tolist())),
+            dtype=np.int32, count=int(used_arr.sum()))
+        q_request = np.zeros(num_tokens, dtype=np.int32)  # padding rows: request 0, position -1 (keep nothing)
+        q_position = np.full(num_tokens, PADDING_ROW, dtype=np.int32)
         row0 = np.concatenate([[0], np.cumsum(n_arr)[:-1]]) if num_requests else np.zeros(0, dtype=np.int64)
         real = int(n_arr.sum())
         q_request[:real] = np.repeat(np.arange(num_requests, dtype=np.int32), n_arr)
@@ -240,7 +244,6 @@ class FlexLayout:
                        kv_num_blocks=None, kv_indices=None, block_size=block_size, kv_block=kv_block,
                        num_tokens=num_tokens, num_slots=num_slots, paged=True)
         # The requests' blocks, flattened: owner, index in its table, slot tile.
-        used_arr = np.asarray(used, dtype=np.int64)
         owner = np.repeat(np.arange(num_requests), used_arr)
         index = np.arange(int(used_arr.sum())) - np.repeat(np.cumsum(used_arr) - used_arr, used_arr)
         blocks = tables[owner, index].astype(np.int64)
