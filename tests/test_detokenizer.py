@@ -89,8 +89,30 @@ def test_the_windows_are_decoded_by_the_rust_tokenizer_as_transformers_would(tok
     tokenizer.__class__, original = OwnDecode, tokenizer.__class__
     try:
         assert window_decoder(tokenizer)([1, 2]) == "own"
+        assert IncrementalDetokenizer(tokenizer)._stream is None  # the windows, through its own decode
     finally:
         tokenizer.__class__ = original
+
+
+@pytest.mark.parametrize("stop", [(), ("é", "日本", "!", "  ")])
+def test_the_rust_stream_and_the_windows_give_the_same_deltas(tokenizer: Any, stop: tuple[str, ...]) -> None:
+    """DecodeStream (a token at a time in Rust) against the windows it stands in for, delta by delta, with
+    and without stop strings; and an output cut inside a character (the stream holds its bytes) ends as the
+    whole decode does."""
+    ids = tokenizer.encode("".join(TEXTS), add_special_tokens=False)
+    for cut in (len(ids), 7, 40, 46, 57, 58, 89):  # 46, 57, 58, 89: inside a character
+        fast, slow = IncrementalDetokenizer(tokenizer, stop), IncrementalDetokenizer(tokenizer, stop)
+        assert fast._stream is not None
+        slow._stream = None
+        for i, token in enumerate(ids[:cut]):
+            final = i == cut - 1
+            assert fast.add(token, final=final) == slow.add(token, final=final), (cut, i)
+            assert fast.stopped == slow.stopped
+            if fast.stopped:
+                break
+        assert fast.text == slow.text
+        if not stop:
+            assert fast.text == decode_all(tokenizer, ids[:cut])
 
 
 def test_special_tokens_are_skipped(tokenizer: Any) -> None:
