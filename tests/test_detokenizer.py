@@ -115,6 +115,30 @@ def test_the_rust_stream_and_the_windows_give_the_same_deltas(tokenizer: Any, st
             assert fast.text == decode_all(tokenizer, ids[:cut])
 
 
+@pytest.mark.parametrize("stop", [(), ("zebra",), ("a zebra crossing", "zebras")])
+def test_a_long_output_settles_its_text_and_keeps_every_delta(tokenizer: Any, stop: tuple[str, ...]) -> None:
+    """Past SETTLE_CHARS the emitted text moves out of the live tail (no copy of the whole text per token):
+    the deltas still concatenate to the whole decode, a stop string is still found (here first after 6,000
+    characters, across the tail's edge), and `text` is the same."""
+    from orca.frontend.detokenizer import SETTLE_CHARS
+
+    text = "".join(TEXTS) * 20 + " a zebra crossing" + "".join(TEXTS)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for use_stream in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, stop)
+        if not use_stream:
+            detok._stream = None
+        deltas = []
+        for i, token in enumerate(ids):
+            deltas.append(detok.add(token, final=i == len(ids) - 1))
+            if detok.stopped:
+                break
+        assert len(detok._settled) > 1 and detok._settled_len > 5 * SETTLE_CHARS
+        expected = text[:min(text.find(s) for s in stop if s in text)] if stop else text
+        assert "".join(deltas) == expected == detok.text
+        assert detok.stopped == bool(stop)
+
+
 def test_special_tokens_are_skipped(tokenizer: Any) -> None:
     eos = tokenizer.eos_token_id
     ids = tokenizer.encode("Hi there", add_special_tokens=False)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+SETTLE_CHARS = 512  # the live tail's text moves to the settled pieces in runs of at least this many characters
 
 
 def rust_tokenizer(tokenizer: Any) -> Any | None:
@@ -60,9 +61,35 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: context tokens already emitted
         self._read_offset = 0  # tokens before this are emitted
-        self.text = ""  # everything decoded so far (may include held-back text)
-        self.emitted = 0  # characters of self.text already returned to the caller
+        # The text decoded so far (`text`; may include held-back text) in two parts: settled pieces (emitted,
+        # and too far back to hold a stop string), joined only when `text` is read, and the live tail every
+        # step reads and extends: appending to one growing string copied all of it at every token.
+        self._settled: list[str] = []
+        self._settled_len = 0
+        self._live = ""
+        self._keep = max((len(stop) for stop in stop), default=1)  # the tail a stop string search needs
+        self.emitted = 0  # characters of text already returned to the caller
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        if len(self._settled) > 1:
+            self._settled = ["".join(self._settled)]
+        return (self._settled[0] if self._settled else "") + self._live
+
+    def _length(self) -> int:
+        return self._settled_len + len(self._live)
+
+    def _append(self, piece: str) -> None:
+        """Adds decoded text, looks for stop strings in it, and settles what no later step reads again."""
+        start = self._length()
+        self._live += piece
+        self._find_stop(start)
+        settle = min(self.emitted, self._length() - self._keep) - self._settled_len
+        if settle > SETTLE_CHARS:
+            self._settled.append(self._live[:settle])
+            self._settled_len += settle
+            self._live = self._live[settle:]
 
     def add(self, token_id: int, final: bool = False) -> str:
         """Adds one generated token; returns the text now safe to send. With final=True everything left
@@ -71,46 +98,43 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             piece = self._stream.step(self._rust, token_id)  # None: nothing whole to add yet
             if piece is None and final:  # the stream holds an incomplete character: as the whole decode ends
-                full = self._decode(self._ids)
-                piece = full[len(self.text):] if full.startswith(self.text) else None
+                full, text = self._decode(self._ids), self.text
+                piece = full[len(text):] if full.startswith(text) else None
             if piece:
-                start = len(self.text)
-                self.text += piece
-                self._find_stop(start)
+                self._append(piece)
             return self.flush() if final or self.stopped else self._release()
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
         if len(window) > len(prefix) and (final or not window.endswith(REPLACEMENT)):
-            start = len(self.text)
-            self.text += window[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._find_stop(start)
+            self._append(window[len(prefix) :])
         return self.flush() if final or self.stopped else self._release()
 
     def flush(self) -> str:
-        delta = self.text[self.emitted :]
-        self.emitted = len(self.text)
+        delta = self._live[self.emitted - self._settled_len :]
+        self.emitted = self._length()
         return delta
 
     def _find_stop(self, new_from: int) -> None:
+        """(Offsets are the text's; the search starts in the live tail: _keep characters before new_from.)"""
         if not self._stop:
             return
-        longest = max(len(s) for s in self._stop)
-        search_from = max(0, new_from - longest + 1)
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        search_from = max(0, new_from - self._keep + 1) - self._settled_len
+        hits = [i for i in (self._live.find(s, search_from) for s in self._stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            self._live = self._live[: min(hits)]
             self.stopped = True
 
     def _release(self) -> str:
         """Returns new text, keeping back a tail that is a prefix of some stop string."""
         hold = 0
+        live = self._live
         for s in self._stop:
-            for k in range(min(len(s) - 1, len(self.text) - self.emitted), 0, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, self._length() - self.emitted), 0, -1):
+                if live.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        end = len(self.text) - hold
-        delta = self.text[self.emitted : end]
+        end = self._length() - hold
+        delta = live[self.emitted - self._settled_len : end - self._settled_len]
         self.emitted = max(self.emitted, end)
         return delta
