@@ -115,10 +115,30 @@ def test_more_splits_than_a_rows_tiles_leave_the_empty_shares_out(interpreted) -
     torch.testing.assert_close(out, _expected(q, pool, tables, positions, 16, scale, None, 0), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_other_tiles_give_the_same_attention(interpreted, block_n: int) -> None:  # noqa: ANN001
+    """The tile size is a launch parameter (the tiles experiment sweeps it): smaller and larger tiles than
+    the default, with splits, the same attention."""
+    q, pool, q_request, q_position, table, tables, positions = _case(
+        11, rows=4, heads=4, kv_heads=2, head_dim=16, block_size=8, num_blocks=200, dtype=torch.float32, padding=1)
+    out = paged_decode.paged_decode_attention(q, pool, q_request, q_position, table, 8, 0.25, None, splits=3,
+                                              block_n=block_n, num_warps=2)
+    torch.testing.assert_close(out[:4], _expected(q, pool, tables, positions, 8, 0.25, None, 1)[:4],
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_the_split_count_fills_the_gpu_and_is_one_for_a_full_batch() -> None:
     cpu = torch.device("cpu")
     assert paged_decode.num_splits(256, 4, cpu) == 1
     assert 1 < paged_decode.num_splits(1, 4, cpu) <= paged_decode.MAX_SPLITS
+
+
+def test_a_tile_that_is_not_a_power_of_two_is_refused() -> None:
+    q, pool = torch.zeros(1, 2, 16), torch.zeros(2, 1, 32, 16)
+    rows = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_n 48"):
+        paged_decode.paged_decode_attention(q, pool, rows, rows, torch.zeros(1, 2, dtype=torch.int32), 16, 1.0,
+                                            None, block_n=48)
 
 
 def test_mismatched_heads_are_refused() -> None:
@@ -128,3 +148,18 @@ def test_mismatched_heads_are_refused() -> None:
         paged_decode.paged_decode_attention(q, pool, torch.zeros(2, dtype=torch.int32),
                                             torch.zeros(2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32),
                                             16, 1.0, None)
+
+
+def test_the_tiles_experiment_runs(interpreted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """scripts/experiments/paged_decode_tiles.py, the sweep a GPU session runs, end to end in its smoke size."""
+    import json
+    import runpy
+
+    out = tmp_path / "tiles.json"
+    script = Path(__file__).parent.parent / "scripts" / "experiments" / "paged_decode_tiles.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--smoke", "--json", str(out)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code == 0
+    results = json.loads(out.read_text())["results"]
+    assert {r["splits"] for r in results} >= {2} and all(r["us"] > 0 for r in results)

@@ -60,10 +60,14 @@ def paged_decode_attention(
     scale: float,
     window: int | None,
     splits: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """q (T, H, D) over `pool` (one layer's, (2, KVH, slots, D)): row t reads the slots of request
     q_request[t]'s blocks (its row of `tables`, (requests, width)) at positions up to q_position[t] (and
-    within `window`) -> (T, H, D) in q's dtype."""
+    within `window`) -> (T, H, D) in q's dtype. `splits`, `block_n` (a power of 2, at least 16) and
+    `num_warps`: the launch's (scripts/experiments/paged_decode_tiles.py sweeps them); by default
+    num_splits' count and the module's tiles."""
     num_rows, num_heads, head_dim = q.shape
     kv_heads = pool.shape[1]
     group = num_heads // kv_heads
@@ -72,6 +76,8 @@ def paged_decode_attention(
     splits = splits or num_splits(num_rows, kv_heads, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits {splits} is outside [1, {MAX_SPLITS}]")
+    if block_n < MIN_DOT or block_n & (block_n - 1):
+        raise ValueError(f"block_n {block_n} is not a power of 2 of at least {MIN_DOT}")
     if q.stride(2) != 1:  # the kernel steps through a head's values one element apart (the pool's are)
         q = q.contiguous()
     out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -98,13 +104,13 @@ def paged_decode_attention(
         tables.stride(0), block_size, window or 0, log2_scale, group, head_dim, splits,
         out, out.stride(0), out.stride(1), acc, maxes, sums, acc.stride(0), acc.stride(1), acc.stride(2),
         maxes.stride(0), maxes.stride(1),
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N, PRECISION=precision, num_warps=NUM_WARPS,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps,
     )
     if splits > 1:
         combine[(num_rows, num_heads)](
             acc, maxes, sums, out, splits, acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0),
             maxes.stride(1), out.stride(0), out.stride(1), head_dim,
-            BLOCK_S=_next_power_of_2(MAX_SPLITS), BLOCK_D=block_d, num_warps=NUM_WARPS,
+            BLOCK_S=_next_power_of_2(MAX_SPLITS), BLOCK_D=block_d, num_warps=num_warps,
         )
     return out
 
