@@ -67,13 +67,14 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> tor
 
 @dataclass
 class SamplingTensors:
-    """Per-request sampling options as (B,) tensors, built once per iteration."""
+    """Per-request sampling options as (B,) tensors, built once per iteration; none for an all-greedy
+    batch, which only takes the argmax (five uploads, on CUDA five pinned copies, saved per iteration)."""
 
-    temperature: torch.Tensor  # float32; 0 = greedy
-    top_k: torch.Tensor  # int64; 0 = off
-    top_p: torch.Tensor  # float32; 1 = off
-    seeds: torch.Tensor  # int64
-    steps: torch.Tensor  # int64: index of the token being drawn
+    temperature: torch.Tensor | None  # float32; 0 = greedy
+    top_k: torch.Tensor | None  # int64; 0 = off
+    top_p: torch.Tensor | None  # float32; 1 = off
+    seeds: torch.Tensor | None  # int64
+    steps: torch.Tensor | None  # int64: index of the token being drawn
     all_greedy: bool
     any_filter: bool
 
@@ -81,13 +82,15 @@ class SamplingTensors:
     def from_specs(cls, specs: list[SamplingSpec], steps: list[int], device: torch.device) -> SamplingTensors:
         """specs[i] and steps[i] (the index of the output token being drawn) of the batch's i-th row."""
         greedy = [s.temperature < MIN_TEMPERATURE for s in specs]
+        if all(greedy):
+            return cls(None, None, None, None, None, all_greedy=True, any_filter=False)
         return cls(
             temperature=upload([s.temperature for s in specs], torch.float32, device),
             top_k=upload([s.top_k for s in specs], torch.int64, device),
             top_p=upload([s.top_p for s in specs], torch.float32, device),
             seeds=upload([_signed(s.seed) for s in specs], torch.int64, device),
             steps=upload(steps, torch.int64, device),
-            all_greedy=all(greedy),
+            all_greedy=False,
             any_filter=any(not g and (s.top_k > 0 or s.top_p < 1) for s, g in zip(specs, greedy)),
         )
 
