@@ -244,3 +244,19 @@ def test_shared_engine_is_left_idle() -> None:
     engine = smollm2().engine
     assert not engine.has_unfinished() and engine.stats().kv_allocated_blocks == 0
     drain(engine)
+
+
+def test_a_byte_fallback_tokenizer_streams_through_the_windows(tmp_path: Any) -> None:
+    """A Llama 2 / Mistral kind of BPE (<0xNN> byte-fallback tokens, tests/test_structured_outputs.py's):
+    DecodeStream refuses its byte tokens, so the windows run (through the Rust decode), and the deltas of a
+    text full of characters outside its vocabulary concatenate to the whole decode."""
+    from test_structured_outputs import _byte_fallback_tokenizer
+
+    from orca.frontend.detokenizer import rust_tokenizer
+
+    tok = _byte_fallback_tokenizer(tmp_path)
+    ids = tok.encode("".join(TEXTS), add_special_tokens=False)
+    assert any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # byte tokens in play
+    deltas, detok = stream(tok, ids)
+    assert detok._stream is None and rust_tokenizer(tok) is not None
+    assert "".join(deltas) == decode_all(tok, ids)
