@@ -167,30 +167,38 @@ def test_fused_attention_on_cuda_gives_transformers_greedy_tokens(family: str, b
     assert tokens == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
 
 
+def _against_reference(requests: list[tuple[int, int]], block_size: int, pool_tokens: int, backend: str,
+                       window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """One layer's attention for (new tokens, cached tokens) requests in shuffled blocks of a pool of about
+    `pool_tokens` slots: `backend`'s output, the reference's (per-request SDPA) and `backend`'s metadata."""
+    from orca.models.attention import AttentionMetadata, selective_attention
+
+    rng = random.Random(block_size)
+    num_blocks = pool_tokens // block_size + 8
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in requests]
+    lengths, context = [n for n, _ in requests], [p for _, p in requests]
+    torch.manual_seed(0)
+    pool = torch.randn(2, 2, 2, num_blocks * block_size, 64, device=DEVICE)
+    q = torch.randn(sum(lengths), 6, 64, device=DEVICE)
+    kv = torch.randn(sum(lengths), 2, 2, 64, device=DEVICE)
+    out, metas = {}, {}
+    for b in ("reference", backend):
+        metas[b] = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
+        out[b] = selective_attention(q, kv, metas[b], 1, 0.125, window)
+    return out[backend], out["reference"], metas[backend]
+
+
 @pytest.mark.parametrize("backend", ["flex", "batched"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_fused_backends_match_reference_on_cuda(block_size: int, backend: str) -> None:
     """flex's compiled kernel (which skips the tiles the block-sparse structure leaves out, unlike the CPU's
     unfused path) and the batched increments against per-request SDPA, on a mixed iteration with shuffled
     block tables."""
-    from orca.models.attention import AttentionMetadata, selective_attention
-
-    rng = random.Random(block_size)
     mixed = [(1, 9), (1, 3), (1, 30), (12, 0), (5, 6), (1, 0), (9, 17), (10, 0)]
-    num_blocks = 160 // block_size + 8
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in mixed]
-    lengths, context = [n for n, _ in mixed], [p for _, p in mixed]
-    torch.manual_seed(0)
-    pool = torch.randn(2, 2, 2, num_blocks * block_size, 64, device=DEVICE)
-    q = torch.randn(sum(lengths), 6, 64, device=DEVICE)
-    kv = torch.randn(sum(lengths), 2, 2, 64, device=DEVICE)
-    out = {}
-    for b in ("reference", backend):
-        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
-        out[b] = selective_attention(q, kv, meta, 1, 0.125, None)
-    torch.testing.assert_close(out[backend], out["reference"], atol=1e-4, rtol=0)
+    out, reference, _ = _against_reference(mixed, block_size, 160, backend)
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("window", [None, 7])
@@ -198,27 +206,12 @@ def test_fused_backends_match_reference_on_cuda(block_size: int, backend: str) -
 def test_flex_iterations_of_few_rows_per_request_match_reference_on_cuda(block_size: int, window: int | None) -> None:
     """Increments, verifying rows and short prompts (at most PAGED_ROWS rows per request): on CUDA flex hands
     them to the paged decode kernel (a layout without block-sparse structure), against per-request SDPA."""
-    from orca.models.attention import AttentionMetadata, selective_attention
     from orca.models.attention.flex import PAGED_ROWS
 
-    rng = random.Random(block_size)
     short = [(1, 9), (1, 3), (1, 300), (PAGED_ROWS, 0), (5, 6), (1, 0), (3, 17), (1, 64)] * 5
-    num_blocks = 8000 // block_size + 8
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-(n + past) // block_size))] for n, past in short]
-    lengths, context = [n for n, _ in short], [p for _, p in short]
-    torch.manual_seed(0)
-    pool = torch.randn(2, 2, 2, num_blocks * block_size, 64, device=DEVICE)
-    q = torch.randn(sum(lengths), 6, 64, device=DEVICE)
-    kv = torch.randn(sum(lengths), 2, 2, 64, device=DEVICE)
-    out = {}
-    for b in ("reference", "flex"):
-        meta = AttentionMetadata.build(lengths, context, tables, block_size, pool.clone(), backend=b)
-        if b == "flex":
-            assert meta.flex.paged == CUDA and (meta.flex.kv_indices is None) == CUDA
-        out[b] = selective_attention(q, kv, meta, 1, 0.125, window)
-    torch.testing.assert_close(out["flex"], out["reference"], atol=1e-4, rtol=0)
+    out, reference, meta = _against_reference(short, block_size, 8000, "flex", window)
+    assert meta.flex.paged == CUDA and (meta.flex.kv_indices is None) == CUDA
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=0)
 
 
 @cuda_only

@@ -116,7 +116,8 @@ class FlexMetadata(AttentionMetadata):
         return cls(slot_mapping=upload(slots, torch.int64, device), kv_pool=kv_pool, timer=timer, flex=layout)
 
     def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-        """One flex_attention call over the whole of `pool` (this layer's, new keys and values written)."""
+        """One flex_attention call over the whole of `pool` (this layer's, new keys and values written), or
+        for a paged layout one paged decode kernel launch."""
         num_tokens, num_heads, head_dim = q.shape
         layout = self.flex
         if layout.paged:
@@ -201,8 +202,12 @@ class FlexLayout:
     kv_block: int
     num_tokens: int
     num_slots: int
-    paged: bool = False
     _masks: dict[int | None, object] = field(default_factory=dict)
+
+    @property
+    def paged(self) -> bool:
+        """A layout for the paged decode kernel: no block-sparse structure."""
+        return self.kv_indices is None
 
     @classmethod
     def build(
@@ -242,7 +247,7 @@ class FlexLayout:
             q_request_t, q_position_t, tables_t = upload_arrays([q_request, q_position, tables], torch.int32, device)
             return cls(q_request=q_request_t, q_position=q_position_t, tables=tables_t, block_index=None,
                        kv_num_blocks=None, kv_indices=None, block_size=block_size, kv_block=kv_block,
-                       num_tokens=num_tokens, num_slots=num_slots, paged=True)
+                       num_tokens=num_tokens, num_slots=num_slots)
         # The requests' blocks, flattened: owner, index in its table, slot tile.
         owner = np.repeat(np.arange(num_requests), used_arr)
         index = np.arange(int(used_arr.sum())) - np.repeat(np.cumsum(used_arr) - used_arr, used_arr)
@@ -286,21 +291,17 @@ class FlexLayout:
         lie anywhere in the pool, so up to max_blocks tiles each (not the tiles max_blocks contiguous blocks
         span, which blocks smaller than a tile, scattered, overrun)."""
         kv_block = _kv_block(block_size)
+        q_request = torch.zeros(rows, dtype=torch.int32, device=device)
+        q_position = torch.full((rows,), PADDING_ROW, dtype=torch.int32, device=device)
+        tables = torch.full((max(rows, 2), max(max_blocks, 2)), -1, dtype=torch.int32, device=device)
         if paged:
-            return cls(
-                q_request=torch.zeros(rows, dtype=torch.int32, device=device),
-                q_position=torch.full((rows,), PADDING_ROW, dtype=torch.int32, device=device),
-                tables=torch.full((max(rows, 2), max(max_blocks, 2)), -1, dtype=torch.int32, device=device),
-                block_index=None, kv_num_blocks=None, kv_indices=None, block_size=block_size, kv_block=kv_block,
-                num_tokens=rows, num_slots=num_slots, paged=True,
-            )
+            return cls(q_request=q_request, q_position=q_position, tables=tables, block_index=None, kv_num_blocks=None,
+                       kv_indices=None, block_size=block_size, kv_block=kv_block, num_tokens=rows, num_slots=num_slots)
         num_q_tiles, num_kv_tiles = -(-rows // FLEX_Q_BLOCK), -(-num_slots // kv_block)
         width = max(min(num_kv_tiles, FLEX_Q_BLOCK * max_blocks), 2)
         # (1, 1, ...) views of 1-D and 2-D tensors, as build's are: compiled flex guards on a view's base
         return cls(
-            q_request=torch.zeros(rows, dtype=torch.int32, device=device),
-            q_position=torch.full((rows,), PADDING_ROW, dtype=torch.int32, device=device),
-            tables=_dynamic(torch.full((max(rows, 2), max(max_blocks, 2)), -1, dtype=torch.int32, device=device), 0, 1),
+            q_request=q_request, q_position=q_position, tables=_dynamic(tables, 0, 1),
             block_index=torch.zeros(num_slots // block_size, dtype=torch.int32, device=device),
             kv_num_blocks=torch.zeros(num_q_tiles, dtype=torch.int32, device=device)[None, None],
             kv_indices=_dynamic(torch.zeros(num_q_tiles, width, dtype=torch.int32, device=device)[None, None], 3),

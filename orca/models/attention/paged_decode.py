@@ -122,8 +122,8 @@ def _next_power_of_2(n: int) -> int:
 @functools.cache
 def _kernels():  # noqa: ANN202 - two triton.JITFunction
     """The stage and combine kernels, imported at first use: only CUDA, and the tests, need Triton (whose
-    interpreter, TRITON_INTERPRET=1, is chosen when a kernel is defined: tests/test_paged_decode.py reloads
-    the kernels' module under it)."""
+    interpreter, TRITON_INTERPRET=1, is chosen when Triton is imported: tests/test_paged_decode.py runs its
+    kernel cases in a process started with it)."""
     from orca.models.attention import paged_decode_kernels
 
     return paged_decode_kernels.stage, paged_decode_kernels.combine
