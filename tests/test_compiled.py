@@ -51,7 +51,7 @@ def compiled_engine(request: pytest.FixtureRequest) -> LLMEngine:
     compiled = engine.executor.worker.compiled
     assert compiled is not None and compiled.ready and compiled.compile_seconds > 0
     assert engine.executor.worker.attention_backend == "batched"  # auto on a CPU: max_bs 5 batches increments
-    compiled.stance = "fail_on_recompile"
+    compiled.stance, compiled.all_guards = "fail_on_recompile", True
     engine.family = request.param
     return engine
 
@@ -71,6 +71,20 @@ def test_the_compiled_engine_is_the_eager_one(compiled_engine: LLMEngine, monkey
         assert sorted(got) == sorted(want)
         for rid in want:
             torch.testing.assert_close(got[rid], want[rid], atol=1e-4, rtol=0)
+
+
+def test_the_shipped_guards_run_the_same_graph(compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As shipped, after load only the guards that tell graphs apart run (compiled.py, Guards): the
+    same iterations give transformers' tokens, and afterwards every guard passes on them."""
+    compiled = compiled_engine.executor.worker.compiled
+    compiled.all_guards = False
+    try:
+        final = _run(compiled_engine, monkeypatch)[0]
+    finally:
+        compiled.all_guards = True
+    reference = tiny_reference(compiled_engine.family)
+    for i, (prompt, n) in enumerate(_jobs()):
+        assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
 
 
 def test_single_stream_decode_runs_the_same_graph(compiled_engine: LLMEngine) -> None:

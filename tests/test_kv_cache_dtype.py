@@ -281,6 +281,7 @@ def test_the_compiled_forward_pass_over_an_fp8_pool_is_the_eager_one(monkeypatch
         compiled = _engine(**options)
     assert compiled.executor.worker.compiled is not None
     compiled.executor.worker.compiled.stance = "fail_on_recompile"
+    compiled.executor.worker.compiled.all_guards = True
     eager = _engine(**options)
     assert eager.executor.worker.compiled is None
     tokens, rows, _ = _generate(compiled, monkeypatch, longest=20, max_tokens=14)  # each fits the 40 slots

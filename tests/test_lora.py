@@ -262,7 +262,7 @@ def test_a_compiled_engine_compiles_adapter_iterations_too(adapter_root: str, mo
     engine = lora_engine("llama", adapter_root, max_loras=3)
     compiled = engine.executor.worker.compiled
     assert compiled is not None and compiled.ready
-    compiled.stance = "fail_on_recompile"
+    compiled.stance, compiled.all_guards = "fail_on_recompile", True
     calls = {"compiled": 0}
     original = type(compiled).__call__
 
@@ -280,6 +280,10 @@ def test_a_compiled_engine_compiles_adapter_iterations_too(adapter_root: str, mo
         jobs = [(f"{path}-{r}", p, a) for r, p, a in mixed_jobs("llama", n=6)]
         check("llama", adapter_root, jobs, run(engine, jobs))
     assert calls["compiled"] == 2 * MAX_TOKENS  # every iteration, adapter rows and all
+    # As shipped, only the guards telling the two graphs apart run: they still pick the right one.
+    compiled.all_guards = False
+    jobs = [(f"shipped-{r}", p, a) for r, p, a in mixed_jobs("llama", n=6)]
+    check("llama", adapter_root, base_only + jobs, run(engine, base_only + jobs))
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
