@@ -71,17 +71,19 @@ class EngineConfig:
       is packed once at load into oneDNN's blocked layout and every call runs oneDNN's matmul on it (what
       inductor's freezing pass does to CPU linears, without compiling); CPU only, in the dtypes oneDNN packs
       there (float32 always, bfloat16 and float16 where the CPU has the instructions). "hybrid": onednn,
-      and the checkpoint's weights kept beside the packed ones (the linear weights' memory twice), which
-      multiply inputs of HYBRID_MIN_ROWS (384) rows or more (prompt iterations) with F.linear (MKL's
-      matmul); each quantized layer (quantization) keeps a oneDNN-packed dequantized copy, used for
-      iterations of 8 rows (int8) or 12 (int4) and more, where the int kernels lose to oneDNN's float32
-      matmul on a CPU (HYBRID_QUANTIZED_MIN_ROWS, orca/models/quantization.py). "reference": torch's
-      F.linear on the checkpoint layout (cuBLAS on CUDA). "auto": hybrid for
-      float32 on a CPU when the second copy (estimated from the checkpoint, per rank) takes at most a
-      quarter of the memory available at load, onednn on a CPU where oneDNN packs the dtype otherwise,
-      reference elsewhere. An explicit onednn or hybrid where oneDNN cannot run is refused at load. The
-      CPU choices were measured: docs/BENCHMARKS.md, "Results: the fast data plane, first step" (onednn
-      against reference) and "Results: the fast data plane, fifth step: hybrid linears".
+      and second copies where they were measured to win: a float32 model keeps the checkpoint's weights
+      beside the packed ones (the linear weights' memory twice), which multiply inputs of HYBRID_MIN_ROWS
+      (384) rows or more (prompt iterations) with F.linear (MKL's matmul; in bfloat16 it never won, so a
+      16-bit model keeps none); each quantized layer (quantization) keeps a oneDNN-packed dequantized copy,
+      used for iterations where the int kernels lose to oneDNN's matmul on a CPU: from 8 rows (int8) or 12
+      (int4) in float32, from 3 in bfloat16 (HYBRID_QUANTIZED_MIN_ROWS, orca/models/quantization.py).
+      "reference": torch's F.linear on the checkpoint layout (cuBLAS on CUDA). "auto": hybrid on a CPU
+      where oneDNN packs the dtype when the second copy (estimated from the checkpoint, per rank) takes at
+      most a quarter of the memory available at load, onednn there otherwise, reference elsewhere. An
+      explicit onednn or hybrid where oneDNN cannot run is refused at load. The CPU choices were measured:
+      docs/BENCHMARKS.md, "Results: the fast data plane, first step" (onednn against reference), "Results:
+      the fast data plane, fifth step: hybrid linears" and "Results: the single stream on an AVX512-BF16
+      host" (bfloat16).
     - attention_backend: how attention reads the paged K/V pool (orca/models/attention/). "reference":
       one scaled_dot_product_attention call per request and layer over that request's keys and values (the
       transformers-exact oracle). "batched": the reference for prompts and chunks, and an iteration's

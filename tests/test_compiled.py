@@ -18,8 +18,9 @@ import torch
 from _fixtures import FAMILIES, drain, hf_greedy, record_logits, tiny_checkpoint, tiny_reference
 from checkpoints import make_mixtral
 
-from orca import EngineConfig, LLMEngine, SamplingParams
+from orca import LLM, EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, iteration_scope
+from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
 from orca.worker import Worker
 from orca.worker.compiled import why_not_compiled
@@ -176,3 +177,31 @@ def test_compiling_works_in_the_c_locale(tmp_path: Path) -> None:
     mode): the worker switches the text encoding to UTF-8 and compiles."""
     reason, _ = _generate_in_a_subprocess(tmp_path, LC_ALL="C", LANG="C", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0")
     assert reason == "None"
+
+
+def test_models_of_one_class_in_one_process_keep_their_own_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamo keeps the graphs of a class's forward together, for every model of it in the process. With
+    the guards as shipped (the later layers' tensor guards dropped, only telling guards run after load),
+    engines of one checkpoint in float32, int8 and (where oneDNN packs it) bfloat16 int8, alive together and
+    stepped in turn, each still runs its own graph: each gives its eager twin's tokens."""
+    monkeypatch.delenv("ORCA_TORCH_COMPILE")
+    variants = [dict(dtype="float32"), dict(dtype="float32", quantization="int8")]
+    if onednn_packs(torch.bfloat16):
+        variants.append(dict(dtype="bfloat16", quantization="int8"))
+    path = str(tiny_checkpoint("llama"))
+    engines = [LLMEngine(EngineConfig(model=path, max_bs=2, **v)) for v in variants]
+    assert all(e.executor.worker.compiled is not None and not e.executor.worker.compiled.all_guards for e in engines)
+    prompts = [[5, 17, 33, 2, 9], [40, 41]]
+    for i, engine in enumerate(engines):
+        for j, prompt in enumerate(prompts):
+            engine.add_request(f"{i}-{j}", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while any(e.has_unfinished() for e in engines):
+        for engine in engines:  # in turn: each call may meet the others' graphs first
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    monkeypatch.setenv("ORCA_TORCH_COMPILE", "off")
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, v in enumerate(variants):
+        want = [o.token_ids for o in LLM(path, max_bs=2, **v).generate(prompts, greedy)]
+        assert [tokens[f"{i}-{j}"] for j in range(len(prompts))] == want, v

@@ -127,10 +127,13 @@ def test_auto_and_explicit_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: None)  # not Linux: no second copy
     assert resolve_linear_backend("auto", cpu, torch.float32, 1) == "onednn"
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: 8 << 30)
-    assert resolve_linear_backend("auto", cpu, torch.float16, 1) in ("onednn", "reference")  # hybrid: float32 only
-    # bfloat16 packs only where the CPU has the instructions; auto then falls back to torch's matmul.
+    fp16 = onednn_packs(torch.float16)
+    assert resolve_linear_backend("auto", cpu, torch.float16, 1) == ("hybrid" if fp16 else "reference")
+    # bfloat16 packs only where the CPU has the instructions; auto then falls back to torch's matmul. Where
+    # it packs, hybrid (a 16-bit model's quantized layers keep float copies; its float layers none).
     bf16 = onednn_packs(torch.bfloat16)
-    assert resolve_linear_backend("auto", cpu, torch.bfloat16, 1) == ("onednn" if bf16 else "reference")
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16, 1) == ("hybrid" if bf16 else "reference")
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16, 4 << 30) == ("onednn" if bf16 else "reference")
     if not bf16:
         with pytest.raises(ValueError, match="cannot run torch.bfloat16 on this CPU.*use auto or reference"):
             resolve_linear_backend("onednn", cpu, torch.bfloat16)
@@ -153,3 +156,18 @@ def test_auto_sizes_the_second_copy_from_the_checkpoint(tmp_path: Path, monkeypa
     assert Worker(EngineConfig(model=str(path), n_slots=64)).linear_backend == "hybrid"  # a tiny model fits
     monkeypatch.setattr(layers, "available_memory_bytes", lambda: checkpoint_bytes(path, torch.float32))
     assert Worker(EngineConfig(model=str(path), n_slots=64)).linear_backend == "onednn"  # it would not
+
+
+def test_hybrid_keeps_float_weights_beside_the_packed_ones_in_float32_only(tmp_path: Path) -> None:
+    """F.linear's prompt-sized edge over oneDNN was measured in float32 only (bfloat16 never won): a
+    bfloat16 model under hybrid packs its float linears alone, as onednn does."""
+    from orca.models.loader import load_model
+
+    path = make_llama(tmp_path / "ckpt", seed=2)
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        if not onednn_packs(dtype):
+            continue
+        model, _ = load_model(path, dtype, cpu, linear_backend="hybrid")
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert packed and all((m.weight is not None) == (dtype == torch.float32) for m in packed), dtype

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from orca import EngineConfig, LLMEngine
+from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
 from orca.models.quantization import (
     FP8_DTYPE,
@@ -109,18 +110,27 @@ def test_quantized_linear_is_the_dequantized_matmul(kind: str, cols: int, dtype:
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_with_a_float_copy_large_iterations_multiply_the_dequantized_weight(kind: str) -> None:
-    """linear_backend hybrid: below HYBRID_QUANTIZED_MIN_ROWS rows the int kernel, from there oneDNN on
-    the dequantized weight (float32 exact)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_a_float_copy_large_iterations_multiply_the_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
+    """linear_backend hybrid: below HYBRID_QUANTIZED_MIN_ROWS[dtype] rows the int kernel, from there oneDNN
+    on the dequantized weight in the model's dtype (float32 exact; bfloat16 as F.linear on its bfloat16
+    copy)."""
+    if not onednn_packs(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} on this CPU")
     torch.manual_seed(5)
     q = quantize(torch.randn(48, 128) * 0.05, kind, 32)
-    plain = QuantizedLinear(q, None, CPU, torch.float32)
-    hybrid = QuantizedLinear(q, None, CPU, torch.float32, float_copy=True)
-    small = torch.randn(HYBRID_QUANTIZED_MIN_ROWS[kind] - 1, 128)
+    plain = QuantizedLinear(q, None, CPU, dtype)
+    hybrid = QuantizedLinear(q, None, CPU, dtype, float_copy=True)
+    rows = HYBRID_QUANTIZED_MIN_ROWS[dtype][kind]
+    assert hybrid.float_min_rows == rows and rows == (3 if dtype == torch.bfloat16 else {"int8": 8, "int4": 12}[kind])
+    small = torch.randn(rows - 1, 128).to(dtype)
     torch.testing.assert_close(hybrid(small), plain(small), atol=0, rtol=0)
-    large = torch.randn(HYBRID_QUANTIZED_MIN_ROWS[kind], 128)
-    torch.testing.assert_close(hybrid(large), large @ q.dequantize().t(), atol=1e-5, rtol=1e-5)
-    assert (plain(large) - large @ q.dequantize().t()).abs().max() > 1e-4  # the int kernel's bfloat16 differs
+    large = torch.randn(rows, 128).to(dtype)
+    want = (large.float() @ q.dequantize(dtype).float().t()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(hybrid(large), want, atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        assert (plain(large) - want).abs().max() > 1e-4  # the int kernel's bfloat16 activations differ
 
 
 def test_fp8_matmul_is_the_product_of_its_dequantized_operands() -> None:
@@ -228,17 +238,44 @@ def test_a_tied_head_gets_a_quantized_copy_and_the_embedding_stays_float() -> No
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
 
 
-def test_the_compiled_forward_pass_gives_the_eager_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The quantized kernels inside the compiled graph (the suite's $ORCA_TORCH_COMPILE=off lifted)."""
-    eager_tokens, eager_logits = _engine_logits(_checkpoint("llama"), quantization="int4", torch_compile="off")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_forward_pass_gives_the_eager_tokens(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantized kernels inside the compiled graph (the suite's $ORCA_TORCH_COMPILE=off lifted), with
+    linear_backend hybrid: two graphs compiled at load, the int kernels' and the float copies' (from 12 rows
+    of int4 layers in float32, 3 in bfloat16: FloatCopyRows), each taking the iterations of its row counts;
+    every guard run and no compilation after load."""
+    if not onednn_packs(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} on this CPU")
+    from orca.models.quantization import FLOAT_COPY_ROWS
+    from orca.worker.compiled import CompiledForward
+
+    options = dict(model=str(_checkpoint("llama")), dtype=str(dtype).removeprefix("torch."), quantization="int4",
+                   linear_backend="hybrid")
+    lone = [PROMPTS[0]]  # alone: one-row iterations
+    eager = LLMEngine(EngineConfig(**options, torch_compile="off"))
+    want = _run(eager), greedy_with_first_logits(eager, lone, max_tokens=4)
     monkeypatch.delenv("ORCA_TORCH_COMPILE")
-    engine = LLMEngine(EngineConfig(model=str(_checkpoint("llama")), dtype="float32", quantization="int4"))
-    assert engine.executor.worker.linear_backend == "hybrid"  # the float copies' op in the graph too
-    assert engine.executor.worker.compiled is not None and engine.executor.worker.compiled.ready
-    tokens, logits = _run(engine)
-    assert tokens == eager_tokens
-    for got, want in zip(logits, eager_logits):
-        torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+    engine = LLMEngine(EngineConfig(**options))
+    compiled = engine.executor.worker.compiled
+    assert compiled is not None and compiled.ready
+    assert compiled.float_rows == (12 if dtype == torch.float32 else 3)
+    compiled.stance, compiled.all_guards = "fail_on_recompile", True
+    graphs: list[tuple[int, bool]] = []
+    original = CompiledForward.__call__
+
+    def recording(self: CompiledForward, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+        out = original(self, input_ids, *args)
+        graphs.append((input_ids.shape[0], FLOAT_COPY_ROWS.on))
+        return out
+
+    monkeypatch.setattr(CompiledForward, "__call__", recording)
+    got = _run(engine), greedy_with_first_logits(engine, lone, max_tokens=4)
+    assert {on for _, on in graphs} == {False, True}
+    assert all(on == (rows >= compiled.float_rows) for rows, on in graphs)
+    for (tokens, logits), (want_tokens, want_logits) in zip(got, want):
+        assert tokens == want_tokens
+        for g, w in zip(logits, want_logits):
+            torch.testing.assert_close(g, w, atol=1e-2 if dtype == torch.float32 else 5e-2, rtol=0)
 
 
 # -- 4. bad options -------------------------------------------------------------------------------------------

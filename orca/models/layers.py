@@ -122,7 +122,10 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 # checkpoint's weights (MKL's sgemm for float32) beat oneDNN's packed matmul here, 1.05x at 384 rows, 1.09x at
 # 768-1024, 1.15x at 2,404 (a 32-prompt iteration); at 256 rows they tie, and below that oneDNN wins (1.2x at
 # 64 rows, 1.4x at 32, 1.9x at one row). SmolLM2's layer shapes, float32, 2 threads (docs/BENCHMARKS.md).
+# Float32 only: in bfloat16 (an AVX512-BF16 host) F.linear never won (0.7-1.0x oneDNN's time at 128-1024
+# rows), so a 16-bit model's PackedLinears keep no second copy (HYBRID_KEEPS_WEIGHTS).
 HYBRID_MIN_ROWS = 384
+HYBRID_KEEPS_WEIGHTS = (torch.float32,)
 # auto keeps the checkpoint's weights beside the packed ones (hybrid) when they take at most this share of
 # the memory available at load; otherwise it packs only (onednn).
 HYBRID_MEMORY_SHARE = 0.25
@@ -142,11 +145,13 @@ def available_memory_bytes() -> int | None:
 
 def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype,
                            weight_bytes: int | None = None) -> str:
-    """EngineConfig.linear_backend to what runs: "hybrid", "onednn" or "reference". auto = hybrid for
-    float32 on a CPU (where it was measured to win) when `weight_bytes` (the weights a second copy would
-    hold) are at most HYBRID_MEMORY_SHARE of the available memory, onednn on a CPU that packs `dtype`
-    otherwise, reference elsewhere; an explicit onednn or hybrid where oneDNN cannot run is refused with
-    the reason."""
+    """EngineConfig.linear_backend to what runs: "hybrid", "onednn" or "reference". auto = hybrid on a CPU
+    that packs `dtype` when `weight_bytes` (the weights a second copy would hold) are at most
+    HYBRID_MEMORY_SHARE of the available memory, onednn there otherwise, reference elsewhere; an explicit
+    onednn or hybrid where oneDNN cannot run is refused with the reason. (hybrid's second copies are where
+    they were measured to win: F.linear's for float32 layers at prompt sizes, HYBRID_MIN_ROWS; oneDNN's
+    float copies of quantized layers from a few rows, orca/models/quantization.py. A 16-bit model without
+    quantized layers holds none: hybrid is onednn there.)"""
     packs = device.type == "cpu" and onednn_packs(dtype)
     if choice in ("onednn", "hybrid") and not packs:
         where = f"device {device}" if device.type != "cpu" else f"{dtype} on this CPU"
@@ -156,8 +161,6 @@ def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype
         return choice
     if not packs:
         return "reference"
-    if dtype != torch.float32:  # F.linear's large-row edge was measured for float32 (MKL's sgemm) only
-        return "onednn"
     available = available_memory_bytes()
     fits = weight_bytes is not None and available is not None and weight_bytes <= HYBRID_MEMORY_SHARE * available
     return "hybrid" if fits else "onednn"

@@ -18,7 +18,7 @@ from torch import nn
 from orca.checkpoint import ModelConfig, read_model_config
 from orca.config import QUANTIZATIONS
 from orca.models.gpt2 import GPT2Model
-from orca.models.layers import RowParallelLinear, prepack_linears
+from orca.models.layers import HYBRID_KEEPS_WEIGHTS, RowParallelLinear, prepack_linears
 from orca.models.llama import LlamaModel
 from orca.models.moe import SparseMoE
 from orca.models.quantization import (
@@ -105,8 +105,9 @@ def load_model(
     hold no float weight during the load (a hybrid float copy is made from the quantized one). With
     linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) the remaining float linear
     weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
-    checkpoint's weights too, and gives each quantized layer a oneDNN-packed dequantized copy, for
-    iterations of HYBRID_QUANTIZED_MIN_ROWS (8 rows for int8, 12 for int4) or more."""
+    checkpoint's weights too (float32: HYBRID_KEEPS_WEIGHTS), and gives each quantized layer a
+    oneDNN-packed dequantized copy, for iterations of HYBRID_QUANTIZED_MIN_ROWS[dtype] rows or more
+    (float32: 8 for int8, 12 for int4; bfloat16: 3)."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)
@@ -167,7 +168,7 @@ def load_model(
             model.lm_head = QuantizedLinear(weight, None, device, dtype, float_copy=float_copy)
     model.eval()
     if linear_backend in ("onednn", "hybrid"):
-        prepack_linears(model, keep_weights=linear_backend == "hybrid")
+        prepack_linears(model, keep_weights=linear_backend == "hybrid" and dtype in HYBRID_KEEPS_WEIGHTS)
     return model, cfg
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import orca.models.layers  # noqa: F401 - registers orca::packed_linear, which the float copies run under compile
 from orca.parallel import ParallelContext, Shard, shard_tensor
 
 KINDS = ("int8", "int4", "fp8")
@@ -256,10 +257,12 @@ class QuantizedLinear(nn.Module):
         self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
             "aten::_weight_int8pack_mm", "CUDA")
         # linear_backend hybrid on a CPU: the dequantized weight as well, packed for oneDNN, for iterations of
-        # HYBRID_QUANTIZED_MIN_ROWS[kind] rows or more (the int kernels are compute-bound there, oneDNN is not).
+        # HYBRID_QUANTIZED_MIN_ROWS[dtype][kind] rows or more (the int kernels are compute-bound there, oneDNN
+        # is not).
         float_packed = None
         if float_copy and not cuda and weight.kind != "fp8":
             float_packed = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(dtype).to(device), None)
+            self.float_min_rows = HYBRID_QUANTIZED_MIN_ROWS[dtype][weight.kind]
         self.register_buffer("float_packed", float_packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -270,11 +273,15 @@ class QuantizedLinear(nn.Module):
                 x2 = F.pad(x2, (0, self.pad_columns))
             y = _fp8_linear(x2, self.packed, self.scales, self.dtype)[:, :self.out_features]
         elif self.float_packed is not None:
-            args = (x2, self.packed, self.scales, self.float_packed, self.kind, self.group_size, self.pad_columns,
-                    self.out_features, HYBRID_QUANTIZED_MIN_ROWS[self.kind])
-            # inside a compiled graph as an opaque op: the row count is dynamic, the graph cannot branch on it
-            y = torch.ops.orca.hybrid_quantized_linear(*args) if torch.compiler.is_compiling() \
-                else _hybrid_quantized_linear(*args)
+            if not torch.compiler.is_compiling():
+                y = _hybrid_quantized_linear(x2, self.packed, self.scales, self.float_packed, self.kind,
+                                             self.group_size, self.pad_columns, self.out_features,
+                                             self.float_min_rows)
+            elif FLOAT_COPY_ROWS.on:  # a compiled graph cannot branch on its dynamic row count (FloatCopyRows)
+                y = torch.ops.orca.packed_linear(x2, self.float_packed, None, None, self.out_features)
+            else:
+                y = _int_linear(x2, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
+                                self.out_features)
         elif self.kind == "int4" or self._int8_kernel:
             y = _int_linear(x2, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
                             self.out_features)
@@ -312,11 +319,42 @@ def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kin
 
 
 # linear_backend hybrid with quantized weights (a CPU): at this many rows or more the dequantized weight,
-# packed for oneDNN, multiplies instead of the int kernels. Measured on SmolLM2's layers (`orca-bench
-# linears`, docs/BENCHMARKS.md "Results: quantized weights and K/V"): against float32 oneDNN, int8 is
-# 1.6-2.0x faster at 1-2 rows and even at 8, int4 2.4-2.8x and 1.26x at 8, even at 12-16; at 32 rows both
-# are 0.7x, at 128 0.45x.
-HYBRID_QUANTIZED_MIN_ROWS = {"int8": 8, "int4": 12}
+# packed for oneDNN, multiplies instead of the int kernels, by the model's dtype (the copy's). float32,
+# measured on SmolLM2's layers on an AVX2 host (`orca-bench linears`, docs/BENCHMARKS.md "Results:
+# quantized weights and K/V"): against float32 oneDNN, int8 is 1.6-2.0x faster at 1-2 rows and even at 8,
+# int4 2.4-2.8x and 1.26x at 8, even at 12-16; at 32 rows both are 0.7x, at 128 0.45x. bfloat16 (a CPU
+# with native bfloat16: auto's dtype there), measured on an AVX512-BF16 host (docs/BENCHMARKS.md "Results:
+# the single stream on an AVX512-BF16 host"): the int kernels win at 1-2 rows, bfloat16 oneDNN from 3
+# (at 5 rows 2x faster, at 32 rows 2.8x).
+HYBRID_QUANTIZED_MIN_ROWS = {
+    torch.float32: {"int8": 8, "int4": 12},
+    torch.bfloat16: {"int8": 3, "int4": 3},
+    torch.float16: {"int8": 3, "int4": 3},  # (as bfloat16: oneDNN packs float16 only where the CPU has it)
+}
+
+
+class FloatCopyRows:
+    """linear_backend hybrid inside a compiled forward pass (orca/worker/compiled.py). Eagerly each call
+    picks the int kernel or the float copy by its row count; a compiled graph's row count is dynamic and
+    it cannot branch on it. So the compiled forward pass says before each call whether the iteration's
+    rows take the float copies (`on`: at least its model's float_rows), and dynamo keeps a graph for each
+    answer, a guard on this flag telling them apart. (An opaque op choosing at run time, as before, cost
+    the graph a Python call per layer: 1.7 ms a single-stream SmolLM2 token.)"""
+
+    on = False
+
+
+FLOAT_COPY_ROWS = FloatCopyRows()
+
+
+def float_rows(model: nn.Module) -> int | None:
+    """From how many rows an iteration takes the float copies of `model`'s quantized layers inside its
+    compiled forward pass (FloatCopyRows): the least of their thresholds, its LM head's left out (it runs
+    after the graph, on the sampled rows alone, choosing by their count). None: no float copies."""
+    head = getattr(model, "lm_head", None)
+    rows = [m.float_min_rows for m in model.modules()
+            if isinstance(m, QuantizedLinear) and m.float_packed is not None and m is not head]
+    return min(rows) if rows else None
 
 
 def _hybrid_quantized_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
@@ -325,19 +363,6 @@ def _hybrid_quantized_linear(x: torch.Tensor, packed: torch.Tensor, scales: torc
     if x.shape[0] >= min_rows:
         return torch.ops.mkldnn._linear_pointwise(x, float_packed, None, "none", [], "")
     return _int_linear(x, packed, scales, kind, group_size, pad_columns, out_features)
-
-
-def _hybrid_quantized_linear_shape(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                                   float_packed: torch.Tensor, kind: str, group_size: int, pad_columns: int,
-                                   out_features: int, min_rows: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-_OPS = torch.library.Library("orca", "FRAGMENT")
-_OPS.define("hybrid_quantized_linear(Tensor x, Tensor packed, Tensor scales, Tensor float_packed, str kind, "
-            "int group_size, int pad_columns, int out_features, int min_rows) -> Tensor")
-_OPS.impl("hybrid_quantized_linear", _hybrid_quantized_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("orca::hybrid_quantized_linear", _hybrid_quantized_linear_shape, lib=_OPS)
 
 
 def _fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -286,10 +286,15 @@ class Worker:
                 # The prompt compiles the graph (the token count unbacked: any count); the increment runs it
                 # at one row, which a backed size would have specialised.
                 plans = prompt_and_increment_plans(self.kv_layout.block_size)
+                if self.compiled.float_rows is not None:  # and the float copies' graph (FloatCopyRows)
+                    with_float = warm_up_plans(self.kv_layout.block_size, self._max_len(), (self.compiled.float_rows,))
+                    blocks = sum(len(pr.new_block_ids) for plan in with_float for pr in plan.requests)
+                    if blocks * self.kv_layout.block_size <= self.kv_pool.shape[3]:  # (else those run eagerly)
+                        plans = with_float
                 if self.lora is not None:  # the graph of adapter iterations too (slot 0, empty: no delta)
                     plans += tuple(dataclasses.replace(plan, requests=tuple(
-                        dataclasses.replace(pr, request_id="warm-up-lora", lora_slot=0) for pr in plan.requests))
-                        for plan in plans)
+                        dataclasses.replace(pr, request_id=f"{pr.request_id}-lora", lora_slot=0)
+                        for pr in plan.requests)) for plan in plans)
                 self.compiled.compile(lambda: self._warm_up(plans, "compiling the forward pass"), self.device)
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly, say why
                 self.compiled = None

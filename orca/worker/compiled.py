@@ -6,13 +6,17 @@ a fifth of the step beside the matmuls that stream the weights. Inductor fuses t
 embedding, SiLU and residual adds into a few C++ loops, and its wrapper calls them without Python in
 between.
 
-What a graph holds: the whole forward pass but two opaque ops (three with LoRA), which it calls as they are:
+What a graph holds: the whole forward pass but two opaque ops (three with LoRA), which it calls as they are
+(the int8/int4 kernels of quantized layers are aten ops it calls directly):
 - attention, ``orca::selective_attention`` (orca/models/attention/base.py): the per-request split reads the
   iteration's layout, which the worker puts in scope (``iteration_scope``) around each call;
 - the oneDNN-packed linears, ``orca::packed_linear`` (orca/models/layers.py): oneDNN's matmul on the weights
   packed at load, the fastest matmul measured here at decode sizes (inductor would otherwise pick MKL's,
   slower at 1 row); with linear_backend hybrid, F.linear on the checkpoint's weights from HYBRID_MIN_ROWS
-  rows (the op chooses at run time: the graph's token count is dynamic);
+  rows (the op chooses at run time: the graph's token count is dynamic), and the quantized layers' float
+  copies, in a graph of their own: iterations of `float_rows` rows or more run it (FloatCopyRows, in
+  orca/models/quantization.py: the choice made before the call, one graph per answer, both compiled at
+  load);
 - with enable_lora, in iterations with adapter rows, each adapted linear's deltas, ``orca::lora_add_``
   (orca/models/lora.py): a second graph, traced with adapter rows and compiled at load by a second pair
   of warm-up iterations; the first, without adapter rows, has no LoRA op at all.
@@ -27,11 +31,13 @@ iterations (two rows, then one), with a progress message; afterwards an input th
 
 Guards: before each call dynamo checks that the inputs still fit the graph. It checked every tensor of
 the model too, and that no two of its buffers alias: about 1 ms a call for SmolLM2's ~700 tensors, 7% of
-a single-stream decode step here. The model's tensors are made at load and never replaced, so those
-guards are not installed (``_guards_to_keep``), and after the warm-up only the guards that tell the
-graphs apart run (``skip_guard_eval_unsafe``: the token inputs' and, with LoRA, which graph an iteration
-takes): 0.1 ms. The tests run every guard (``all_guards``) and fail on any recompilation, which shows
-the skipped ones hold.
+a single-stream decode step here. The model's tensors are made at load and never replaced, and its layers
+are built alike, so the later layers' tensor guards are not installed (``_guards_to_keep``; the first
+layer's and the model's own tell another model of the same class apart), and after the warm-up only the
+guards that tell the graphs apart run (``skip_guard_eval_unsafe``: the token inputs', the first layer's
+tensors', which graph an iteration takes with LoRA or float copies, and any that ever failed): 0.1 ms.
+The tests run every guard (``all_guards``) and fail on any recompilation, which shows the skipped ones
+hold.
 
 Compiled in the worker's own process
 (``compile_threads=1``: inside Triton's stub ``sys.executable`` is not Python, and inductor's compile
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import locale
 import logging
+import re
 import time
 from collections.abc import Callable
 
@@ -58,6 +65,7 @@ from torch import nn
 
 from orca.models.attention import AttentionMetadata, get_backend, iteration_scope
 from orca.models.moe import SparseMoE
+from orca.models.quantization import FLOAT_COPY_ROWS, float_rows
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +87,9 @@ def why_not_compiled(choice: str, device: torch.device, attention_backend: str, 
     return None
 
 
+RECOMPILE_LIMIT = 64
+
+
 class CompiledForward:
     """``model(input_ids, positions, meta)`` through torch.compile, one graph for every token count. Call
     ``compile(warm_up, device)`` once at load: ``warm_up`` executes the warm-up iterations through the
@@ -87,6 +98,13 @@ class CompiledForward:
     def __init__(self, model: nn.Module) -> None:
         _utf8_text_encoding()
         self.model = model
+        # linear_backend hybrid: from this many rows an iteration runs the graph of the quantized layers' float
+        # copies (FloatCopyRows); None: no float copies, one graph.
+        self.float_rows = float_rows(model)
+        # dynamo keeps at most recompile_limit graphs of one function (8 by default), those of every model of a
+        # class together: an engine compiles up to 4 (with and without float copies and adapter rows), and one
+        # process may hold several engines (the tests, the benchmarks' side-by-side runs).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.compiled = torch.compile(model, dynamic=True, options={"guard_filter_fn": _guards_to_keep})
         self.ready = False
         self.compile_seconds: float | None = None
@@ -96,6 +114,7 @@ class CompiledForward:
         self.all_guards = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        FLOAT_COPY_ROWS.on = self.float_rows is not None and input_ids.shape[0] >= self.float_rows
         with iteration_scope(meta):
             if not self.ready:  # the warm-up: compiles, in this process
                 import torch._inductor.config as inductor_config
@@ -128,9 +147,14 @@ def _utf8_text_encoding() -> None:
 
 
 def _guards_to_keep(entries: list) -> list[bool]:
-    """torch.compile's guard_filter_fn: every guard but those on the model's own tensors (its weights,
-    packed weights and scales, rotary tables: made at load, never replaced or reshaped). Each such tensor
-    had a guard of its dtype, shape and strides, and a buffer also its part in one check that no two of
-    them alias: 1 ms a call for SmolLM2's ~700 tensors, 7% of a single-stream decode step here."""
-    return [not (e.guard_type == "TENSOR_MATCH" and ("._buffers[" in e.name or "._parameters[" in e.name))
-            for e in entries]
+    """torch.compile's guard_filter_fn: every guard but those on the tensors of the model's second and later
+    layers (their weights, packed weights and scales: made at load, never replaced or reshaped). Each had
+    a guard of its dtype, shape and strides, and a buffer also its part in one check that no two of them
+    alias: 1 ms a call for SmolLM2's ~700 tensors, 7% of a single-stream decode step here. The first
+    layer's tensors and the model's own (embedding, head, rotary tables) keep theirs: every layer is
+    built alike, so they tell a graph apart from another model's of the same class (another dtype, other
+    shapes, quantized layers) in the same process, which shares the graphs of that class's forward."""
+    return [not (e.guard_type == "TENSOR_MATCH" and _LATER_LAYER.search(e.name) is not None) for e in entries]
+
+
+_LATER_LAYER = re.compile(r"\._modules\['\w+'\]\._modules\['([1-9]\d*)'\]\.")
