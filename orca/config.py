@@ -76,7 +76,7 @@ class EngineConfig:
       (384) rows or more (prompt iterations) with F.linear (MKL's matmul; in bfloat16 it never won, so a
       16-bit model keeps none); each quantized layer (quantization) keeps a oneDNN-packed dequantized copy,
       used for iterations where the int kernels lose to oneDNN's matmul on a CPU: from 8 rows (int8) or 12
-      (int4) in float32, from 3 in bfloat16 (HYBRID_QUANTIZED_MIN_ROWS, orca/models/quantization.py).
+      (int4) in float32, from 4 or 6 in bfloat16 (HYBRID_QUANTIZED_MIN_ROWS, orca/models/quantization.py).
       "reference": torch's F.linear on the checkpoint layout (cuBLAS on CUDA). "auto": hybrid on a CPU
       where oneDNN packs the dtype when the second copy (estimated from the checkpoint, per rank) takes at
       most a quarter of the memory available at load, onednn there otherwise, reference elsewhere. An

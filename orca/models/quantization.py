@@ -323,13 +323,16 @@ def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kin
 # measured on SmolLM2's layers on an AVX2 host (`orca-bench linears`, docs/BENCHMARKS.md "Results:
 # quantized weights and K/V"): against float32 oneDNN, int8 is 1.6-2.0x faster at 1-2 rows and even at 8,
 # int4 2.4-2.8x and 1.26x at 8, even at 12-16; at 32 rows both are 0.7x, at 128 0.45x. bfloat16 (a CPU
-# with native bfloat16: auto's dtype there), measured on an AVX512-BF16 host (docs/BENCHMARKS.md "Results:
-# the single stream on an AVX512-BF16 host"): the int kernels win at 1-2 rows, bfloat16 oneDNN from 3
-# (at 5 rows 2x faster, at 32 rows 2.8x).
+# with native bfloat16: auto's dtype there), measured in the engine on an AVX512-BF16 host, SmolLM2's decode
+# step with every layer on one side or the other (docs/BENCHMARKS.md "Results: the single stream on an
+# AVX512-BF16 host"): int4 1.72x faster at 1 row, 1.2x at 4, even at 5, 0.93x at 6, 0.82x at 32; int8
+# 1.2x at 1-2 rows, even at 3, 0.94x at 4, 0.64-0.70x from 6. (Layer by layer, with the weights in cache,
+# bfloat16 won from 3 rows: in the engine its weights stream from memory, 4x int4's bytes.) Prompts are
+# where the copies pay most: the int kernels' time grows with every row.
 HYBRID_QUANTIZED_MIN_ROWS = {
     torch.float32: {"int8": 8, "int4": 12},
-    torch.bfloat16: {"int8": 3, "int4": 3},
-    torch.float16: {"int8": 3, "int4": 3},  # (as bfloat16: oneDNN packs float16 only where the CPU has it)
+    torch.bfloat16: {"int8": 4, "int4": 6},
+    torch.float16: {"int8": 4, "int4": 6},  # (as bfloat16: oneDNN packs float16 only where the CPU has it)
 }
 
 

@@ -154,7 +154,8 @@ class ReferenceMetadata(AttentionMetadata):
             kv_gathered = pool.index_select(2, self.gather_index)
             if scales is not None:
                 kv_gathered = dequantize_kv(kv_gathered, scales.index_select(2, self.gather_index), q.dtype)
-            gathered = iter(kv_gathered.split(self.gather_sizes, dim=2))
+            # (one request's: no split, a lone decode stream's common case)
+            gathered = iter((kv_gathered,) if len(self.gather_sizes) == 1 else kv_gathered.split(self.gather_sizes, 2))
 
         def keys_values(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             view = self.views[i]
@@ -176,13 +177,17 @@ class ReferenceMetadata(AttentionMetadata):
                 # Increment: one query row per head and no mask. The `group` query heads sharing a K/V head
                 # become `group` query rows of that head, so GQA needs no repeat of keys and values. The 4-D
                 # (batch 1) form takes PyTorch's fused CPU kernel.
-                q_inc = q[:n_inc].view(n_inc, num_kv_heads, group, head_dim).split(1)  # n_inc x (1, KVH, G, D)
+                q_inc = q[:n_inc].view(n_inc, num_kv_heads, group, head_dim)
+                q_inc = (q_inc,) if n_inc == 1 else q_inc.split(1)  # n_inc x (1, KVH, G, D)
                 for i in range(n_inc):
                     keys, values = keys_values(i)
                     if window is not None:  # the last `window` keys only
                         keys, values = keys[:, :, -window:], values[:, :, -window:]
                     outputs.append(F.scaled_dot_product_attention(q_inc[i], keys, values, scale=scale))
-                outputs = [torch.cat(outputs).view(n_inc, num_heads * head_dim)]  # (n_inc, H*D)
+                out_inc = outputs[0] if n_inc == 1 else torch.cat(outputs)
+                outputs = [out_inc.view(n_inc, num_heads * head_dim)]  # (n_inc, H*D)
+            if n_inc == len(self.lengths):  # a decode iteration: every request an increment
+                return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         start = sum(self.lengths[:n_inc])  # (the batched backend's leading requests may have several rows)
         for i in range(n_inc, len(self.lengths)):
             n, past = self.lengths[i], self.context_lens[i]
