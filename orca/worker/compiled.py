@@ -129,7 +129,7 @@ class CompiledForward:
     def compile(self, warm_up: Callable[[], None], device: torch.device) -> None:
         """Runs `warm_up()` (iterations through this object: the first compiles the graph, the next check
         it serves them) and marks it ready, logging the time it took."""
-        logger.info("compiling the model's forward pass for %s with torch.compile (once, at load; 20-45 s "
+        logger.info("compiling the model's forward pass for %s with torch.compile (once, at load; 25-90 s "
                     "for a 135M model on 2 cores) ...", device)
         t0 = time.perf_counter()
         warm_up()
