@@ -288,8 +288,7 @@ class Worker:
                 plans = prompt_and_increment_plans(self.kv_layout.block_size)
                 if self.compiled.float_rows is not None:  # and the float copies' graph (FloatCopyRows)
                     with_float = warm_up_plans(self.kv_layout.block_size, self._max_len(), (self.compiled.float_rows,))
-                    blocks = sum(len(pr.new_block_ids) for plan in with_float for pr in plan.requests)
-                    if blocks * self.kv_layout.block_size <= self.kv_pool.shape[3]:  # (else those run eagerly)
+                    if self._pool_holds(with_float):  # (else those iterations run eagerly)
                         plans = with_float
                 if self.lora is not None:  # the graph of adapter iterations too (slot 0, empty: no delta)
                     plans += tuple(dataclasses.replace(plan, requests=tuple(
@@ -331,13 +330,17 @@ class Worker:
         its warm_up_rows; flex's on CUDA, the one backend that compiles at load, hence the name). Writes only
         to blocks no request owns yet; skipped when the pool is too small to hold them."""
         plans = warm_up_plans(self.kv_layout.block_size, self._max_len(), self.attention.warm_up_rows)
-        needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
-        if self.kv_pool is None or self.kv_pool.shape[3] < needed * self.kv_layout.block_size:
+        if not self._pool_holds(plans):
             return
         logger.info("compiling flex attention kernels for %s (once, at load) ...", self.device)
         t0 = time.perf_counter()
         self._warm_up(plans, "warming up flex attention")
         logger.info("flex attention compiled in %.1f s", time.perf_counter() - t0)
+
+    def _pool_holds(self, plans: tuple[StepPlan, ...]) -> bool:
+        """Whether the K/V pool has the blocks warm-up `plans` write (warm_up_plans: taken in order)."""
+        needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
+        return self.kv_pool is not None and needed * self.kv_layout.block_size <= self.kv_pool.shape[3]
 
     def _warm_up(self, plans: tuple[StepPlan, ...], what: str) -> None:
         """Executes load-time iterations (blocks no request owns yet) and forgets their requests."""

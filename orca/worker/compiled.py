@@ -25,8 +25,9 @@ Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
 backed dynamic size would have dynamo specialise one row and compile single-stream decode a graph of its
 own, which cost 9 s more at load here and decoded no faster. It is compiled at load by the warm-up
-iterations (two rows, then one, then with float copies one of float_rows rows), with a progress message; afterwards an input the graph does not fit
-(none is known) would run eagerly rather than compile inside a user's request
+iterations (two rows, then one, then with float copies one of float_rows rows), with a progress message;
+afterwards an input the graph does not fit (none is known) would run eagerly rather than compile inside a
+user's request
 (``torch.compiler.set_stance("eager_on_recompile")``).
 
 Guards: before each call dynamo checks that the inputs still fit the graph. It checked every tensor of
