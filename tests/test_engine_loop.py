@@ -231,6 +231,29 @@ def test_waiting_queue_bound_refuses_at_once() -> None:
     loop.shutdown()
 
 
+def test_a_request_handed_to_the_engine_counts_as_waiting_throughout() -> None:
+    """The loop moves a submitted request from its own count into the engine's: at no moment between the
+    two may the waiting count drop, or a submit on another thread slips past max_queue (seen in CI)."""
+    col = Collector()
+    loop = EngineLoop(lambda: tiny_core("gpt2", max_bs=1, max_queue=2), on_output=RequestOutputs(col))
+    seen: list[int] = []
+    add_request = loop.core.add_request
+
+    def add_request_watched(*args: Any) -> None:  # on the loop thread, as the engine takes a request
+        seen.append(loop.stats.waiting)
+        add_request(*args)
+        seen.append(loop.stats.waiting)
+
+    loop.core.add_request = add_request_watched  # type: ignore[method-assign]
+    loop.submit("a", [1], GREEDY)
+    loop.submit("b", [1], GREEDY)
+    loop.start()
+    assert col.wait_final("a").finish_reason == "length"
+    assert col.wait_final("b").finish_reason == "length"
+    loop.shutdown()
+    assert seen[:2] == [2, 2], seen  # "a" handed over: still two waiting before and after
+
+
 @pytest.mark.parametrize("kind,words", [("hang", "hung"), ("crash", "scheduler thread died")])
 def test_a_hung_iteration_or_a_dead_thread_fails_the_loop_loudly(kind: str, words: str) -> None:
     """An iteration that runs past worker_timeout (the watchdog) or a loop thread that dies: on_failure

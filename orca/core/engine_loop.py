@@ -321,8 +321,9 @@ class EngineLoop:
                 self._abort_every_request()
                 continue
             if isinstance(cmd, _Add):
-                with self._lock:
-                    self._queued_adds -= 1
+                with self._lock:  # counted as waiting until the refresh below says what the core holds, so
+                    self._queued_adds -= 1  # a submit on another thread never sees it in neither count
+                    self._stats = replace(self._stats, waiting=self._stats.waiting + 1)
                 try:  # (validated by submit)
                     self.core.add_request(
                         cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time, cmd.eos_token_ids,
