@@ -22,8 +22,9 @@ from orca import LLM, EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, iteration_scope
 from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
+from orca.models.quantization import QuantizedLinear, quantize
 from orca.worker import Worker
-from orca.worker.compiled import why_not_compiled
+from orca.worker.compiled import CompiledForward, CompiledHead, why_not_compiled
 
 # Paged blocks of 4 tokens, a budget of 8 tokens per iteration (prompts in chunks, mixed with increments)
 # and a pool of 10 blocks for 5 requests at a time (preemptions).
@@ -205,3 +206,53 @@ def test_models_of_one_class_in_one_process_keep_their_own_graphs(monkeypatch: p
     for i, v in enumerate(variants):
         want = [o.token_ids for o in LLM(path, max_bs=2, **v).generate(prompts, greedy)]
         assert [tokens[f"{i}-{j}"] for j in range(len(prompts))] == want, v
+
+
+# -- the LM head's compiled graph (CompiledHead) -----------------------------------------------------------
+def test_an_int8_head_is_compiled_in_a_graph_of_its_own_with_the_eager_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized model's int8 LM head runs a graph of its own, compiled at load, installed as the layer's
+    int_kernel; its logits are the eager kernel's up to the bfloat16 rounding of the kernel's output (a
+    float32 model's head computes in bfloat16, its output rounded so as eagerly), at any row count below the
+    float copy's, with no compilation after load."""
+    monkeypatch.delenv("ORCA_TORCH_COMPILE")
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), max_bs=4, quantization="int8"))
+    worker = engine.executor.worker
+    head = worker.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.kind == "int8"
+    assert isinstance(worker.compiled.head, CompiledHead) and worker.compiled.head.ready
+    assert head.int_kernel is worker.compiled.head
+    worker.compiled.stance, worker.compiled.all_guards = "fail_on_recompile", True
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for rows in range(1, (head.float_min_rows if head.float_packed is not None else 8)):
+            x = torch.randn(rows, head.in_features)
+            got, want = head(x), head.int_linear(x)
+            step = want.abs().amax().bfloat16().float() * 2.0**-7  # bfloat16's step at the largest logit
+            torch.testing.assert_close(got, want, atol=step.item(), rtol=0)
+            assert torch.equal(got, got.bfloat16().float())  # rounded to bfloat16 as eagerly, then float32
+    # a float32 model without the quantized head has none (nothing to compile)
+    plain = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), max_bs=4))
+    assert plain.executor.worker.compiled.head is None
+
+
+def test_int8_heads_of_the_same_shapes_each_run_their_own_weights() -> None:
+    """Two compiled heads of one shape, different weights, alive together and called in turn with the
+    guards as shipped: each gives its own logits. Their weights are constants inside their graphs, so
+    inductor's graph cache (keyed by a frozen weight's shape, not its values) may not hand one head's
+    graph to the other."""
+    torch.manual_seed(0)
+    heads = [QuantizedLinear(quantize(torch.randn(512, 64), "int8"), None, torch.device("cpu"), torch.bfloat16)
+             for _ in range(2)]
+    compiled = []
+    with torch.inference_mode():
+        for head in heads:
+            model = torch.nn.Module()
+            model.lm_head = head
+            forward = CompiledForward(model)
+            forward.head(torch.randn(1, 64, dtype=torch.bfloat16))  # its warm-up: compiles
+            forward.ready = True
+            compiled.append(forward)
+        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        for _ in range(2):
+            for head in heads:
+                torch.testing.assert_close(head(x).float(), head.int_linear(x).float(), atol=0.07, rtol=0)

@@ -22,6 +22,7 @@ float32 model converts its activations to bfloat16 around each quantized layer (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -264,6 +265,16 @@ class QuantizedLinear(nn.Module):
             float_packed = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(dtype).to(device), None)
             self.float_min_rows = HYBRID_QUANTIZED_MIN_ROWS[dtype][weight.kind]
         self.register_buffer("float_packed", float_packed, persistent=False)
+        # Called eagerly (outside a compiled graph), the int kernel's matmul through this instead of
+        # _int_linear when set: the LM head's, compiled by the compiled forward pass (CompiledHead in
+        # orca/worker/compiled.py). Takes and returns what int_linear does.
+        self.int_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def int_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) times the int8 or int4 weight through torch's weight-only kernel (_int_linear), the
+        result (T, out) in x's dtype."""
+        return _int_linear(x, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
+                           self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -272,21 +283,21 @@ class QuantizedLinear(nn.Module):
             if self.pad_columns:
                 x2 = F.pad(x2, (0, self.pad_columns))
             y = _fp8_linear(x2, self.packed, self.scales, self.dtype)[:, :self.out_features]
-        elif self.float_packed is not None:
-            if not torch.compiler.is_compiling():
-                y = _hybrid_quantized_linear(x2, self.packed, self.scales, self.float_packed, self.kind,
-                                             self.group_size, self.pad_columns, self.out_features,
-                                             self.float_min_rows)
-            elif FLOAT_COPY_ROWS.on:  # a compiled graph cannot branch on its dynamic row count (FloatCopyRows)
-                y = torch.ops.orca.packed_linear(x2, self.float_packed, None, None, self.out_features)
+        elif torch.compiler.is_compiling():
+            if self.float_packed is not None and FLOAT_COPY_ROWS.on:  # a graph cannot branch on its dynamic
+                y = torch.ops.orca.packed_linear(x2, self.float_packed, None, None, self.out_features)  # rows
+            elif self.kind == "int4" or self._int8_kernel:
+                y = self.int_linear(x2)
             else:
-                y = _int_linear(x2, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
-                                self.out_features)
+                y = _dequantizing_linear(x2, self.packed, self.scales, self.dtype)
+        elif self.float_packed is not None and x2.shape[0] >= self.float_min_rows:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.float_packed, None, "none", [], "")
+        elif self.int_kernel is not None:
+            y = self.int_kernel(x2)
         elif self.kind == "int4" or self._int8_kernel:
-            y = _int_linear(x2, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
-                            self.out_features)
+            y = self.int_linear(x2)
         else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
-            y = (F.linear(x2, self.packed.to(x2.dtype)) * self.scales).to(self.dtype)
+            y = _dequantizing_linear(x2, self.packed, self.scales, self.dtype)
         if self.par is not None:
             y = self.par.all_reduce(y)
         if self.bias is not None:
@@ -360,12 +371,11 @@ def float_rows(model: nn.Module) -> int | None:
     return min(rows) if rows else None
 
 
-def _hybrid_quantized_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                             float_packed: torch.Tensor, kind: str, group_size: int, pad_columns: int,
-                             out_features: int, min_rows: int) -> torch.Tensor:
-    if x.shape[0] >= min_rows:
-        return torch.ops.mkldnn._linear_pointwise(x, float_packed, None, "none", [], "")
-    return _int_linear(x, packed, scales, kind, group_size, pad_columns, out_features)
+def _dequantizing_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """int8 on a CUDA build without torch's int8 weight-only kernel: the weight dequantized inside the
+    matmul."""
+    return (F.linear(x, packed.to(x.dtype)) * scales).to(dtype)
 
 
 def _fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

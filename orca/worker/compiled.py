@@ -46,6 +46,14 @@ workers are started from it). Inductor reads its own UTF-8 source templates with
 encoding, the locale's; the stub embeds Python with an isolated configuration (no UTF-8 mode, the C
 locale kept), where that is ASCII, so compiling first switches such a process's LC_CTYPE to C.UTF-8.
 
+The LM head: it runs after the graph, on the sampled rows alone. Where it is an int8 layer (the
+default model's head is GGUF Q8_0: int8), its int8 kernel's matmul is compiled as a graph of its own
+(CompiledHead) with inductor's weight-only GEMM template, chosen against torch's kernel by measurement at
+load (max_autotune, the weight frozen into the graph as a constant the template packs for itself):
+SmolLM2's 49152 x 576 int8 head at one row took 0.8 ms against torch._weight_int8pack_mm's 2.0 (1-3 rows
+2.4-2.5x; a single-stream decode step 1.08x faster, docs/BENCHMARKS.md). The price: the packed copy of
+the head's weight (28 MB for SmolLM2) and a few seconds of load.
+
 Used where measured to win: a CPU, attention_backend reference or batched, a dense model, one worker. On
 CUDA decode iterations replay CUDA graphs instead (orca/worker/cuda_graphs.py) and compiling is not yet
 measured there; a mixture-of-experts layer reads per-expert token counts on the host; the distributed
@@ -59,6 +67,7 @@ import locale
 import logging
 import re
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -66,7 +75,7 @@ from torch import nn
 
 from orca.models.attention import AttentionMetadata, get_backend, iteration_scope
 from orca.models.moe import SparseMoE
-from orca.models.quantization import FLOAT_COPY_ROWS, float_rows
+from orca.models.quantization import FLOAT_COPY_ROWS, QuantizedLinear, float_rows
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +116,7 @@ class CompiledForward:
         # process may hold several engines (the tests, the benchmarks' side-by-side runs).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.compiled = torch.compile(model, dynamic=True, options={"guard_filter_fn": _guards_to_keep})
+        self.head = CompiledHead.of(model, self)
         self.ready = False
         self.compile_seconds: float | None = None
         # After the warm-up: what torch.compile does with an input no graph fits (the tests make it fail).
@@ -133,10 +143,78 @@ class CompiledForward:
         logger.info("compiling the model's forward pass for %s with torch.compile (once, at load; 25-90 s "
                     "for a 135M model on 2 cores) ...", device)
         t0 = time.perf_counter()
-        warm_up()
+        try:
+            warm_up()
+        except BaseException:  # the model runs eagerly then (the worker says why): its head too
+            if self.head is not None:
+                self.head.layer.int_kernel = None
+            raise
+        if self.head is not None and not self.head.ready:
+            raise RuntimeError("the warm-up never reached the LM head")
         self.compile_seconds = time.perf_counter() - t0
         self.ready = True
         logger.info("forward pass compiled in %.1f s", self.compile_seconds)
+
+
+class CompiledHead:
+    """An int8 LM head's int kernel matmul (QuantizedLinear.int_linear) as a compiled graph of its own,
+    installed as the layer's int_kernel: the weight and scales frozen into it as constants (inductor's
+    freezing), so that inductor's weight-only GEMM template may pack the weight for itself, and
+    max_autotune choosing, by measuring both at load, the template or torch's kernel. The row count is
+    unbacked: one graph for any number of sampled rows (the warm-up's one compiles it). After the warm-up,
+    the forward pass's stance and guards (`forward`'s) hold for it too."""
+
+    def __init__(self, head: QuantizedLinear, forward: CompiledForward) -> None:
+        self.layer = head
+        self.compiled = torch.compile(_HeadMatmul(head), dynamic=True, fullgraph=True)
+        self.forward = forward
+        self.ready = False
+
+    @classmethod
+    def of(cls, model: nn.Module, forward: CompiledForward) -> CompiledHead | None:
+        """The compiled head of `model`, installed, where its LM head is an int8 layer; else None. (An int4
+        head, rarer, has no measurement yet: inductor has a template for it too.)"""
+        head = getattr(model, "lm_head", None)
+        if not isinstance(head, QuantizedLinear) or head.kind != "int8":
+            return None
+        compiled = cls(head, forward)
+        head.int_kernel = compiled
+        return compiled
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ready:  # the warm-up's first sampled row: compiles, in this process
+            import torch._inductor.config as inductor_config
+
+            # Any row count; the autotuning measures one row (the single stream: where the head's time shows).
+            torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=1)
+            # (the choice's table, a warning inside inductor's autotuning: not for the server's log)
+            # Never from (or into) inductor's graph cache: its key holds a frozen weight's shape, not its
+            # values, and a graph made for another head of these shapes returned that head's logits here.
+            # The casts rounded as eagerly (a float32 model's head runs in bfloat16: without the rounding of
+            # its output to bfloat16, logits moved by up to half a bfloat16 step from the eager engine's).
+            with inductor_config.patch(compile_threads=1, fx_graph_cache=False, emulate_precision_casts=True,
+                                       freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                                       autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False), \
+                    warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+                y = self.compiled(x)
+            self.ready = True
+            return y
+        forward = self.forward
+        with torch.compiler.set_stance(forward.stance, skip_guard_eval_unsafe=not forward.all_guards):
+            return self.compiled(x)
+
+
+class _HeadMatmul(nn.Module):
+    """What CompiledHead compiles: the head's int_linear, the head a submodule (its buffers the graph's
+    constants)."""
+
+    def __init__(self, head: QuantizedLinear) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.int_linear(x)
 
 
 def _utf8_text_encoding() -> None:
