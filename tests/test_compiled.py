@@ -22,9 +22,9 @@ from orca import LLM, EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, iteration_scope
 from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
-from orca.models.quantization import QuantizedLinear, quantize
+from orca.models.quantization import HYBRID_QUANTIZED_MIN_ROWS, QuantizedLinear, quantize
 from orca.worker import Worker
-from orca.worker.compiled import CompiledForward, CompiledHead, why_not_compiled
+from orca.worker.compiled import COMPILED_HEAD_FLOAT_ROWS, CompiledForward, CompiledHead, why_not_compiled
 
 # Paged blocks of 4 tokens, a budget of 8 tokens per iteration (prompts in chunks, mixed with increments)
 # and a pool of 10 blocks for 5 requests at a time (preemptions).
@@ -209,24 +209,29 @@ def test_models_of_one_class_in_one_process_keep_their_own_graphs(monkeypatch: p
 
 
 # -- the LM head's compiled graph (CompiledHead) -----------------------------------------------------------
-def test_an_int8_head_is_compiled_in_a_graph_of_its_own_with_the_eager_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_head_is_compiled_in_a_graph_of_its_own_with_the_eager_numbers(
+        dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized model's int8 LM head runs a graph of its own, compiled at load, installed as the layer's
     int_kernel; its logits are the eager kernel's up to the bfloat16 rounding of the kernel's output (a
     float32 model's head computes in bfloat16, its output rounded so as eagerly), at any row count below the
     float copy's, with no compilation after load."""
     monkeypatch.delenv("ORCA_TORCH_COMPILE")
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), max_bs=4, quantization="int8"))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), max_bs=4, quantization="int8",
+                                    dtype=str(dtype).removeprefix("torch.")))
     worker = engine.executor.worker
     head = worker.model.lm_head
     assert isinstance(head, QuantizedLinear) and head.kind == "int8"
     assert isinstance(worker.compiled.head, CompiledHead) and worker.compiled.head.ready
     assert head.int_kernel is worker.compiled.head
+    if head.float_packed is not None:  # hybrid: its rows up to the template's pass of 4, or its dtype's more
+        assert head.float_min_rows == max(HYBRID_QUANTIZED_MIN_ROWS[dtype]["int8"], COMPILED_HEAD_FLOAT_ROWS)
     worker.compiled.stance, worker.compiled.all_guards = "fail_on_recompile", True
     torch.manual_seed(0)
     with torch.inference_mode():
         for rows in range(1, (head.float_min_rows if head.float_packed is not None else 8)):
-            x = torch.randn(rows, head.in_features)
-            got, want = head(x), head.int_linear(x)
+            x = torch.randn(rows, head.in_features, dtype=dtype)
+            got, want = head(x).float(), head.int_linear(x).float()
             step = want.abs().amax().bfloat16().float() * 2.0**-7  # bfloat16's step at the largest logit
             torch.testing.assert_close(got, want, atol=step.item(), rtol=0)
             assert torch.equal(got, got.bfloat16().float())  # rounded to bfloat16 as eagerly, then float32

@@ -156,6 +156,14 @@ class CompiledForward:
         logger.info("forward pass compiled in %.1f s", self.compile_seconds)
 
 
+# A compiled int8 head takes its float copy (linear_backend hybrid) from this many rows, if its dtype's
+# HYBRID_QUANTIZED_MIN_ROWS is lower: inductor's template multiplies up to 4 rows in one pass over the int8
+# weight, half of a bfloat16 copy's bytes. SmolLM2's head, the caches flushed between calls (as the other
+# layers flush them in a step), bfloat16: compiled int8 1.2-1.6 ms at 1-4 rows against the bfloat16 copy's
+# 2.5-3.0, then 3.7 at 5 rows against 2.6 (scripts/experiments/head_rows.py).
+COMPILED_HEAD_FLOAT_ROWS = 5
+
+
 class CompiledHead:
     """An int8 LM head's int kernel matmul (QuantizedLinear.int_linear) as a compiled graph of its own,
     installed as the layer's int_kernel: the weight and scales frozen into it as constants (inductor's
@@ -179,6 +187,8 @@ class CompiledHead:
             return None
         compiled = cls(head, forward)
         head.int_kernel = compiled
+        if head.float_packed is not None:  # (linear_backend hybrid) its int8 kernel's rows, compiled
+            head.float_min_rows = max(head.float_min_rows, COMPILED_HEAD_FLOAT_ROWS)
         return compiled
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
