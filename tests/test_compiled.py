@@ -6,6 +6,7 @@ load)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -140,16 +141,21 @@ def test_the_attention_op_needs_an_iteration_in_scope() -> None:
     assert out.shape == (1, 8)
 
 
-def _generate_in_a_subprocess(tmp_path: Path, **env: str) -> tuple[str, str]:
+def _generate_in_a_subprocess(tmp_path: Path, quantization: str = "none", **env: str) -> tuple[str, str]:
     """A tiny GPT-2 engine with torch_compile auto in a fresh interpreter with `env` added, which must
-    generate transformers' greedy tokens: (why the forward pass is eager or None, stderr). A fresh process
-    reuses nothing this one compiled."""
+    generate transformers' greedy tokens (quantization none; int8: tokens, its head's int kernel eager
+    when the forward pass is): (why the forward pass is eager or None, stderr). A fresh process reuses
+    nothing this one compiled."""
     script = tmp_path / "generate.py"
     script.write_text(
         "from orca import SamplingParams\n"
         "from orca.frontend.llm import LLM\n"
-        f"llm = LLM({str(tiny_checkpoint('gpt2'))!r}, block_size=4, n_slots=64)\n"
-        "print('REASON', llm.engine.executor.worker.no_compile_reason)\n"
+        f"llm = LLM({str(tiny_checkpoint('gpt2'))!r}, block_size=4, n_slots=64, quantization={quantization!r})\n"
+        "worker = llm.engine.executor.worker\n"
+        "print('REASON', worker.no_compile_reason)\n"
+        "head = worker.model.lm_head\n"
+        "compiled_head = worker.compiled is not None and worker.compiled.head is not None\n"
+        "assert (getattr(head, 'int_kernel', None) is not None) == compiled_head\n"
         "out = llm.generate([[5, 17, 33, 2]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))\n"
         "print('TOKENS', out[0].token_ids)\n"
     )
@@ -158,15 +164,20 @@ def _generate_in_a_subprocess(tmp_path: Path, **env: str) -> tuple[str, str]:
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in done.stdout.splitlines() if " " in line}
-    assert lines["TOKENS"] == str(hf_greedy(tiny_reference("gpt2"), [5, 17, 33, 2], 6))
+    if quantization == "none":
+        assert lines["TOKENS"] == str(hf_greedy(tiny_reference("gpt2"), [5, 17, 33, 2], 6))
+    else:
+        assert len(json.loads(lines["TOKENS"])) == 6
     return lines["REASON"], done.stderr
 
 
-def test_without_a_cxx_compiler_the_engine_serves_eagerly_and_says_why(tmp_path: Path) -> None:
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_without_a_cxx_compiler_the_engine_serves_eagerly_and_says_why(tmp_path: Path, quantization: str) -> None:
     """Inductor's C++ compiler missing (CXX pointing nowhere, its caches off): the worker logs why and
-    runs the eager forward pass; the engine still generates transformers' tokens."""
+    runs the eager forward pass; the engine still generates transformers' tokens. With an int8 head, its
+    compiled graph is dropped too: the head runs torch's kernel."""
     reason, stderr = _generate_in_a_subprocess(
-        tmp_path, CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
+        tmp_path, quantization, CXX=str(tmp_path / "no-such-g++"), TORCHINDUCTOR_FORCE_DISABLE_CACHES="1",
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
     assert reason.startswith("compiling failed"), reason
     assert "the forward pass runs eagerly: compiling failed" in stderr
