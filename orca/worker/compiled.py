@@ -51,8 +51,8 @@ default model's head is GGUF Q8_0: int8), its int8 kernel's matmul is compiled a
 (CompiledHead) with inductor's weight-only GEMM template, chosen against torch's kernel by measurement at
 load (max_autotune, the weight frozen into the graph as a constant the template packs for itself):
 SmolLM2's 49152 x 576 int8 head at one row took 0.8 ms against torch._weight_int8pack_mm's 2.0 (1-3 rows
-2.4-2.5x; a single-stream decode step 1.08x faster, docs/BENCHMARKS.md). The price: the packed copy of
-the head's weight (28 MB for SmolLM2) and a few seconds of load.
+2.4-2.5x; a single-stream decode step 1.09-1.17x faster, docs/BENCHMARKS.md). The price: the packed copy
+of the head's weight (28 MB for SmolLM2) and 2-10 s of load.
 
 Used where measured to win: a CPU, attention_backend reference or batched, a dense model, one worker. On
 CUDA decode iterations replay CUDA graphs instead (orca/worker/cuda_graphs.py) and compiling is not yet
