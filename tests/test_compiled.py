@@ -272,3 +272,16 @@ def test_int8_heads_of_the_same_shapes_each_run_their_own_weights() -> None:
         for _ in range(2):
             for head in heads:
                 torch.testing.assert_close(head(x).float(), head.int_linear(x).float(), atol=0.07, rtol=0)
+
+
+def test_a_warm_up_that_never_reaches_the_head_leaves_it_eager() -> None:
+    """compile() fails when the warm-up never ran the head (its graph would compile inside a request), and
+    a failed compile uninstalls the head's graph: the worker then serves eagerly, head included."""
+    head = QuantizedLinear(quantize(torch.randn(64, 32), "int8"), None, torch.device("cpu"), torch.bfloat16)
+    model = torch.nn.Module()
+    model.lm_head = head
+    forward = CompiledForward(model)
+    assert head.int_kernel is forward.head
+    with pytest.raises(RuntimeError, match="never reached the LM head"):
+        forward.compile(lambda: None, torch.device("cpu"))
+    assert head.int_kernel is None and not forward.ready

@@ -279,25 +279,22 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        compiling = torch.compiler.is_compiling()
         if self.kind == "fp8":
             if self.pad_columns:
                 x2 = F.pad(x2, (0, self.pad_columns))
             y = _fp8_linear(x2, self.packed, self.scales, self.dtype)[:, :self.out_features]
-        elif torch.compiler.is_compiling():
-            if self.float_packed is not None and FLOAT_COPY_ROWS.on:  # a graph cannot branch on its dynamic
-                y = torch.ops.orca.packed_linear(x2, self.float_packed, None, None, self.out_features)  # rows
-            elif self.kind == "int4" or self._int8_kernel:
-                y = self.int_linear(x2)
-            else:
-                y = _dequantizing_linear(x2, self.packed, self.scales, self.dtype)
-        elif self.float_packed is not None and x2.shape[0] >= self.float_min_rows:
+        elif compiling and self.float_packed is not None and FLOAT_COPY_ROWS.on:
+            # (a compiled graph cannot branch on its dynamic row count: FloatCopyRows)
+            y = torch.ops.orca.packed_linear(x2, self.float_packed, None, None, self.out_features)
+        elif not compiling and self.float_packed is not None and x2.shape[0] >= self.float_min_rows:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.float_packed, None, "none", [], "")
-        elif self.int_kernel is not None:
+        elif not compiling and self.int_kernel is not None:
             y = self.int_kernel(x2)
         elif self.kind == "int4" or self._int8_kernel:
             y = self.int_linear(x2)
         else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
-            y = _dequantizing_linear(x2, self.packed, self.scales, self.dtype)
+            y = (F.linear(x2, self.packed.to(x2.dtype)) * self.scales).to(self.dtype)
         if self.par is not None:
             y = self.par.all_reduce(y)
         if self.bias is not None:
@@ -369,13 +366,6 @@ def float_rows(model: nn.Module) -> int | None:
     rows = [m.float_min_rows for m in model.modules()
             if isinstance(m, QuantizedLinear) and m.float_packed is not None and m is not head]
     return min(rows) if rows else None
-
-
-def _dequantizing_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                         dtype: torch.dtype) -> torch.Tensor:
-    """int8 on a CUDA build without torch's int8 weight-only kernel: the weight dequantized inside the
-    matmul."""
-    return (F.linear(x, packed.to(x.dtype)) * scales).to(dtype)
 
 
 def _fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -145,12 +145,12 @@ class CompiledForward:
         t0 = time.perf_counter()
         try:
             warm_up()
+            if self.head is not None and not self.head.ready:
+                raise RuntimeError("the warm-up never reached the LM head")
         except BaseException:  # the model runs eagerly then (the worker says why): its head too
             if self.head is not None:
                 self.head.layer.int_kernel = None
             raise
-        if self.head is not None and not self.head.ready:
-            raise RuntimeError("the warm-up never reached the LM head")
         self.compile_seconds = time.perf_counter() - t0
         self.ready = True
         logger.info("forward pass compiled in %.1f s", self.compile_seconds)
@@ -170,22 +170,22 @@ class CompiledHead:
     freezing), so that inductor's weight-only GEMM template may pack the weight for itself, and
     max_autotune choosing, by measuring both at load, the template or torch's kernel. The row count is
     unbacked: one graph for any number of sampled rows (the warm-up's one compiles it). After the warm-up,
-    the forward pass's stance and guards (`forward`'s) hold for it too."""
+    the forward pass's stance and guards (`forward_pass`'s) hold for it too."""
 
-    def __init__(self, head: QuantizedLinear, forward: CompiledForward) -> None:
+    def __init__(self, head: QuantizedLinear, forward_pass: CompiledForward) -> None:
         self.layer = head
         self.compiled = torch.compile(_HeadMatmul(head), dynamic=True, fullgraph=True)
-        self.forward = forward
+        self.forward_pass = forward_pass
         self.ready = False
 
     @classmethod
-    def of(cls, model: nn.Module, forward: CompiledForward) -> CompiledHead | None:
+    def of(cls, model: nn.Module, forward_pass: CompiledForward) -> CompiledHead | None:
         """The compiled head of `model`, installed, where its LM head is an int8 layer; else None. (An int4
         head, rarer, has no measurement yet: inductor has a template for it too.)"""
         head = getattr(model, "lm_head", None)
         if not isinstance(head, QuantizedLinear) or head.kind != "int8":
             return None
-        compiled = cls(head, forward)
+        compiled = cls(head, forward_pass)
         head.int_kernel = compiled
         if head.float_packed is not None:  # (linear_backend hybrid) its int8 kernel's rows, compiled
             head.float_min_rows = max(head.float_min_rows, COMPILED_HEAD_FLOAT_ROWS)
@@ -210,8 +210,8 @@ class CompiledHead:
                 y = self.compiled(x)
             self.ready = True
             return y
-        forward = self.forward
-        with torch.compiler.set_stance(forward.stance, skip_guard_eval_unsafe=not forward.all_guards):
+        owner = self.forward_pass
+        with torch.compiler.set_stance(owner.stance, skip_guard_eval_unsafe=not owner.all_guards):
             return self.compiled(x)
 
 
