@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -54,11 +55,13 @@ def metrics(server: Any, model: str) -> dict[str, float]:
     return out
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0, seen: list[Any] | None = None) -> None:
+    """Polls condition until it holds; seen: the values condition read, shown (changes only) if it never does."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            shown = [v for i, v in enumerate(seen or []) if i == 0 or v != seen[i - 1]]  # type: ignore[index]
+            raise AssertionError(f"timed out waiting for {what}" + (f" (saw {shown})" if seen else ""))
         time.sleep(0.05)
 
 
@@ -355,10 +358,18 @@ def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     prompts = [[i + 1] * (i + 2) for i in range(8)]  # 2..9 tokens; max_bs 8 runs all of them at once
     # 8 x (9 + 900) tokens fit the 8192-slot pool: nobody is preempted.
     streams = [client.generate(input_ids=p, max_tokens=900, temperature=0, ignore_eos=True) for p in prompts]
-    tokens = [list(next(s).output_ids) for s in streams]  # each request is admitted and running
-    # Read until the gauge shows all 8: once, in a full `make test` on a 2-core host, a read just after the
-    # 8th first token still saw 1 (not reproduced alone; the cause not found), so a single read is a race.
-    wait_for(lambda: metrics(orca_server, model).get("orca_running_requests") == 8, "8 running requests", 20)
+    # A stream sends its request on its first next(): the 8 are sent at once, from 8 threads. Sent one after
+    # another (each waiting for its first token) they overlapped only by what was left of the first one's
+    # 900 tokens (~2 s alone here), and a slow 2-core CI host saw a run where they never all ran together.
+    with ThreadPoolExecutor(len(streams)) as pool:
+        tokens = list(pool.map(lambda s: list(next(s).output_ids), streams))  # each admitted and running
+    seen: list[float | None] = []
+
+    def all_running() -> bool:
+        seen.append(metrics(orca_server, model).get("orca_running_requests"))
+        return seen[-1] == 8
+
+    wait_for(all_running, "8 running requests", 20, seen)
     during = metrics(orca_server, model)
     assert during["orca_running_requests"] == 8 and during["orca_waiting_requests"] == 0
     assert during["orca_kv_allocated_blocks"] >= 8  # a block each at least
