@@ -74,6 +74,41 @@ def test_the_fused_backends_match_the_reference_on_a_mixed_iteration(
     assert out["reference"].abs().max() > 0.1
 
 
+@pytest.mark.parametrize("backend", ["reference", "batched"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("window", [None, 5, 100])
+def test_a_lone_increment_over_consecutive_blocks_reads_its_view(backend: str, heads: int, kv_heads: int,
+                                                                 window: int | None) -> None:
+    """A single stream's decode step (one increment, its blocks consecutive) takes the lone view's path:
+    the same output as softmax(q k^T) v written out over its keys (its last `window`), and as the same
+    request with its blocks shuffled (the gathering path)."""
+    block_size, past, dim = 4, 37, 8
+    used = -(-(past + 1) // block_size)
+    torch.manual_seed(0)
+    pool = torch.randn(2, 2, kv_heads, 64 * block_size, dim)
+    q, kv = torch.randn(1, heads, dim), torch.randn(1, 2, kv_heads, dim)
+    consecutive, shuffled = list(range(20, 20 + used)), random.Random(1).sample(range(40, 64), used)
+    outputs = []
+    for table in (consecutive, shuffled):
+        layer_pool = pool.clone()
+        # the same cached keys and values at each table's slots
+        for p in range(past):
+            layer_pool[:, :, :, table[p // block_size] * block_size + p % block_size] = pool[:, :, :, 200 + p]
+        meta = AttentionMetadata.build([1], [past], [table], block_size, layer_pool, backend=backend)
+        assert (meta.lone_view is not None) == (table is consecutive)
+        outputs.append(selective_attention(q, kv, meta, 1, 0.3, window))
+    keys = torch.cat([pool[1, 0, :, 200 : 200 + past], kv[0, 0, :, None]], 1)  # (KVH, past + 1, D)
+    values = torch.cat([pool[1, 1, :, 200 : 200 + past], kv[0, 1, :, None]], 1)
+    if window is not None:
+        keys, values = keys[:, -window:], values[:, -window:]
+    group = heads // kv_heads
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # (H, keys, D)
+    probs = torch.softmax((q[0, :, None] * keys).sum(-1) * 0.3, -1)  # (H, keys)
+    expected = (probs[:, :, None] * values).sum(1).reshape(1, heads * dim)
+    torch.testing.assert_close(outputs[0], expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(outputs[1], expected, atol=1e-5, rtol=0)
+
+
 def _nan_pool_outside(shape: list[tuple[int, int]], rng: random.Random, block_size: int, num_blocks: int,
                       kv_heads: int, dim: int, dtype: torch.dtype) -> tuple[list[int], list[int], list[list[int]],
                                                                              torch.Tensor]:

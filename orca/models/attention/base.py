@@ -232,6 +232,13 @@ def selective_attention(
 ) -> torch.Tensor:  # (T, H * D)
     if torch.compiler.is_compiling():  # inside a compiled forward pass: one opaque op (see iteration_scope)
         return torch.ops.orca.selective_attention(q, kv, layer, scale, window)
+    return _write_and_attend(q, kv, meta, layer, scale, window)
+
+
+def _write_and_attend(
+    q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, layer: int, scale: float, window: int | None
+) -> torch.Tensor:
+    """selective_attention's work, eager: what the opaque op runs."""
     timer = meta.timer
     if timer is not None:
         timer.sync()
@@ -300,7 +307,7 @@ def _attention_op(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, w
     meta = getattr(_scope, "meta", None)
     if meta is None:
         raise RuntimeError("orca::selective_attention ran outside iteration_scope: it has no iteration layout")
-    return selective_attention(q, kv, meta, layer, scale, window).contiguous()
+    return _write_and_attend(q, kv, meta, layer, scale, window).contiguous()
 
 
 def _attention_shape(q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:

@@ -52,6 +52,11 @@ class ReferenceMetadata(AttentionMetadata):
     views: list[tuple[int, int] | None]
     gather_index: torch.Tensor | None  # (sum of gathered lengths,) int64
     gather_sizes: list[int]
+    # A lone increment whose blocks are consecutive (a single stream's decode step, the common case): its
+    # view, which attend reads with no per-request bookkeeping: the opaque attention op of a compiled
+    # forward pass took 40 us a layer against 43.5 (SDPA itself ~30; SmolLM2's heads, 150 keys, bfloat16),
+    # ~0.1 ms of a single-stream step; None otherwise.
+    lone_view: tuple[int, int] | None = None
     # The masks of the requests of several new tokens after a cached prefix, by (request, window): the same
     # at every layer, so built once per iteration, not once per layer (a verifying iteration of 8
     # speculating requests built 240 for SmolLM2's 30 layers; the time saved was within this CPU host's
@@ -112,7 +117,9 @@ class ReferenceMetadata(AttentionMetadata):
                 gather.extend(token_slots(table, block_size, 0, total))
                 gather_sizes.append(total)
         device = kv_pool.device
+        lone = len(lengths) == 1 and num_increment == 1 and not elsewhere and kv_scales is None
         return cls(
+            lone_view=views[0] if lone else None,
             lengths=list(lengths),
             context_lens=list(context_lens),
             num_increment=num_increment,
@@ -146,6 +153,14 @@ class ReferenceMetadata(AttentionMetadata):
         """Per request, over its keys and values in `pool` (this layer's, new ones written; dequantized
         with `scales` when quantized). `increments_out`: the increments' outputs when a subclass attended
         them itself (batched.py), in row order; None runs them here, one call each."""
+        if self.lone_view is not None and increments_out is None:  # one query row per head, no mask
+            start, end = self.lone_view
+            if window is not None:  # the last `window` keys only
+                start = max(start, end - window)
+            kv = pool[:, :, start:end]  # (2, KVH, keys, D)
+            out = F.scaled_dot_product_attention(q.view(1, pool.shape[1], -1, q.shape[2]), kv[0:1], kv[1:2],
+                                                 scale=scale)
+            return out.view(1, -1)
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = pool.shape[1]
         group = num_heads // num_kv_heads  # query heads per K/V head (grouped-query attention)
