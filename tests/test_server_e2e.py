@@ -60,8 +60,10 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0, se
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            shown = [v for i, v in enumerate(seen or []) if i == 0 or v != seen[i - 1]]  # type: ignore[index]
-            raise AssertionError(f"timed out waiting for {what}" + (f" (saw {shown})" if seen else ""))
+            saw = ""
+            if seen:
+                saw = f" (saw {[v for i, v in enumerate(seen) if i == 0 or v != seen[i - 1]]})"
+            raise AssertionError(f"timed out waiting for {what}{saw}")
         time.sleep(0.05)
 
 
