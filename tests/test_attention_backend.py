@@ -25,6 +25,7 @@ from checkpoints import make_llama, make_mistral, make_mixtral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, resolve_attention_backend, selective_attention
+from orca.models.attention.base import LoneDecode
 from orca.models.attention.batched import BATCHED_MAX_QUERIES, BATCHED_MIN_INCREMENTS
 from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
 from orca.worker import Worker, flex_warm_up_plans, why_not_flex_by_default
@@ -107,6 +108,34 @@ def test_a_lone_increment_over_consecutive_blocks_reads_its_view(backend: str, h
     expected = (probs[:, :, None] * values).sum(1).reshape(1, heads * dim)
     torch.testing.assert_close(outputs[0], expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(outputs[1], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("past", [1, 37])
+def test_a_lone_decode_step_attends_over_its_cached_view_and_its_own_key(heads: int, kv_heads: int,
+                                                                         dtype: torch.dtype, past: int) -> None:
+    """LoneDecode (the compiled single-stream step's attention, inside its graph): the reference's output
+    for the same step (its view of the pool, the new key and value written first), without writing the
+    pool: the new key and value come back in `written`, in layer order; a sliding window is refused."""
+    block_size, dim, start = 4, 8, 80
+    torch.manual_seed(past)
+    pool = torch.randn(3, 2, kv_heads, 64 * block_size, dim).to(dtype)
+    before = pool.clone()
+    lone = LoneDecode(pool[:, :, :, start : start + past])
+    table = list(range(start // block_size, start // block_size + -(-(past + 1) // block_size)))
+    meta = AttentionMetadata.build([1], [past], [table], block_size, pool.clone(), backend="reference")
+    assert meta.lone_view == (start, start + past + 1)
+    for layer in (0, 2):  # (out of order: `written` follows the calls)
+        q, kv = torch.randn(1, heads, dim).to(dtype), torch.randn(1, 2, kv_heads, dim).to(dtype)
+        got = selective_attention(q, kv, lone, layer, 0.3)
+        want = selective_attention(q, kv, meta, layer, 0.3)
+        torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
+        assert got.dtype == dtype and got.shape == (1, heads * dim)
+        assert torch.equal(lone.written[-1], kv[0])
+    assert len(lone.written) == 2 and torch.equal(pool, before)  # nothing written into the pool
+    with pytest.raises(ValueError, match="sliding window"):
+        selective_attention(q, kv, lone, 0, 0.3, window=5)
 
 
 def _nan_pool_outside(shape: list[tuple[int, int]], rng: random.Random, block_size: int, num_blocks: int,

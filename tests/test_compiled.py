@@ -23,6 +23,7 @@ from orca import LLM, EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, iteration_scope
 from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
+from orca.models.lora import LoRABatch
 from orca.models.quantization import HYBRID_QUANTIZED_MIN_ROWS, QuantizedLinear, quantize
 from orca.worker import Worker
 from orca.worker.compiled import COMPILED_HEAD_FLOAT_ROWS, CompiledForward, CompiledHead, why_not_compiled
@@ -90,13 +91,48 @@ def test_the_shipped_guards_run_the_same_graph(compiled_engine: LLMEngine, monke
         assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
 
 
-def test_single_stream_decode_runs_the_same_graph(compiled_engine: LLMEngine) -> None:
-    """One request alone: its increments are one-row iterations, which the graph of every token count
-    serves (no graph of its own: the stance fails any compilation)."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_stream_decode_runs_the_lone_step_graph(family: str) -> None:
+    """One request alone in a fresh pool (its blocks consecutive): its increments run LoneStep's graph,
+    compiled at load (the stance fails any compilation), at every context length, with transformers'
+    tokens; its keys and values reach the pool (each step reads the previous steps')."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 64}))
+    compiled = engine.executor.worker.compiled
+    assert compiled.lone is not None and compiled.lone.ready
+    compiled.stance, compiled.all_guards = "fail_on_recompile", True
+    before = compiled.lone_steps
     prompt = [5, 17, 33, 2]
-    compiled_engine.add_request("alone", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    final = drain(compiled_engine)
-    assert final["alone"].token_ids == hf_greedy(tiny_reference(compiled_engine.family), prompt, 12)
+    engine.add_request("alone", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    final = drain(engine)
+    assert final["alone"].token_ids == hf_greedy(tiny_reference(family), prompt, 12)
+    assert compiled.lone_steps - before == 11  # every increment (the prompt's iteration drew the first token)
+
+
+def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(tmp_path: Path) -> None:
+    """A sliding-window model compiles no LoneStep (its layers' views would differ); a lone increment
+    over blocks that are not consecutive, with an adapter row, or with a profiling timer runs the graph of
+    every token count."""
+    from checkpoints import make_mistral
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        windowed = LLMEngine(EngineConfig(model=str(make_mistral(tmp_path / "mistral")), **OPTIONS))
+    assert windowed.executor.worker.compiled is not None and windowed.executor.worker.compiled.lone is None
+    worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), n_slots=64, block_size=4))
+    forward = CompiledForward(worker.model)
+    pool = torch.zeros(worker.kv_layout.num_layers, 2, 2, 64, 16)
+    lone = AttentionMetadata.build([1], [5], [[3, 4]], 4, pool, backend="batched")
+    scattered = AttentionMetadata.build([1], [5], [[3, 7]], 4, pool, backend="batched")
+    assert forward._is_lone(lone) and not forward._is_lone(scattered)
+    forward.lora_batch = LoRABatch()
+    forward.lora_batch.active = True  # an adapter row
+    assert not forward._is_lone(lone)
+    forward.lora_batch.active = False
+    assert forward._is_lone(lone)
+    lone.timer = object()
+    assert not forward._is_lone(lone)
 
 
 def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -282,7 +282,7 @@ class Worker:
                                       "warm-up uses")
         if self.no_compile_reason is None:
             try:
-                self.compiled = CompiledForward(self.model)
+                self.compiled = CompiledForward(self.model, None if self.lora is None else self.lora.batch)
                 # The prompt compiles the graph (the token count unbacked: any count); the increment runs it
                 # at one row, which a backed size would have specialised.
                 plans = prompt_and_increment_plans(self.kv_layout.block_size)

@@ -21,11 +21,16 @@ What a graph holds: the whole forward pass but two opaque ops (three with LoRA),
   (orca/models/lora.py): a second graph, traced with adapter rows and compiled at load by a second pair
   of warm-up iterations; the first, without adapter rows, has no LoRA op at all.
 
+A single stream's decode step, the iteration that pays most for the opaque attention op (its write,
+Python and SDPA call ~85 us a layer at one row, SmolLM2, 300 cached keys), has a graph of its own with
+attention inside it: LoneStep, below (1.17x faster steps here, docs/BENCHMARKS.md).
+
 Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
-backed dynamic size would have dynamo specialise one row and compile single-stream decode a graph of its
-own, which cost 9 s more at load here and decoded no faster. It is compiled at load by the warm-up
-iterations (two rows, then one, then with float copies one of float_rows rows), with a progress message;
+backed dynamic size would have dynamo specialise one row and compile a one-row graph of its own, which
+cost 9 s more at load here and decoded no faster (with attention still an opaque op). It is compiled at
+load by the warm-up iterations (two rows, then one, which LoneStep runs, then with float copies one of
+float_rows rows), with a progress message;
 afterwards an input the graph does not fit (none is known) would run eagerly rather than compile inside a
 user's request
 (``torch.compiler.set_stance("eager_on_recompile")``).
@@ -74,6 +79,9 @@ import torch
 from torch import nn
 
 from orca.models.attention import AttentionMetadata, get_backend, iteration_scope
+from orca.models.attention.base import LoneDecode
+from orca.models.attention.reference import ReferenceMetadata
+from orca.models.lora import LoRABatch
 from orca.models.moe import SparseMoE
 from orca.models.quantization import FLOAT_COPY_ROWS, QuantizedLinear, float_rows
 
@@ -113,9 +121,10 @@ class CompiledForward:
     ``compile(warm_up, device)`` once at load: ``warm_up`` executes the warm-up iterations through the
     worker, which calls this object for each; later calls never compile."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, lora_batch: LoRABatch | None = None) -> None:
         _utf8_text_encoding()
         self.model = model
+        self.lora_batch = lora_batch  # (enable_lora) the iteration's adapter rows: LoneStep runs none
         # linear_backend hybrid: from this many rows an iteration runs the graph of the quantized layers' float
         # copies (FloatCopyRows); None: no float copies, one graph.
         self.float_rows = float_rows(model)
@@ -125,6 +134,8 @@ class CompiledForward:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.compiled = torch.compile(model, dynamic=True, options={"guard_filter_fn": _guards_to_keep})
         self.head = CompiledHead.of(model, self)
+        self.lone = LoneStep.of(model)
+        self.lone_steps = 0  # iterations LoneStep ran (the tests read it)
         self.ready = False
         self.compile_seconds: float | None = None
         # After the warm-up: what torch.compile does with an input no graph fits (the tests make it fail).
@@ -133,6 +144,10 @@ class CompiledForward:
         self.all_guards = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.lone is not None and self._is_lone(meta):
+            FLOAT_COPY_ROWS.on = False
+            self.lone_steps += 1
+            return self.lone(input_ids, positions, meta, self)
         FLOAT_COPY_ROWS.on = self.float_rows is not None and input_ids.shape[0] >= self.float_rows
         with iteration_scope(meta):
             if not self.ready:  # the warm-up: compiles, in this process
@@ -145,6 +160,14 @@ class CompiledForward:
             with torch.compiler.set_stance(self.stance, skip_guard_eval_unsafe=not self.all_guards):
                 return self.compiled(input_ids, positions, None)
 
+    def _is_lone(self, meta: AttentionMetadata) -> bool:
+        """Whether `meta` is an iteration LoneStep runs: a single stream's decode step over consecutive
+        blocks of an unquantized pool (ReferenceMetadata.lone_view), with no adapter row and no profiling
+        timer (which times attention by itself)."""
+        return (isinstance(meta, ReferenceMetadata) and meta.lone_view is not None and meta.timer is None
+                and (self.lora_batch is None or not self.lora_batch.active)
+                and (self.float_rows is None or self.float_rows > 1))
+
     def compile(self, warm_up: Callable[[], None], device: torch.device) -> None:
         """Runs `warm_up()` (iterations through this object: the first compiles the graph, the next check
         it serves them) and marks it ready, logging the time it took."""
@@ -155,6 +178,10 @@ class CompiledForward:
             warm_up()
             if self.head is not None and not self.head.ready:
                 raise RuntimeError("the warm-up never reached the LM head")
+            if self.lone is not None and not self.lone.ready:
+                # (no warm-up iteration was one: a quantized K/V pool; then none ever is)
+                logger.info("single-stream decode steps run the graph of every token count: the warm-up ran none")
+                self.lone = None
         except BaseException:  # the model runs eagerly then (the worker says why): its head too
             if self.head is not None:
                 self.head.layer.int_kernel = None
@@ -162,6 +189,62 @@ class CompiledForward:
         self.compile_seconds = time.perf_counter() - t0
         self.ready = True
         logger.info("forward pass compiled in %.1f s", self.compile_seconds)
+
+
+class LoneStep:
+    """A single stream's decode step as a compiled graph of its own, attention inside it (LoneDecode,
+    orca/models/attention/base.py): the graph of every token count calls attention as an opaque op, whose
+    write, Python and SDPA call cost ~85 us a layer at one decode row (SmolLM2, 300 cached keys), against
+    ~30-40 inside the graph. It runs one row over its request's consecutive blocks (the placement-aware
+    allocator makes them the common case), with no sliding window (the view would differ by layer) and
+    an unquantized pool; the worker's other iterations run the graph of every token count. Its input is
+    the request's cached keys and values, one view of the pool over every layer, their number unbacked:
+    one graph for any context, compiled at load by the warm-up's increment."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.compiled = torch.compile(_LoneModel(model), dynamic=False, options={"guard_filter_fn": _guards_to_keep})
+        self.ready = False
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LoneStep | None:
+        """LoneStep of `model`, or None where a layer has a sliding window."""
+        if any(getattr(m, "window", None) is not None for m in model.modules()):
+            return None
+        return cls(model)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ReferenceMetadata,
+                 owner: CompiledForward) -> torch.Tensor:
+        """(1, E): the model's hidden row; writes the step's keys and values into meta's pool."""
+        start, end = meta.lone_view
+        pool = meta.kv_pool  # (layers, 2, KVH, slots, D)
+        cached = pool[:, :, :, start:end - 1]
+        if not self.ready:  # the warm-up's increment: compiles, in this process
+            import torch._inductor.config as inductor_config
+
+            torch._dynamo.decorators.mark_unbacked(cached, 3)  # any number of cached keys: one graph
+            with inductor_config.patch(**GRAPH_OPTIONS):
+                hidden, written = self.compiled(input_ids, positions, cached)
+            self.ready = True
+        else:
+            with torch.compiler.set_stance(owner.stance, skip_guard_eval_unsafe=not owner.all_guards):
+                hidden, written = self.compiled(input_ids, positions, cached)
+        pool[:, :, :, end - 1].copy_(written)
+        return hidden
+
+
+class _LoneModel(nn.Module):
+    """What LoneStep compiles: the model over one row, attention reading `cached` (LoneDecode); returns
+    the hidden row and the step's keys and values, (layers, 2, KVH, D)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lone = LoneDecode(cached)
+        hidden = self.model(input_ids, positions, lone)
+        return hidden, torch.stack(lone.written)
 
 
 # A compiled int8 head takes its float copy (linear_backend hybrid) from this many rows, if its dtype's

@@ -17,6 +17,8 @@
 - ``orca::selective_attention`` and ``iteration_scope``: attention as one opaque op inside a compiled
   forward pass (orca/worker/compiled.py). The pool and its scales reach the op through the metadata in
   scope, not as arguments: its signature is the same for every kv_cache_dtype.
+- ``LoneDecode``: a single stream's decode step with attention inside a compiled graph of its own (no
+  opaque op; the worker writes the step's keys and values after the graph).
 - ``PhaseTimer`` (profiling); the builders' shared helpers ``token_slots`` (pool slots of a request's
   positions) and ``leading_increments``.
 """
@@ -225,11 +227,13 @@ def leading_increments(lengths: Sequence[int], context_lens: Sequence[int], most
 def selective_attention(
     q: torch.Tensor,  # (T, H, D): queries of all tokens of all requests
     kv: torch.Tensor,  # (T, 2, KVH, D): this iteration's new keys and values
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | LoneDecode,
     layer: int,
     scale: float,
     window: int | None = None,  # sliding window: a query sees its last `window` keys (itself included)
 ) -> torch.Tensor:  # (T, H * D)
+    if isinstance(meta, LoneDecode):  # a single stream's decode step, in its own compiled graph
+        return meta.attend(q, kv, layer, scale, window)
     if torch.compiler.is_compiling():  # inside a compiled forward pass: one opaque op (see iteration_scope)
         return torch.ops.orca.selective_attention(q, kv, layer, scale, window)
     return _write_and_attend(q, kv, meta, layer, scale, window)
@@ -258,6 +262,47 @@ def _write_and_attend(
         timer.sync()
         timer.add("attention", time.perf_counter() - t0)
     return out
+
+
+class LoneDecode:
+    """A single stream's decode step (one query row over its request's cached keys and values, in
+    consecutive slots of an unquantized pool, no sliding window) as the compiled forward pass runs it in
+    a graph of its own (orca/worker/compiled.py, LoneStep): attention inside the graph, no opaque op.
+
+    The graph reads the cached keys and values as one input, a view of the pool over every layer, and
+    writes nothing: each layer's new key and value enter its attention as a last key of their own and
+    are collected in `written`, which the caller writes into the pool after the graph (one copy for
+    every layer). Read-only, the view aliases nothing the graph mutates, so the graph neither copies the
+    pool nor orders a write against a read.
+
+    Attention as multiplies and sums that inductor fuses into its own loops (float32 scores, softmax
+    weights and accumulation, as SDPA's CPU kernels): SmolLM2's heads, bfloat16, 300 cached keys, ~30-40
+    us a layer inside a graph, against ~85 for the opaque op's write, Python and SDPA call in a decode
+    step (docs/BENCHMARKS.md)."""
+
+    def __init__(self, cached: torch.Tensor) -> None:
+        self.cached = cached  # (layers, 2, KVH, cached tokens, D)
+        self.written: list[torch.Tensor] = []  # each layer's new (2, KVH, D), in layer order
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+        """q (1, H, D), kv (1, 2, KVH, D) -> (1, H * D): softmax(q k^T * scale) v over the cached keys and
+        the new one."""
+        if window is not None:
+            raise ValueError("LoneDecode has no sliding window (the worker runs such layers through the op)")
+        _, num_heads, head_dim = q.shape
+        keys, values = self.cached[layer].unsqueeze(2).unbind(0)  # (KVH, 1, cached, D) each
+        new = kv[0]  # (2, KVH, D)
+        self.written.append(new)
+        num_kv_heads = new.shape[1]
+        # The `group` query heads sharing a K/V head are rows of that head: (KVH, group, D).
+        qf = q.view(num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+        old = (qf.unsqueeze(2) * keys).sum(-1) * scale  # (KVH, group, cached)
+        own = (qf * new[0].unsqueeze(1)).sum(-1, keepdim=True) * scale  # (KVH, group, 1)
+        top = torch.maximum(old.amax(-1, keepdim=True), own)
+        old_w, own_w = torch.exp(old - top), torch.exp(own - top)
+        out = (old_w.unsqueeze(-1) * values).sum(2) + own_w * new[1].unsqueeze(1)  # (KVH, group, D)
+        out = out / (old_w.sum(-1, keepdim=True) + own_w)
+        return out.to(q.dtype).view(1, num_heads * head_dim)
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
