@@ -113,26 +113,28 @@ def test_a_lone_increment_over_consecutive_blocks_reads_its_view(backend: str, h
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past", [1, 37])
-def test_a_lone_decode_step_attends_over_its_cached_view_and_its_own_key(heads: int, kv_heads: int,
-                                                                         dtype: torch.dtype, past: int) -> None:
-    """LoneDecode (the compiled single-stream step's attention, inside its graph): the reference's output
-    for the same step (its view of the pool, the new key and value written first), without writing the
-    pool: the new key and value come back in `written`, in layer order; a sliding window is refused."""
+@pytest.mark.parametrize("new", [1, 2, 5])
+def test_a_lone_step_attends_over_its_cached_view_and_its_own_keys(heads: int, kv_heads: int, dtype: torch.dtype,
+                                                                  past: int, new: int) -> None:
+    """LoneDecode (the compiled single-stream step's attention, inside its graph; with `rows`, a
+    verification's several rows): the reference's output for the same step (its view of the pool, the new
+    keys and values written first, each new row seeing the new keys up to its own), without writing the
+    pool: the new keys and values come back in `written`, in layer order; a sliding window is refused."""
     block_size, dim, start = 4, 8, 80
-    torch.manual_seed(past)
+    torch.manual_seed(past + new)
     pool = torch.randn(3, 2, kv_heads, 64 * block_size, dim).to(dtype)
     before = pool.clone()
-    lone = LoneDecode(pool[:, :, :, start : start + past])
-    table = list(range(start // block_size, start // block_size + -(-(past + 1) // block_size)))
-    meta = AttentionMetadata.build([1], [past], [table], block_size, pool.clone(), backend="reference")
-    assert meta.lone_view == (start, start + past + 1)
+    lone = LoneDecode(pool[:, :, :, start : start + past], rows=new > 1)
+    table = list(range(start // block_size, start // block_size + -(-(past + new) // block_size)))
+    meta = AttentionMetadata.build([new], [past], [table], block_size, pool.clone(), backend="reference")
+    assert meta.views[0] == (start, start + past + new)
     for layer in (0, 2):  # (out of order: `written` follows the calls)
-        q, kv = torch.randn(1, heads, dim).to(dtype), torch.randn(1, 2, kv_heads, dim).to(dtype)
+        q, kv = torch.randn(new, heads, dim).to(dtype), torch.randn(new, 2, kv_heads, dim).to(dtype)
         got = selective_attention(q, kv, lone, layer, 0.3)
         want = selective_attention(q, kv, meta, layer, 0.3)
         torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
-        assert got.dtype == dtype and got.shape == (1, heads * dim)
-        assert torch.equal(lone.written[-1], kv[0])
+        assert got.dtype == dtype and got.shape == (new, heads * dim)
+        assert torch.equal(lone.written[-1], kv)
     assert len(lone.written) == 2 and torch.equal(pool, before)  # nothing written into the pool
     with pytest.raises(ValueError, match="sliding window"):
         selective_attention(q, kv, lone, 0, 0.3, window=5)

@@ -102,18 +102,51 @@ def test_single_stream_decode_runs_the_lone_step_graph(family: str) -> None:
     compiled = engine.executor.worker.compiled
     assert compiled.lone is not None and compiled.lone.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
-    before = compiled.lone_steps
+    before = compiled.lone.steps
     prompt = [5, 17, 33, 2]
     engine.add_request("alone", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     final = drain(engine)
     assert final["alone"].token_ids == hf_greedy(tiny_reference(family), prompt, 12)
-    assert compiled.lone_steps - before == 11  # every increment (the prompt's iteration drew the first token)
+    assert compiled.lone.steps - before == 11  # every increment (the prompt's iteration drew the first token)
+    assert compiled.lone_rows is None  # (an engine that does not speculate compiles no graph of several rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_speculating_single_stream_verifies_in_the_lone_graph_of_several_rows(family: str) -> None:
+    """A lone request speculating (n-gram proposals from its repetitive prompt): its verifications (the
+    last drawn token and its proposals, after its cached tokens) run LoneStep's graph of several rows,
+    compiled at load, at every row count and context; its tokens are transformers' greedy ones."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), speculative_method="ngram",
+                                        num_speculative_tokens=3, **{**OPTIONS, "n_slots": 64}))
+    compiled = engine.executor.worker.compiled
+    assert compiled.lone_rows is not None and compiled.lone_rows.ready and compiled.lone.ready
+    compiled.stance, compiled.all_guards = "fail_on_recompile", True
+    prompt = [5, 17, 33, 2, 9] * 3
+    engine.add_request("alone", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    final = drain(engine)
+    assert final["alone"].token_ids == hf_greedy(tiny_reference(family), prompt, 20)
+    assert compiled.lone_rows.steps > 0 and compiled.lone.steps > 0
+
+
+def test_a_speculating_engine_with_float_copies_compiles_both_lone_graphs() -> None:
+    """A quantized model under linear_backend hybrid compiles the float copies' graph at load too (its
+    own warm-up iterations): the verification's warm-up still runs after them, so LoneStep's graph of
+    several rows is compiled as well (once, it was left out, and verifications ran the opaque op)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), quantization="int8",
+                                        linear_backend="hybrid", speculative_method="ngram", **OPTIONS))
+    compiled = engine.executor.worker.compiled
+    assert compiled.float_rows is not None
+    assert compiled.lone.ready and compiled.lone_rows is not None and compiled.lone_rows.ready
 
 
 def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(tmp_path: Path) -> None:
-    """A sliding-window model compiles no LoneStep (its layers' views would differ); a lone increment
-    over blocks that are not consecutive, with an adapter row, or with a profiling timer runs the graph of
-    every token count."""
+    """A sliding-window model compiles no LoneStep (its layers' views would differ); a lone request's
+    step over blocks that are not consecutive, of more rows than LONE_MAX_ROWS, a prompt, several requests,
+    an adapter row or a profiling timer run the graph of every token count."""
     from checkpoints import make_mistral
 
     with pytest.MonkeyPatch.context() as mp:
@@ -121,49 +154,26 @@ def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(t
         windowed = LLMEngine(EngineConfig(model=str(make_mistral(tmp_path / "mistral")), **OPTIONS))
     assert windowed.executor.worker.compiled is not None and windowed.executor.worker.compiled.lone is None
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), n_slots=64, block_size=4))
-    forward = CompiledForward(worker.model)
+    forward = CompiledForward(worker.model, verifies=True)
     pool = torch.zeros(worker.kv_layout.num_layers, 2, 2, 64, 16)
-    lone = AttentionMetadata.build([1], [5], [[3, 4]], 4, pool, backend="batched")
-    scattered = AttentionMetadata.build([1], [5], [[3, 7]], 4, pool, backend="batched")
-    assert forward._is_lone(lone) and not forward._is_lone(scattered)
+
+    def step(new: int, table: list[int], past: int = 5) -> AttentionMetadata:
+        return AttentionMetadata.build([new], [past], [table], 4, pool, backend="batched")
+
+    assert forward._lone_step(step(1, [3, 4])) is forward.lone
+    assert forward._lone_step(step(3, [3, 4])) is forward.lone_rows
+    assert forward._lone_step(step(1, [3, 7])) is None  # not consecutive
+    assert forward._lone_step(step(9, [3, 4, 5, 6])) is None  # more rows than LONE_MAX_ROWS
+    assert forward._lone_step(step(2, [3], past=0)) is None  # a prompt
+    two = AttentionMetadata.build([1, 1], [5, 5], [[3, 4], [5, 6]], 4, pool, backend="batched")
+    assert forward._lone_step(two) is None
     forward.lora_batch = LoRABatch()
     forward.lora_batch.active = True  # an adapter row
-    assert not forward._is_lone(lone)
+    assert forward._lone_step(step(1, [3, 4])) is None
     forward.lora_batch.active = False
-    assert forward._is_lone(lone)
+    lone = step(1, [3, 4])
     lone.timer = object()
-    assert not forward._is_lone(lone)
-
-
-def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.device("cpu")
-    dense, _ = load_model(tiny_checkpoint("llama"), torch.float32, cpu)
-    moe, _ = load_model(make_mixtral(tmp_path / "mixtral"), torch.float32, cpu)
-    assert why_not_compiled("auto", cpu, "reference", 1, dense) is None
-    assert why_not_compiled("auto", cpu, "batched", 1, dense) is None
-    assert why_not_compiled("off", cpu, "reference", 1, dense) == "torch_compile is off"
-    assert "not a CPU" in why_not_compiled("auto", torch.device("cuda"), "reference", 1, dense)
-    assert "attention_backend is flex" in why_not_compiled("auto", cpu, "flex", 1, dense)
-    assert "several ranks" in why_not_compiled("auto", cpu, "reference", 2, dense)
-    assert "mixture-of-experts" in why_not_compiled("auto", cpu, "reference", 1, moe)
-    with pytest.raises(ValueError, match="torch_compile must be one of auto, off, got 'on'"):
-        EngineConfig(torch_compile="on")
-    assert EngineConfig.from_parameters({"torch_compile": "off"}).torch_compile == "off"
-    # $ORCA_TORCH_COMPILE is what auto means (the suite sets off); an explicit value wins.
-    assert EngineConfig().effective_torch_compile == "off"
-    monkeypatch.delenv("ORCA_TORCH_COMPILE")
-    assert EngineConfig().effective_torch_compile == "auto"
-    monkeypatch.setenv("ORCA_TORCH_COMPILE", "off")
-    assert EngineConfig(torch_compile="off").effective_torch_compile == "off"
-    monkeypatch.setenv("ORCA_TORCH_COMPILE", "always")
-    with pytest.raises(ValueError, match=r"\$ORCA_TORCH_COMPILE must be one of auto, off, got 'always'"):
-        EngineConfig().effective_torch_compile  # noqa: B018 - the property raises
-    # A pool too small for the warm-up's three slots runs eagerly and says why (before compiling anything).
-    monkeypatch.delenv("ORCA_TORCH_COMPILE")
-    worker = Worker(EngineConfig(model=str(tiny_checkpoint("gpt2")), block_size=2, n_slots=2))
-    assert worker.no_compile_reason is None
-    worker.init_kv_pool(1)
-    assert worker.compiled is None and "fewer than the 3 slots" in worker.no_compile_reason
+    assert forward._lone_step(lone) is None
 
 
 def test_the_attention_op_needs_an_iteration_in_scope() -> None:

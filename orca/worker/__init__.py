@@ -282,14 +282,18 @@ class Worker:
                                       "warm-up uses")
         if self.no_compile_reason is None:
             try:
-                self.compiled = CompiledForward(self.model, None if self.lora is None else self.lora.batch)
-                # The prompt compiles the graph (the token count unbacked: any count); the increment runs it
-                # at one row, which a backed size would have specialised.
+                verifies = (self.config.speculative_method != "off"
+                            and self.kv_pool.shape[3] >= PROMPT_AND_INCREMENT_SLOTS + VERIFICATION_ROWS)
+                self.compiled = CompiledForward(self.model, None if self.lora is None else self.lora.batch, verifies)
+                # The prompt compiles the graph (the token count unbacked: any count); the increment compiles
+                # LoneStep's; a speculating engine's verification of 2 tokens LoneStep's of several rows.
                 plans = prompt_and_increment_plans(self.kv_layout.block_size)
                 if self.compiled.float_rows is not None:  # and the float copies' graph (FloatCopyRows)
                     with_float = warm_up_plans(self.kv_layout.block_size, self._max_len(), (self.compiled.float_rows,))
                     if self._pool_holds(with_float):  # (else those iterations run eagerly)
                         plans = with_float
+                if verifies:  # (the prompt's request again: its blocks, and the next, stay consecutive)
+                    plans += (verification_plan(self.kv_layout.block_size),)
                 if self.lora is not None:  # the graph of adapter iterations too (slot 0, empty: no delta)
                     plans += tuple(dataclasses.replace(plan, requests=tuple(
                         dataclasses.replace(pr, request_id=f"{pr.request_id}-lora", lora_slot=0)
@@ -708,6 +712,18 @@ def prompt_and_increment_plans(block_size: int) -> tuple[StepPlan, StepPlan]:
         StepPlan(-1, (PlannedRequest("warm-up-a", (0, 0), 0, tuple(range(prompt_blocks)), spec, sample_step=0),)),
         StepPlan(-1, (PlannedRequest("warm-up-a", (0,), 2, tuple(range(prompt_blocks, all_blocks)), sample_step=1),)),
     )
+
+
+VERIFICATION_ROWS = 2  # what verification_plan's iteration writes, after prompt_and_increment_plans'
+
+
+def verification_plan(block_size: int) -> StepPlan:
+    """After prompt_and_increment_plans' two, their request's next VERIFICATION_ROWS tokens (as a speculating
+    stream verifies its proposals), its blocks still consecutive: what compiles LoneStep's graph of
+    several rows (orca/worker/compiled.py)."""
+    before = PROMPT_AND_INCREMENT_SLOTS
+    blocks = tuple(range(-(-before // block_size), -(-(before + VERIFICATION_ROWS) // block_size)))
+    return StepPlan(-1, (PlannedRequest("warm-up-a", (0,) * VERIFICATION_ROWS, before, blocks),))
 
 
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:

@@ -23,7 +23,9 @@ What a graph holds: the whole forward pass but two opaque ops (three with LoRA),
 
 A single stream's decode step, the iteration that pays most for the opaque attention op (its write,
 Python and SDPA call ~85 us a layer at one row, SmolLM2, 300 cached keys), has a graph of its own with
-attention inside it: LoneStep, below (1.17x faster steps here, docs/BENCHMARKS.md).
+attention inside it: LoneStep, below (1.17x faster steps here, docs/BENCHMARKS.md); where the engine
+speculates, so does such a stream's verification of its proposed tokens (a second LoneStep, of several
+rows).
 
 Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
@@ -121,7 +123,7 @@ class CompiledForward:
     ``compile(warm_up, device)`` once at load: ``warm_up`` executes the warm-up iterations through the
     worker, which calls this object for each; later calls never compile."""
 
-    def __init__(self, model: nn.Module, lora_batch: LoRABatch | None = None) -> None:
+    def __init__(self, model: nn.Module, lora_batch: LoRABatch | None = None, verifies: bool = False) -> None:
         _utf8_text_encoding()
         self.model = model
         self.lora_batch = lora_batch  # (enable_lora) the iteration's adapter rows: LoneStep runs none
@@ -135,7 +137,7 @@ class CompiledForward:
         self.compiled = torch.compile(model, dynamic=True, options={"guard_filter_fn": _guards_to_keep})
         self.head = CompiledHead.of(model, self)
         self.lone = LoneStep.of(model)
-        self.lone_steps = 0  # iterations LoneStep ran (the tests read it)
+        self.lone_rows = LoneStep.of(model, rows=True) if verifies else None
         self.ready = False
         self.compile_seconds: float | None = None
         # After the warm-up: what torch.compile does with an input no graph fits (the tests make it fail).
@@ -144,10 +146,10 @@ class CompiledForward:
         self.all_guards = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.lone is not None and self._is_lone(meta):
+        lone = self._lone_step(meta)
+        if lone is not None:
             FLOAT_COPY_ROWS.on = False
-            self.lone_steps += 1
-            return self.lone(input_ids, positions, meta, self)
+            return lone(input_ids, positions, meta, self)
         FLOAT_COPY_ROWS.on = self.float_rows is not None and input_ids.shape[0] >= self.float_rows
         with iteration_scope(meta):
             if not self.ready:  # the warm-up: compiles, in this process
@@ -160,13 +162,19 @@ class CompiledForward:
             with torch.compiler.set_stance(self.stance, skip_guard_eval_unsafe=not self.all_guards):
                 return self.compiled(input_ids, positions, None)
 
-    def _is_lone(self, meta: AttentionMetadata) -> bool:
-        """Whether `meta` is an iteration LoneStep runs: a single stream's decode step over consecutive
-        blocks of an unquantized pool (ReferenceMetadata.lone_view), with no adapter row and no profiling
-        timer (which times attention by itself)."""
-        return (isinstance(meta, ReferenceMetadata) and meta.lone_view is not None and meta.timer is None
-                and (self.lora_batch is None or not self.lora_batch.active)
-                and (self.float_rows is None or self.float_rows > 1))
+    def _lone_step(self, meta: AttentionMetadata) -> LoneStep | None:
+        """The LoneStep that runs iteration `meta`, or None: one request's step of one token (self.lone) or
+        of up to LONE_MAX_ROWS (self.lone_rows) after its cached ones, over consecutive blocks of an
+        unquantized pool (its view), with no adapter row, fewer rows than the float copies' graph takes, and
+        no profiling timer (which times attention by itself)."""
+        if (type(meta) is not ReferenceMetadata or len(meta.lengths) != 1 or meta.context_lens[0] == 0
+                or meta.views[0] is None or meta.kv_scales is not None or meta.timer is not None
+                or (self.lora_batch is not None and self.lora_batch.active)):
+            return None
+        rows = meta.lengths[0]
+        if self.float_rows is not None and rows >= self.float_rows:
+            return None
+        return self.lone if rows == 1 else self.lone_rows if rows <= LONE_MAX_ROWS else None
 
     def compile(self, warm_up: Callable[[], None], device: torch.device) -> None:
         """Runs `warm_up()` (iterations through this object: the first compiles the graph, the next check
@@ -182,6 +190,9 @@ class CompiledForward:
                 # (no warm-up iteration was one: a quantized K/V pool; then none ever is)
                 logger.info("single-stream decode steps run the graph of every token count: the warm-up ran none")
                 self.lone = None
+            if self.lone_rows is not None and not self.lone_rows.ready:
+                logger.info("a single stream's verifications run the graph of every token count: the warm-up ran none")
+                self.lone_rows = None
         except BaseException:  # the model runs eagerly then (the worker says why): its head too
             if self.head is not None:
                 self.head.layer.int_kernel = None
@@ -191,50 +202,66 @@ class CompiledForward:
         logger.info("forward pass compiled in %.1f s", self.compile_seconds)
 
 
+# LoneStep's verifying graph (LoneStep.rows) runs a lone request of up to this many new tokens after its cached
+# ones: a speculating stream's verification (num_speculative_tokens proposals and the token before them).
+LONE_MAX_ROWS = 8
+
+
 class LoneStep:
-    """A single stream's decode step as a compiled graph of its own, attention inside it (LoneDecode,
+    """A single stream's step as a compiled graph of its own, attention inside it (LoneDecode,
     orca/models/attention/base.py): the graph of every token count calls attention as an opaque op, whose
     write, Python and SDPA call cost ~85 us a layer at one decode row (SmolLM2, 300 cached keys), against
-    ~30-40 inside the graph. It runs one row over its request's consecutive blocks (the placement-aware
+    ~30-40 inside the graph. It runs a lone request's step over its consecutive blocks (the placement-aware
     allocator makes them the common case), with no sliding window (the view would differ by layer) and
     an unquantized pool; the worker's other iterations run the graph of every token count. Its input is
     the request's cached keys and values, one view of the pool over every layer, their number unbacked:
-    one graph for any context, compiled at load by the warm-up's increment."""
+    one graph for any context, compiled at load by a warm-up iteration. `rows` False: one new token (a
+    decode step; the graph specialised to one row); True: 2 to LONE_MAX_ROWS (a speculating stream's
+    verification; the row count unbacked too), a graph of its own, compiled only where the engine
+    speculates."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.compiled = torch.compile(_LoneModel(model), dynamic=False, options={"guard_filter_fn": _guards_to_keep})
+    def __init__(self, model: nn.Module, rows: bool = False) -> None:
+        module = _LoneRowsModel(model) if rows else _LoneModel(model)  # (dynamo keeps graphs by code object)
+        self.compiled = torch.compile(module, dynamic=False, options={"guard_filter_fn": _guards_to_keep})
+        self.rows = rows
         self.ready = False
+        self.steps = 0  # iterations it ran (the tests read it)
 
     @classmethod
-    def of(cls, model: nn.Module) -> LoneStep | None:
+    def of(cls, model: nn.Module, rows: bool = False) -> LoneStep | None:
         """LoneStep of `model`, or None where a layer has a sliding window."""
         if any(getattr(m, "window", None) is not None for m in model.modules()):
             return None
-        return cls(model)
+        return cls(model, rows)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ReferenceMetadata,
                  owner: CompiledForward) -> torch.Tensor:
-        """(1, E): the model's hidden row; writes the step's keys and values into meta's pool."""
-        start, end = meta.lone_view
+        """(T, E): the model's hidden rows; writes the step's keys and values into meta's pool."""
+        self.steps += 1
+        start, end = meta.views[0]
+        new = input_ids.shape[0]
         pool = meta.kv_pool  # (layers, 2, KVH, slots, D)
-        cached = pool[:, :, :, start:end - 1]
-        if not self.ready:  # the warm-up's increment: compiles, in this process
+        cached = pool[:, :, :, start:end - new]
+        if not self.ready:  # the warm-up's iteration: compiles, in this process
             import torch._inductor.config as inductor_config
 
             torch._dynamo.decorators.mark_unbacked(cached, 3)  # any number of cached keys: one graph
+            if self.rows:  # and of new ones
+                torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+                torch._dynamo.decorators.mark_unbacked(positions, 0)
             with inductor_config.patch(**GRAPH_OPTIONS):
                 hidden, written = self.compiled(input_ids, positions, cached)
             self.ready = True
         else:
             with torch.compiler.set_stance(owner.stance, skip_guard_eval_unsafe=not owner.all_guards):
                 hidden, written = self.compiled(input_ids, positions, cached)
-        pool[:, :, :, end - 1].copy_(written)
+        pool[:, :, :, end - new:end].copy_(written.permute(0, 2, 3, 1, 4))  # (layers, T, 2, KVH, D)
         return hidden
 
 
 class _LoneModel(nn.Module):
     """What LoneStep compiles: the model over one row, attention reading `cached` (LoneDecode); returns
-    the hidden row and the step's keys and values, (layers, 2, KVH, D)."""
+    the hidden row and the step's keys and values, (layers, 1, 2, KVH, D)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -243,6 +270,16 @@ class _LoneModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lone = LoneDecode(cached)
+        hidden = self.model(input_ids, positions, lone)
+        return hidden, torch.stack(lone.written)
+
+
+class _LoneRowsModel(_LoneModel):
+    """What LoneStep(rows=True) compiles: the same over several rows (a forward of its own: its own graphs)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lone = LoneDecode(cached, rows=True)
         hidden = self.model(input_ids, positions, lone)
         return hidden, torch.stack(lone.written)
 
