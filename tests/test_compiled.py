@@ -176,6 +176,37 @@ def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(t
     assert forward._lone_step(lone) is None
 
 
+def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    dense, _ = load_model(tiny_checkpoint("llama"), torch.float32, cpu)
+    moe, _ = load_model(make_mixtral(tmp_path / "mixtral"), torch.float32, cpu)
+    assert why_not_compiled("auto", cpu, "reference", 1, dense) is None
+    assert why_not_compiled("auto", cpu, "batched", 1, dense) is None
+    assert why_not_compiled("off", cpu, "reference", 1, dense) == "torch_compile is off"
+    assert "not a CPU" in why_not_compiled("auto", torch.device("cuda"), "reference", 1, dense)
+    assert "attention_backend is flex" in why_not_compiled("auto", cpu, "flex", 1, dense)
+    assert "several ranks" in why_not_compiled("auto", cpu, "reference", 2, dense)
+    assert "mixture-of-experts" in why_not_compiled("auto", cpu, "reference", 1, moe)
+    with pytest.raises(ValueError, match="torch_compile must be one of auto, off, got 'on'"):
+        EngineConfig(torch_compile="on")
+    assert EngineConfig.from_parameters({"torch_compile": "off"}).torch_compile == "off"
+    # $ORCA_TORCH_COMPILE is what auto means (the suite sets off); an explicit value wins.
+    assert EngineConfig().effective_torch_compile == "off"
+    monkeypatch.delenv("ORCA_TORCH_COMPILE")
+    assert EngineConfig().effective_torch_compile == "auto"
+    monkeypatch.setenv("ORCA_TORCH_COMPILE", "off")
+    assert EngineConfig(torch_compile="off").effective_torch_compile == "off"
+    monkeypatch.setenv("ORCA_TORCH_COMPILE", "always")
+    with pytest.raises(ValueError, match=r"\$ORCA_TORCH_COMPILE must be one of auto, off, got 'always'"):
+        EngineConfig().effective_torch_compile  # noqa: B018 - the property raises
+    # A pool too small for the warm-up's three slots runs eagerly and says why (before compiling anything).
+    monkeypatch.delenv("ORCA_TORCH_COMPILE")
+    worker = Worker(EngineConfig(model=str(tiny_checkpoint("gpt2")), block_size=2, n_slots=2))
+    assert worker.no_compile_reason is None
+    worker.init_kv_pool(1)
+    assert worker.compiled is None and "fewer than the 3 slots" in worker.no_compile_reason
+
+
 def test_the_attention_op_needs_an_iteration_in_scope() -> None:
     q, kv = torch.zeros(1, 2, 4), torch.zeros(1, 2, 1, 4)
     with pytest.raises(RuntimeError, match="outside iteration_scope"):
