@@ -257,7 +257,9 @@ def stage_decode(check: Check, checkpoint: Path, cuda: bool, budget: float, tmp:
                  systems: tuple[str, ...] | None = None) -> dict[str, Any]:
     systems = systems or (DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU)
     batches = "1,4,16,64,256" if cuda else "1,4"
-    new_tokens, repeats = ("32", "3") if cuda else ("4", "1")
+    # (on a CPU a smoke run: 16 tokens, so that the n-token run outlasts the 1-token one it is differenced
+    # with even on a busy host; with 4, a quantized tiny model's once did not, and measured no rate)
+    new_tokens, repeats = ("32", "3") if cuda else ("16", "1")
     record: dict[str, Any] = {"systems": {}}
     merged: dict[str, Any] | None = None
     stop = time.monotonic() + budget
@@ -307,6 +309,22 @@ def _compare_tokens(merged: dict[str, Any]) -> None:
             if system != "transformers" and system in row and hf is not None:
                 row[system]["same_tokens_as_transformers"] = sum(
                     a == b for a, b in zip(row[system]["token_digests"], hf["token_digests"]))
+
+
+def quantized_table(result: dict[str, Any], system: str) -> dict[str, Any]:
+    """The quantized stage's table of one `orca-bench decode` result: tokens/s and the roofline's share by
+    batch size; None where the run measured no decode rate (its n-token run no longer than its 1-token
+    run: a tiny model's few tokens on a busy CPU)."""
+    rows = []
+    for r in result["runs"]:
+        cell = r.get(system)
+        if not cell:
+            continue
+        rate, share = cell.get("decode_tokens_per_second"), cell.get("fraction_of_roofline")
+        rows.append({"batch": r["batch"], "tokens_per_second": round(rate) if rate else None,
+                     "roofline": round(r["roofline_tokens_per_second"]),
+                     "%roofline": round(100 * share, 1) if share else None})
+    return {"table": rows}
 
 
 def _decode_table(merged: dict[str, Any]) -> list[dict[str, Any]]:
@@ -392,17 +410,14 @@ def _bench_runs(check: Check, stage: str, keys: tuple[str, ...], argv: Callable[
 def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
     """Decode tokens/s with the weights quantized at load, flex with CUDA graphs (batched on the CPU)."""
     system = "orca-flex-graphs" if cuda else "orca-batched"
-    batches, new_tokens, repeats = ("1,16,64", "32", "2") if cuda else ("1,4", "4", "1")
+    batches, new_tokens, repeats = ("1,16,64", "32", "2") if cuda else ("1,4", "16", "1")  # (16: as stage_decode's)
 
     def argv(kind: str) -> list[str]:
         return ["orca_client.bench.decode", "--model", str(checkpoint), "--systems", system, "--quantization", kind,
                 "--batch-sizes", batches, "--new-tokens", new_tokens, "--repeats", repeats]
 
     def table(result: dict[str, Any]) -> dict[str, Any]:
-        return {"table": [{"batch": r["batch"], "tokens_per_second": round(r[system]["decode_tokens_per_second"]),
-                           "roofline": round(r["roofline_tokens_per_second"]),
-                           "%roofline": round(100 * r[system]["fraction_of_roofline"], 1)}
-                          for r in result["runs"] if r.get(system)]}
+        return quantized_table(result, system)
 
     kinds = QUANTIZED_KINDS_CUDA if cuda else QUANTIZED_KINDS_CPU
     record: dict[str, Any] = {"system": system, "kinds": _bench_runs(check, "quantized", kinds, argv, table, limit)}

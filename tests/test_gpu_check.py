@@ -57,3 +57,23 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_and_says_the_gpu_parts_were_skipped(
     for name in ("quantized-int8.json", "quantized-int4.json", "speculative-auto.json", "lora-auto.json",
                  "prefix-auto.json", "host.json"):
         assert (tmp_path / name).is_file()
+
+
+def test_the_quantized_table_keeps_a_run_that_measured_no_rate() -> None:
+    """A decode run whose n-token generation took no longer than its 1-token one has no rate (None in its
+    JSON): the quantized stage's table says so for that batch size instead of failing the whole check."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    result = {"runs": [
+        {"batch": 1, "roofline_tokens_per_second": 1000.4,
+         "orca-batched": {"decode_tokens_per_second": None, "fraction_of_roofline": None}},
+        {"batch": 4, "roofline_tokens_per_second": 2000.0,
+         "orca-batched": {"decode_tokens_per_second": 500.2, "fraction_of_roofline": 0.2501}},
+    ]}
+    assert gpu_check.quantized_table(result, "orca-batched") == {"table": [
+        {"batch": 1, "tokens_per_second": None, "roofline": 1000, "%roofline": None},
+        {"batch": 4, "tokens_per_second": 500, "roofline": 2000, "%roofline": 25.0},
+    ]}
