@@ -116,15 +116,15 @@ def test_a_lone_increment_over_consecutive_blocks_reads_its_view(backend: str, h
 @pytest.mark.parametrize("new", [1, 2, 5])
 def test_a_lone_step_attends_over_its_cached_view_and_its_own_keys(heads: int, kv_heads: int, dtype: torch.dtype,
                                                                   past: int, new: int) -> None:
-    """LoneDecode (the compiled single-stream step's attention, inside its graph; with `rows`, a
-    verification's several rows): the reference's output for the same step (its view of the pool, the new
+    """LoneDecode (the compiled single-stream step's attention, inside its graph; one row, or a
+    verification's several): the reference's output for the same step (its view of the pool, the new
     keys and values written first, each new row seeing the new keys up to its own), without writing the
     pool: the new keys and values come back in `written`, in layer order; a sliding window is refused."""
     block_size, dim, start = 4, 8, 80
     torch.manual_seed(past + new)
     pool = torch.randn(3, 2, kv_heads, 64 * block_size, dim).to(dtype)
     before = pool.clone()
-    lone = LoneDecode(pool[:, :, :, start : start + past], rows=new > 1)
+    lone = LoneDecode(pool[:, :, :, start : start + past])
     table = list(range(start // block_size, start // block_size + -(-(past + new) // block_size)))
     meta = AttentionMetadata.build([new], [past], [table], block_size, pool.clone(), backend="reference")
     assert meta.views[0] == (start, start + past + new)

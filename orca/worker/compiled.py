@@ -275,11 +275,13 @@ class _LoneModel(nn.Module):
 
 
 class _LoneRowsModel(_LoneModel):
-    """What LoneStep(rows=True) compiles: the same over several rows (a forward of its own: its own graphs)."""
+    """What LoneStep(rows=True) compiles: the same over several rows, its forward a code object of its own
+    (dynamo keeps graphs by code object: the one-row graph and the graph of an unbacked row count stay
+    apart, each the only graph of its code, which skip_guard_eval_unsafe then calls unchecked)."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lone = LoneDecode(cached, rows=True)
+        lone = LoneDecode(cached)
         hidden = self.model(input_ids, positions, lone)
         return hidden, torch.stack(lone.written)
 
