@@ -112,30 +112,38 @@ def test_a_lone_increment_over_consecutive_blocks_reads_its_view(backend: str, h
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("past", [1, 37])
+@pytest.mark.parametrize("past", [1, 4, 37])
 @pytest.mark.parametrize("new", [1, 2, 5])
-def test_a_lone_step_attends_over_its_cached_view_and_its_own_keys(heads: int, kv_heads: int, dtype: torch.dtype,
-                                                                  past: int, new: int) -> None:
+@pytest.mark.parametrize("tables", ["consecutive", "scattered"])
+def test_a_lone_step_attends_over_its_cached_blocks_and_its_own_keys(heads: int, kv_heads: int, dtype: torch.dtype,
+                                                                    past: int, new: int, tables: str) -> None:
     """LoneDecode (the compiled single-stream step's attention, inside its graph; one row, or a
-    verification's several): the reference's output for the same step (its view of the pool, the new
-    keys and values written first, each new row seeing the new keys up to its own), without writing the
-    pool: the new keys and values come back in `written`, in layer order; a sliding window is refused."""
-    block_size, dim, start = 4, 8, 80
+    verification's several): the reference's output for the same step (the new keys and values written
+    first, each new row seeing the new keys up to its own), reading the cached keys and values through the
+    request's block table (its blocks consecutive or not; the pool NaN everywhere else, the last block's
+    slots past the cached keys included), without writing the pool: the new keys and values come back in
+    `written`, in layer order; a sliding window is refused."""
+    block_size, dim, num_blocks = 4, 8, 64
     torch.manual_seed(past + new)
-    pool = torch.randn(3, 2, kv_heads, 64 * block_size, dim).to(dtype)
+    rng = random.Random(past * new)
+    used = -(-(past + new) // block_size)
+    table = list(range(20, 20 + used)) if tables == "consecutive" else rng.sample(range(num_blocks), used)
+    pool = torch.full((3, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
+    for p in range(past):
+        pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(3, 2, kv_heads, dim).to(dtype)
     before = pool.clone()
-    lone = LoneDecode(pool[:, :, :, start : start + past])
-    table = list(range(start // block_size, start // block_size + -(-(past + new) // block_size)))
     meta = AttentionMetadata.build([new], [past], [table], block_size, pool.clone(), backend="reference")
-    assert meta.views[0] == (start, start + past + new)
+    assert meta.lone_table.tolist() == table[: -(-past // block_size)] and meta.block_size == block_size
+    lone = LoneDecode(pool.unflatten(3, (-1, block_size)), meta.lone_table, torch.tensor(past))
     for layer in (0, 2):  # (out of order: `written` follows the calls)
         q, kv = torch.randn(new, heads, dim).to(dtype), torch.randn(new, 2, kv_heads, dim).to(dtype)
         got = selective_attention(q, kv, lone, layer, 0.3)
         want = selective_attention(q, kv, meta, layer, 0.3)
+        assert not want.isnan().any()
         torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
         assert got.dtype == dtype and got.shape == (new, heads * dim)
         assert torch.equal(lone.written[-1], kv)
-    assert len(lone.written) == 2 and torch.equal(pool, before)  # nothing written into the pool
+    assert len(lone.written) == 2 and torch.equal(pool.nan_to_num(), before.nan_to_num())  # nothing written
     with pytest.raises(ValueError, match="sliding window"):
         selective_attention(q, kv, lone, 0, 0.3, window=5)
 

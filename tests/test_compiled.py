@@ -93,21 +93,30 @@ def test_the_shipped_guards_run_the_same_graph(compiled_engine: LLMEngine, monke
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_single_stream_decode_runs_the_lone_step_graph(family: str) -> None:
-    """One request alone in a fresh pool (its blocks consecutive): its increments run LoneStep's graph,
-    compiled at load (the stance fails any compilation), at every context length, with transformers'
-    tokens; its keys and values reach the pool (each step reads the previous steps')."""
+    """One request alone in a fresh pool: its increments run LoneStep's graph, compiled at load (the stance
+    fails any compilation), at every context length, with transformers' tokens; its keys and values reach
+    the pool (each step reads the previous steps'). The same prompt again (two whole blocks): its first
+    block from the prefix cache, its others elsewhere in the pool (the cached blocks after the first are
+    kept), it runs LoneStep at every increment too, through its block table."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ORCA_TORCH_COMPILE")
         engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 64}))
     compiled = engine.executor.worker.compiled
     assert compiled.lone is not None and compiled.lone.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
-    before = compiled.lone.steps
-    prompt = [5, 17, 33, 2]
-    engine.add_request("alone", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    final = drain(engine)
-    assert final["alone"].token_ids == hf_greedy(tiny_reference(family), prompt, 12)
-    assert compiled.lone.steps - before == 11  # every increment (the prompt's iteration drew the first token)
+    prompt = [5, 17, 33, 2, 9, 4, 71, 8]
+    want = hf_greedy(tiny_reference(family), prompt, 12)
+    for again in ("alone", "again"):
+        before = compiled.lone.steps
+        engine.add_request(again, prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        engine.step()  # its prompt
+        table = engine.core.blocks.table(again)
+        # the first time its own blocks, consecutive; again its cached first block, then blocks elsewhere
+        assert (table == list(range(table[0], table[0] + len(table)))) == (again == "alone"), table
+        final = drain(engine)
+        assert final[again].token_ids == want, again
+        assert compiled.lone.steps - before == 11, again  # every increment (the prompt's drew the first token)
+    assert final["again"].num_cached_tokens == 4
     assert compiled.lone_rows is None  # (an engine that does not speculate compiles no graph of several rows)
 
 
@@ -144,9 +153,10 @@ def test_a_speculating_engine_with_float_copies_compiles_both_lone_graphs() -> N
 
 
 def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(tmp_path: Path) -> None:
-    """A sliding-window model compiles no LoneStep (its layers' views would differ); a lone request's
-    step over blocks that are not consecutive, of more rows than LONE_MAX_ROWS, a prompt, several requests,
-    an adapter row or a profiling timer run the graph of every token count."""
+    """A sliding-window model compiles no LoneStep (its layers would read different keys); a lone
+    request's step of more rows than LONE_MAX_ROWS, a prompt, several requests, a quantized pool, an
+    adapter row or a profiling timer run the graph of every token count. (Blocks that are not consecutive
+    do not stop it: it reads them through the block table.)"""
     from checkpoints import make_mistral
 
     with pytest.MonkeyPatch.context() as mp:
@@ -162,7 +172,10 @@ def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(t
 
     assert forward._lone_step(step(1, [3, 4])) is forward.lone
     assert forward._lone_step(step(3, [3, 4])) is forward.lone_rows
-    assert forward._lone_step(step(1, [3, 7])) is None  # not consecutive
+    assert forward._lone_step(step(1, [7, 3])) is forward.lone  # not consecutive: through the table
+    scales = torch.ones(worker.kv_layout.num_layers, 2, 2, 64)
+    quantized = AttentionMetadata.build([1], [5], [[3, 4]], 4, pool, backend="batched", kv_scales=scales)
+    assert forward._lone_step(quantized) is None
     assert forward._lone_step(step(9, [3, 4, 5, 6])) is None  # more rows than LONE_MAX_ROWS
     assert forward._lone_step(step(2, [3], past=0)) is None  # a prompt
     two = AttentionMetadata.build([1, 1], [5, 5], [[3, 4], [5, 6]], 4, pool, backend="batched")

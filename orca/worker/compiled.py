@@ -167,8 +167,7 @@ class CompiledForward:
         of up to LONE_MAX_ROWS (self.lone_rows) after its cached ones, over consecutive blocks of an
         unquantized pool (its view), with no adapter row, fewer rows than the float copies' graph takes, and
         no profiling timer (which times attention by itself)."""
-        if (type(meta) is not ReferenceMetadata or len(meta.lengths) != 1 or meta.context_lens[0] == 0
-                or meta.views[0] is None or meta.kv_scales is not None or meta.timer is not None
+        if (type(meta) is not ReferenceMetadata or meta.lone_table is None or meta.timer is not None
                 or (self.lora_batch is not None and self.lora_batch.active)):
             return None
         rows = meta.lengths[0]
@@ -238,24 +237,23 @@ class LoneStep:
                  owner: CompiledForward) -> torch.Tensor:
         """(T, E): the model's hidden rows; writes the step's keys and values into meta's pool."""
         self.steps += 1
-        start, end = meta.views[0]
-        new = input_ids.shape[0]
         pool = meta.kv_pool  # (layers, 2, KVH, slots, D)
-        cached = pool[:, :, :, start:end - new]
+        blocks = pool.unflatten(3, (-1, meta.block_size))  # (layers, 2, KVH, blocks, block size, D)
+        table = meta.lone_table
         if not self.ready:  # the warm-up's iteration: compiles, in this process
             import torch._inductor.config as inductor_config
 
-            torch._dynamo.decorators.mark_unbacked(cached, 3)  # any number of cached keys: one graph
-            if self.rows:  # and of new ones
+            torch._dynamo.decorators.mark_unbacked(table, 0)  # any number of cached blocks: one graph
+            if self.rows:  # and of new tokens
                 torch._dynamo.decorators.mark_unbacked(input_ids, 0)
                 torch._dynamo.decorators.mark_unbacked(positions, 0)
             with inductor_config.patch(**GRAPH_OPTIONS):
-                hidden, written = self.compiled(input_ids, positions, cached)
+                hidden, written = self.compiled(input_ids, positions, blocks, table)
             self.ready = True
         else:
             with torch.compiler.set_stance(owner.stance, skip_guard_eval_unsafe=not owner.all_guards):
-                hidden, written = self.compiled(input_ids, positions, cached)
-        pool[:, :, :, end - new:end].copy_(written.permute(0, 2, 3, 1, 4))  # (layers, T, 2, KVH, D)
+                hidden, written = self.compiled(input_ids, positions, blocks, table)
+        pool.index_copy_(3, meta.slot_mapping, written.permute(0, 2, 3, 1, 4))  # (layers, T, 2, KVH, D)
         return hidden
 
 
@@ -267,9 +265,9 @@ class _LoneModel(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lone = LoneDecode(cached)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
+                table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lone = LoneDecode(blocks, table, positions[0])
         hidden = self.model(input_ids, positions, lone)
         return hidden, torch.stack(lone.written)
 
@@ -279,9 +277,9 @@ class _LoneRowsModel(_LoneModel):
     (dynamo keeps graphs by code object: the one-row graph and the graph of an unbacked row count stay
     apart, each the only graph of its code, which skip_guard_eval_unsafe then calls unchecked)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lone = LoneDecode(cached)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
+                table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lone = LoneDecode(blocks, table, positions[0])
         hidden = self.model(input_ids, positions, lone)
         return hidden, torch.stack(lone.written)
 

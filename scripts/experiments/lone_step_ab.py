@@ -3,7 +3,8 @@ attention inside it) in one engine, one process: the shipped SmolLM2 GGUF (torch
 options as shipped), one request of a --prompt-len-token random prompt decoding greedily; blocks of --steps
 steps alternate between LoneStep and the graph of every token count (its opaque attention op), --blocks
 blocks in all. Printed: the median milliseconds a step of each, their ratio, and the context the steps
-covered.
+covered. ``--scattered``: the request's blocks are not consecutive (its prompt's first blocks come from the
+prefix cache, the others from elsewhere in the pool), which LoneStep reads through its block table.
 
 With --b-options (inductor options, e.g. ``cpp_wrapper=True``): the blocks alternate instead between the
 shipped LoneStep and a second one compiled with those options patched in (its graph a code object of its
@@ -12,7 +13,7 @@ option already shipped) is the control of two identical graphs.
 
 Not a test, not a benchmark of record: docs/BENCHMARKS.md quotes its output with the command and the host.
 
-    PYTHONPATH=. .venv/bin/python scripts/experiments/lone_step_ab.py [--b-options cpp_wrapper=True]
+    PYTHONPATH=. .venv/bin/python scripts/experiments/lone_step_ab.py [--scattered] [--b-options cpp_wrapper=True]
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from orca.worker import compiled as compiled_module
 class _SecondLoneModel(compiled_module._LoneModel):
     """_LoneModel's forward as a code object of its own (dynamo keeps its graphs by code object)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lone = compiled_module.LoneDecode(cached)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
+                table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lone = compiled_module.LoneDecode(blocks, table, positions[0])
         hidden = self.model(input_ids, positions, lone)
         return hidden, torch.stack(lone.written)
 
@@ -46,6 +47,9 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=24)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--b-options", default="", help="inductor options of a second LoneStep, e.g. cpp_wrapper=True")
+    p.add_argument("--scattered", action="store_true",
+                   help="the measured request's blocks not consecutive: its prompt run once before (to 64 more "
+                        "tokens), so that it takes its first blocks from the prefix cache and the rest elsewhere")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, block_size=16))
     compiled = engine.core.executor.worker.compiled
@@ -55,9 +59,15 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(3, engine.core.model_config.vocab_size) for _ in range(args.prompt_len)]
     steps = args.blocks * args.steps
+    if args.scattered:
+        engine.add_request("before", prompt, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
     engine.add_request("r", prompt, SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True))
     for _ in range(5):
         engine.step()
+    table = engine.core.blocks.table("r")
+    print(f"the request's blocks: {'consecutive' if table == list(range(table[0], table[0] + len(table))) else 'scattered'}")
     other = None
     if args.b_options:
         import torch._inductor.config as inductor_config

@@ -265,49 +265,61 @@ def _write_and_attend(
 
 
 class LoneDecode:
-    """A single stream's step over its request's cached keys and values (in consecutive slots of an
-    unquantized pool, no sliding window) as the compiled forward pass runs it in a graph of its own
-    (orca/worker/compiled.py, LoneStep): attention inside the graph, no opaque op. One query row (a decode
-    step) or a few (a speculating stream verifying its proposed tokens: row i sees the cached keys and the
-    new ones up to its own).
+    """A single stream's step over its request's cached keys and values (an unquantized pool, no sliding
+    window) as the compiled forward pass runs it in a graph of its own (orca/worker/compiled.py, LoneStep):
+    attention inside the graph, no opaque op. One query row (a decode step) or a few (a speculating stream
+    verifying its proposed tokens: row i sees the cached keys and the new ones up to its own).
 
-    The graph reads the cached keys and values as one input, a view of the pool over every layer, and
-    writes nothing: each layer's new keys and values enter its attention beside the cached ones and are
-    collected in `written`, which the caller writes into the pool after the graph (one copy for every
-    layer). Read-only, the view aliases nothing the graph mutates, so the graph neither copies the pool
-    nor orders a write against a read.
+    The graph reads the cached keys and values through the request's block table, wherever its blocks
+    are (consecutive or not: a prefix from the cache, blocks placed after a preemption): the pool, as
+    blocks, is one input, the table another (its length unbacked: one graph for any context), and the
+    keys past the cached ones in the table's last block are masked by position. It writes nothing: each
+    layer's new keys and values enter its attention beside the cached ones and are collected in
+    `written`, which the caller writes into the pool after the graph (one copy for every layer).
+    Read-only, the pool aliases nothing the graph mutates, so the graph neither copies it nor orders a
+    write against a read.
 
     Attention as multiplies and sums that inductor fuses into its own loops (float32 scores, softmax
     weights and accumulation, as SDPA's CPU kernels): SmolLM2's heads, bfloat16, 300 cached keys, ~30-40
     us a layer inside a graph, against ~85 for the opaque op's write, Python and SDPA call in a decode
-    step (docs/BENCHMARKS.md)."""
+    step (docs/BENCHMARKS.md); through the table as fast as through a view of consecutive blocks (the
+    table's index is read once per block)."""
 
-    def __init__(self, cached: torch.Tensor) -> None:
-        self.cached = cached  # (layers, 2, KVH, cached tokens, D)
+    def __init__(self, blocks: torch.Tensor, table: torch.Tensor, past: torch.Tensor) -> None:
+        self.blocks = blocks  # (layers, 2, KVH, pool blocks, block size, D): the pool
+        self.table = table  # (n,) int64: the blocks holding the request's cached tokens, in order
+        self.past = past  # () int64: its cached tokens (the first new row's position)
         self.written: list[torch.Tensor] = []  # each layer's new (T, 2, KVH, D), in layer order
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """q (T, H, D), kv (T, 2, KVH, D) -> (T, H * D): softmax(q k^T * scale) v over the cached keys and
         the new ones, new row i seeing new keys 0..i. (At one row, in a graph specialised to it, inductor
-        folds the mask away: the same numbers and time as a one-row formula, 27.7 against 27.8 us a layer.)"""
+        folds the causal mask away: the same numbers and time as a one-row formula, 27.7 against 27.8 us
+        a layer.)"""
         if window is not None:
             raise ValueError("LoneDecode has no sliding window (the worker runs such layers through the op)")
         self.written.append(kv)
         rows, num_heads, head_dim = q.shape
         num_kv_heads = kv.shape[2]
-        keys, values = self.cached[layer].unsqueeze(2).unbind(0)  # (KVH, 1, cached, D) each
+        cached = self.blocks[layer][:, :, self.table]  # (2, KVH, n, block size, D)
+        keys, values = cached.unsqueeze(2).unbind(0)  # (KVH, 1, n, block size, D) each
         new_keys, new_values = kv.permute(1, 2, 0, 3).unsqueeze(2).unbind(0)  # (KVH, 1, T, D) each
         # The `group` query heads sharing a K/V head are rows of that head: (T, KVH, group, 1, D).
         qf = q.view(rows, num_kv_heads, num_heads // num_kv_heads, 1, head_dim).float()
-        old = (qf * keys).sum(-1) * scale  # (T, KVH, group, cached)
+        old = (qf.unsqueeze(-2) * keys).sum(-1) * scale  # (T, KVH, group, n, block size)
+        # The last block's slots past the cached keys: never written, or stale (NaN in an uninitialised pool,
+        # which a zero weight would not cancel): masked out of the scores and the values alike.
+        beyond = torch.arange(keys.shape[2] * keys.shape[3], device=q.device).view(keys.shape[2], keys.shape[3]) >= self.past
+        old = old.masked_fill(beyond, float("-inf"))
+        values = values.masked_fill(beyond.unsqueeze(-1), 0)
         own = (qf * new_keys).sum(-1) * scale  # (T, KVH, group, T): row i sees new keys 0..i
         position = torch.arange(rows, device=q.device)
         later = (position[None, :] > position[:, None]).view(rows, 1, 1, rows)
         own = own.masked_fill(later, float("-inf"))
-        top = torch.maximum(old.amax(-1, keepdim=True), own.amax(-1, keepdim=True))
-        old_w, own_w = torch.exp(old - top), torch.exp(own - top)
-        out = (old_w.unsqueeze(-1) * values).sum(-2) + (own_w.unsqueeze(-1) * new_values).sum(-2)  # (T, KVH, G, D)
-        out = out / (old_w.sum(-1, keepdim=True) + own_w.sum(-1, keepdim=True))
+        top = torch.maximum(old.amax((-2, -1)).unsqueeze(-1), own.amax(-1, keepdim=True))  # (T, KVH, group, 1)
+        old_w, own_w = torch.exp(old - top.unsqueeze(-1)), torch.exp(own - top)
+        out = (old_w.unsqueeze(-1) * values).sum((-3, -2)) + (own_w.unsqueeze(-1) * new_values).sum(-2)
+        out = out / (old_w.sum((-2, -1)).unsqueeze(-1) + own_w.sum(-1, keepdim=True))  # (T, KVH, group, D)
         return out.to(q.dtype).view(rows, num_heads * head_dim)
 
 

@@ -57,6 +57,11 @@ class ReferenceMetadata(AttentionMetadata):
     # forward pass took 40 us a layer against 43.5 (SDPA itself ~30; SmolLM2's heads, 150 keys, bfloat16),
     # ~0.1 ms of a single-stream step; None otherwise.
     lone_view: tuple[int, int] | None = None
+    # One request of new tokens after cached ones, an unquantized pool on a CPU: the blocks that hold its cached
+    # tokens, in order, and the block size, for the compiled forward pass's graph of a lone step (LoneStep,
+    # orca/worker/compiled.py), which reads them through this table wherever they are; None otherwise.
+    lone_table: torch.Tensor | None = None
+    block_size: int = 0
     # The masks of the requests of several new tokens after a cached prefix, by (request, window): the same
     # at every layer, so built once per iteration, not once per layer (a verifying iteration of 8
     # speculating requests built 240 for SmolLM2's 30 layers; the time saved was within this CPU host's
@@ -117,9 +122,13 @@ class ReferenceMetadata(AttentionMetadata):
                 gather.extend(token_slots(table, block_size, 0, total))
                 gather_sizes.append(total)
         device = kv_pool.device
-        lone = len(lengths) == 1 and num_increment == 1 and not elsewhere and kv_scales is None
+        alone = len(lengths) == 1 and not elsewhere and kv_scales is None
+        lone = alone and num_increment == 1
+        past = context_lens[0] if alone and device.type == "cpu" else 0  # (LoneStep: a CPU's compiled pass)
         return cls(
             lone_view=views[0] if lone else None,
+            lone_table=upload(block_tables[0][: -(-past // block_size)], torch.int64, device) if past else None,
+            block_size=block_size,
             lengths=list(lengths),
             context_lens=list(context_lens),
             num_increment=num_increment,
