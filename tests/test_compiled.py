@@ -139,6 +139,38 @@ def test_a_speculating_single_stream_verifies_in_the_lone_graph_of_several_rows(
     assert compiled.lone_rows.steps > 0 and compiled.lone.steps > 0
 
 
+def test_int8_models_of_the_same_shapes_each_run_their_own_weights_in_their_frozen_lone_graphs(
+        tmp_path: Path) -> None:
+    """An int8 model's LoneStep graphs hold its weights as constants (frozen in, for inductor's int8
+    template): two such models of the same shapes, different weights, alive together in one process and
+    stepped in turn, each decode with their own weights: the eager engine's tokens for each. Neither
+    dynamo's graphs of the shared code nor inductor's graph cache (keyed by a frozen weight's shape, and the
+    model's fingerprint) may hand one model's graph to the other."""
+    from checkpoints import make_llama
+
+    paths = [make_llama(tmp_path / f"seed{seed}", seed=seed) for seed in (0, 1)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        engines = [LLMEngine(EngineConfig(model=str(p), quantization="int8", **{**OPTIONS, "n_slots": 64}))
+                   for p in paths]
+    lone = [e.executor.worker.compiled.lone for e in engines]
+    assert all(step is not None and step.ready and step.frozen for step in lone)
+    prompt = [5, 17, 33, 2, 9]
+    for i, engine in enumerate(engines):
+        engine.add_request(f"m{i}", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while any(e.has_unfinished() for e in engines):
+        for engine in engines:
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert all(step.steps >= 9 for step in lone)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ORCA_TORCH_COMPILE", "off")
+        eager = [[o.token_ids for o in LLM(str(p), quantization="int8", max_bs=2).generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))][0] for p in paths]
+    assert [tokens["m0"], tokens["m1"]] == eager and eager[0] != eager[1]
+
+
 def test_a_speculating_engine_with_float_copies_compiles_both_lone_graphs() -> None:
     """A quantized model under linear_backend hybrid compiles the float copies' graph at load too (its
     own warm-up iterations): the verification's warm-up still runs after them, so LoneStep's graph of

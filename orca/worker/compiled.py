@@ -23,9 +23,10 @@ What a graph holds: the whole forward pass but two opaque ops (three with LoRA),
 
 A single stream's decode step, the iteration that pays most for the opaque attention op (its write,
 Python and SDPA call ~85 us a layer at one row, SmolLM2, 300 cached keys), has a graph of its own with
-attention inside it: LoneStep, below (1.17x faster steps here, docs/BENCHMARKS.md); where the engine
-speculates, so does such a stream's verification of its proposed tokens (a second LoneStep, of several
-rows).
+attention inside it: LoneStep, below (1.17-1.24x faster steps here, 1.30x where the request's blocks are
+not consecutive, docs/BENCHMARKS.md); where the engine speculates, so does such a stream's verification
+of its proposed tokens (a second LoneStep, of several rows). With int8 layers its graphs hold the weights
+as constants, for inductor's int8 GEMM template (an int8 model's single-stream step 1.57x faster).
 
 Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
@@ -70,12 +71,14 @@ workers exchange activations between layers through gloo/NCCL calls that the gra
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import locale
 import logging
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -117,6 +120,42 @@ RECOMPILE_LIMIT = 64
 # compiled graph with the eager model).
 GRAPH_OPTIONS = {"compile_threads": 1, "size_asserts": False, "alignment_asserts": False}
 
+# The graphs of LoneStep and CompiledHead, further: the model's weights frozen into them as constants
+# (inductor's freezing), so that its weight-only GEMM templates may pack the int8 and int4 weights for
+# themselves, and max_autotune choosing, by measuring both at load, a template or torch's kernel for each
+# matmul shape; the casts rounded as eagerly (a float32 model's int8 head runs in bfloat16: without the
+# rounding of its output to bfloat16, logits moved by up to half a bfloat16 step from the eager engine's);
+# the choices' table (a warning inside inductor's autotuning) not for the server's log.
+FROZEN_OPTIONS = {**GRAPH_OPTIONS, "emulate_precision_casts": True, "freezing": True, "max_autotune": True,
+                  "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
+                  "max_autotune_report_choices_stats": False}
+
+
+@contextlib.contextmanager
+def frozen_compiling(fingerprint: str) -> Iterator[None]:
+    """Compiling with FROZEN_OPTIONS. Inductor's graph cache keys a frozen weight by its shape, not its
+    values (a second head of the same shape in one process got the first one's graph, weights included):
+    the model's `fingerprint` (weights_fingerprint) joins every key, so that a graph comes from the cache
+    only for the same weights (a server's restart), never for another model of the same shapes."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(**FROZEN_OPTIONS), torch.compiler.config.patch(cache_key_tag=fingerprint), \
+            warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        yield
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A SHA-256 over the model's tensors: their names, dtypes, shapes and bytes (oneDNN's packed copies,
+    opaque, left out: they are made from the others). ~0.1 s for SmolLM2's quantized tensors here."""
+    digest = hashlib.sha256()
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_mkldnn:
+            continue
+        digest.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
 
 class CompiledForward:
     """``model(input_ids, positions, meta)`` through torch.compile, one graph for every token count. Call
@@ -138,6 +177,7 @@ class CompiledForward:
         self.head = CompiledHead.of(model, self)
         self.lone = LoneStep.of(model)
         self.lone_rows = LoneStep.of(model, rows=True) if verifies else None
+        self._fingerprint: str | None = None
         self.ready = False
         self.compile_seconds: float | None = None
         # After the warm-up: what torch.compile does with an input no graph fits (the tests make it fail).
@@ -162,11 +202,18 @@ class CompiledForward:
             with torch.compiler.set_stance(self.stance, skip_guard_eval_unsafe=not self.all_guards):
                 return self.compiled(input_ids, positions, None)
 
+    @property
+    def fingerprint(self) -> str:
+        """weights_fingerprint(self.model), computed once (by the first frozen graph's compiling)."""
+        if self._fingerprint is None:
+            self._fingerprint = weights_fingerprint(self.model)
+        return self._fingerprint
+
     def _lone_step(self, meta: AttentionMetadata) -> LoneStep | None:
         """The LoneStep that runs iteration `meta`, or None: one request's step of one token (self.lone) or
-        of up to LONE_MAX_ROWS (self.lone_rows) after its cached ones, over consecutive blocks of an
-        unquantized pool (its view), with no adapter row, fewer rows than the float copies' graph takes, and
-        no profiling timer (which times attention by itself)."""
+        of up to LONE_MAX_ROWS (self.lone_rows) after its cached ones (meta.lone_table: an unquantized pool on
+        a CPU), with no adapter row, fewer rows than the float copies' graph takes, and no profiling timer
+        (which times attention by itself)."""
         if (type(meta) is not ReferenceMetadata or meta.lone_table is None or meta.timer is not None
                 or (self.lora_batch is not None and self.lora_batch.active)):
             return None
@@ -210,19 +257,26 @@ class LoneStep:
     """A single stream's step as a compiled graph of its own, attention inside it (LoneDecode,
     orca/models/attention/base.py): the graph of every token count calls attention as an opaque op, whose
     write, Python and SDPA call cost ~85 us a layer at one decode row (SmolLM2, 300 cached keys), against
-    ~30-40 inside the graph. It runs a lone request's step over its consecutive blocks (the placement-aware
-    allocator makes them the common case), with no sliding window (the view would differ by layer) and
-    an unquantized pool; the worker's other iterations run the graph of every token count. Its input is
-    the request's cached keys and values, one view of the pool over every layer, their number unbacked:
-    one graph for any context, compiled at load by a warm-up iteration. `rows` False: one new token (a
-    decode step; the graph specialised to one row); True: 2 to LONE_MAX_ROWS (a speculating stream's
-    verification; the row count unbacked too), a graph of its own, compiled only where the engine
-    speculates."""
+    ~30-40 inside the graph. It runs a lone request's step after its cached tokens, wherever its blocks
+    are (a prefix from the cache, blocks placed after a preemption: read through its block table), with no
+    sliding window (the keys read would differ by layer) and an unquantized pool; the worker's other
+    iterations run the graph of every token count. Its inputs are the pool, as blocks, and the request's
+    block table, its length unbacked: one graph for any context, compiled at load by a warm-up iteration.
+    `rows` False: one new token (a decode step; the graph specialised to one row); True: 2 to
+    LONE_MAX_ROWS (a speculating stream's verification; the row count unbacked too), a graph of its own,
+    compiled only where the engine speculates."""
 
     def __init__(self, model: nn.Module, rows: bool = False) -> None:
         module = _LoneRowsModel(model) if rows else _LoneModel(model)  # (dynamo keeps graphs by code object)
         self.compiled = torch.compile(module, dynamic=False, options={"guard_filter_fn": _guards_to_keep})
         self.rows = rows
+        # Compiled with the weights frozen in (FROZEN_OPTIONS) where a decoder layer is int8: inductor's int8
+        # template multiplies a row 1.5-2x faster than torch's kernel (a single-stream step of an int8
+        # SmolLM2 1.65x faster). With int4 layers its template is about torch's kernel (a step 1.06-1.10x
+        # faster, for a load 55 s longer cold, 22 s warm, here: not taken); unquantized layers are oneDNN's.
+        head = getattr(model, "lm_head", None)
+        self.frozen = any(isinstance(m, QuantizedLinear) and m.kind == "int8" and m is not head
+                          for m in model.modules())
         self.ready = False
         self.steps = 0  # iterations it ran (the tests read it)
 
@@ -247,7 +301,7 @@ class LoneStep:
             if self.rows:  # and of new tokens
                 torch._dynamo.decorators.mark_unbacked(input_ids, 0)
                 torch._dynamo.decorators.mark_unbacked(positions, 0)
-            with inductor_config.patch(**GRAPH_OPTIONS):
+            with frozen_compiling(owner.fingerprint) if self.frozen else inductor_config.patch(**GRAPH_OPTIONS):
                 hidden, written = self.compiled(input_ids, positions, blocks, table)
             self.ready = True
         else:
@@ -258,8 +312,9 @@ class LoneStep:
 
 
 class _LoneModel(nn.Module):
-    """What LoneStep compiles: the model over one row, attention reading `cached` (LoneDecode); returns
-    the hidden row and the step's keys and values, (layers, 1, 2, KVH, D)."""
+    """What LoneStep compiles: the model over one row, attention reading the cached keys and values of the
+    pool's `blocks` in `table` (LoneDecode); returns the hidden row and the step's keys and values,
+    (layers, 1, 2, KVH, D)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -321,20 +376,9 @@ class CompiledHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.ready:  # the warm-up's first sampled row: compiles, in this process
-            import torch._inductor.config as inductor_config
-
             # Any row count; the autotuning measures one row (the single stream: where the head's time shows).
             torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=1)
-            # (the choice's table, a warning inside inductor's autotuning: not for the server's log)
-            # Never from (or into) inductor's graph cache: its key holds a frozen weight's shape, not its
-            # values, and a graph made for another head of these shapes returned that head's logits here.
-            # The casts rounded as eagerly (a float32 model's head runs in bfloat16: without the rounding of
-            # its output to bfloat16, logits moved by up to half a bfloat16 step from the eager engine's).
-            with inductor_config.patch(**GRAPH_OPTIONS, fx_graph_cache=False, emulate_precision_casts=True,
-                                       freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
-                                       autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False), \
-                    warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+            with frozen_compiling(self.forward_pass.fingerprint):
                 y = self.compiled(x)
             self.ready = True
             return y

@@ -43,15 +43,17 @@ class _SecondLoneModel(compiled_module._LoneModel):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the shipped SmolLM2 GGUF)")
+    p.add_argument("--quantization", default="auto", help="EngineConfig.quantization (default auto)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--blocks", type=int, default=24)
     p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--b-options", default="", help="inductor options of a second LoneStep, e.g. cpp_wrapper=True")
+    p.add_argument("--b-options", default="", help="inductor options of a second LoneStep, e.g. cpp_wrapper=True "
+                                                   "(separated by ',', or by ';' where a value holds a ',')")
     p.add_argument("--scattered", action="store_true",
                    help="the measured request's blocks not consecutive: its prompt run once before (to 64 more "
                         "tokens), so that it takes its first blocks from the prefix cache and the rest elsewhere")
     args = p.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, block_size=16))
+    engine = LLMEngine(EngineConfig(model=args.model, block_size=16, quantization=args.quantization))
     compiled = engine.core.executor.worker.compiled
     if compiled is None or compiled.lone is None:
         raise SystemExit("this engine runs no LoneStep (the forward pass is not compiled, or a layer has a window)")
@@ -67,13 +69,14 @@ def main() -> None:
     for _ in range(5):
         engine.step()
     table = engine.core.blocks.table("r")
-    print(f"the request's blocks: {'consecutive' if table == list(range(table[0], table[0] + len(table))) else 'scattered'}")
+    consecutive = table == list(range(table[0], table[0] + len(table)))
+    print(f"the request's blocks: {'consecutive' if consecutive else 'scattered'}")
     other = None
     if args.b_options:
         import torch._inductor.config as inductor_config
 
-        options = {k.strip(): ast.literal_eval(v.strip())
-                   for k, v in (item.split("=", 1) for item in args.b_options.split(","))}
+        items = args.b_options.split(";" if ";" in args.b_options else ",")
+        options = {k.strip(): ast.literal_eval(v.strip()) for k, v in (item.split("=", 1) for item in items)}
         other = compiled_module.LoneStep(compiled.model)
         other.compiled = torch.compile(_SecondLoneModel(compiled.model), dynamic=False,
                                        options={"guard_filter_fn": compiled_module._guards_to_keep})

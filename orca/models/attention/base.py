@@ -309,7 +309,8 @@ class LoneDecode:
         old = (qf.unsqueeze(-2) * keys).sum(-1) * scale  # (T, KVH, group, n, block size)
         # The last block's slots past the cached keys: never written, or stale (NaN in an uninitialised pool,
         # which a zero weight would not cancel): masked out of the scores and the values alike.
-        beyond = torch.arange(keys.shape[2] * keys.shape[3], device=q.device).view(keys.shape[2], keys.shape[3]) >= self.past
+        num_blocks, block_size = keys.shape[2], keys.shape[3]
+        beyond = torch.arange(num_blocks * block_size, device=q.device).view(num_blocks, block_size) >= self.past
         old = old.masked_fill(beyond, float("-inf"))
         values = values.masked_fill(beyond.unsqueeze(-1), 0)
         own = (qf * new_keys).sum(-1) * scale  # (T, KVH, group, T): row i sees new keys 0..i
