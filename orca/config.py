@@ -110,8 +110,8 @@ class EngineConfig:
       pass"): a CPU, attention_backend reference or batched, a dense model, one worker
       (orca/worker/compiled.py: one graph for every token count, every op fused but attention and the
       linears; never recompiled inside a request; a single stream's decode step gets a graph of its own with
-      attention inside it, and an int8 LM head one, its kernel chosen by measurement at load). Compiling
-      lengthens the load, with a progress message; a
+      attention inside it, its int8 layers' weights frozen in for inductor's int8 kernel, and an int8 LM head
+      one, its kernel chosen by measurement at load). Compiling lengthens the load, with a progress message; a
       compile that fails (no C++ compiler) serves eagerly and logs why. "off": eager. $ORCA_TORCH_COMPILE,
       when set, is what "auto" means (the tests set off, so that their many engines load quickly).
     - quantization: how the linear layers' weights are stored and multiplied (orca/models/quantization.py).
