@@ -20,6 +20,7 @@ iterations wrote, so the pool needs no zeroing (orca/worker/kv_cache.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,7 +42,9 @@ class ReferenceMetadata(AttentionMetadata):
     """Request i feeds `lengths[i]` new tokens after `context_lens[i]` cached ones; rows [0, num_increment)
     are increments. Request i's keys and values (its `context_lens[i] + lengths[i]` tokens) are pool slots
     `views[i] = (s0, s1)` when its blocks are consecutive (views[i] is None otherwise); the others' slots
-    are concatenated in `gather_index`, split by `gather_sizes`."""
+    are concatenated in `gather_index`, split by `gather_sizes`: built from their `gather_tables` when the
+    iteration first reads them (a lone request's step that LoneStep runs, orca/worker/compiled.py, reads
+    its table instead: an index of every cached slot would be ~0.1 ms a step wasted at 700 tokens)."""
 
     name = "reference"
     in_compiled_forward = True
@@ -50,18 +53,18 @@ class ReferenceMetadata(AttentionMetadata):
     context_lens: list[int]
     num_increment: int
     views: list[tuple[int, int] | None]
-    gather_index: torch.Tensor | None  # (sum of gathered lengths,) int64
-    gather_sizes: list[int]
+    gather_tables: list[Sequence[int]]  # the block tables of the requests read by gathering
+    gather_sizes: list[int]  # their tokens
     # A lone increment whose blocks are consecutive (a single stream's decode step, the common case): its
     # view, which attend reads with no per-request bookkeeping: the opaque attention op of a compiled
     # forward pass took 40 us a layer against 43.5 (SDPA itself ~30; SmolLM2's heads, 150 keys, bfloat16),
     # ~0.1 ms of a single-stream step; None otherwise.
     lone_view: tuple[int, int] | None = None
     # One request of new tokens after cached ones, an unquantized pool on a CPU: the blocks that hold its cached
-    # tokens, in order, and the block size, for the compiled forward pass's graph of a lone step (LoneStep,
+    # tokens, in order, for the compiled forward pass's graph of a lone step (LoneStep,
     # orca/worker/compiled.py), which reads them through this table wherever they are; None otherwise.
     lone_table: torch.Tensor | None = None
-    block_size: int = 0
+    block_size: int = 0  # (the pool's: the gathers' slots and LoneStep's blocks)
     # The masks of the requests of several new tokens after a cached prefix, by (request, window): the same
     # at every layer, so built once per iteration, not once per layer (a verifying iteration of 8
     # speculating requests built 240 for SmolLM2's 30 layers; the time saved was within this CPU host's
@@ -105,7 +108,7 @@ class ReferenceMetadata(AttentionMetadata):
         read) and they are in no gather. `fields`: the subclass's own."""
         slots: list[int] = []
         views: list[tuple[int, int] | None] = []
-        gather: list[int] = []
+        gather_tables: list[Sequence[int]] = []
         gather_sizes: list[int] = []
         for i, (n, past, table) in enumerate(zip(lengths, context_lens, block_tables)):
             total = past + n
@@ -119,7 +122,7 @@ class ReferenceMetadata(AttentionMetadata):
                 views.append((first * block_size, first * block_size + total))
             else:
                 views.append(None)
-                gather.extend(token_slots(table, block_size, 0, total))
+                gather_tables.append(table)
                 gather_sizes.append(total)
         device = kv_pool.device
         alone = len(lengths) == 1 and not elsewhere and kv_scales is None
@@ -134,13 +137,23 @@ class ReferenceMetadata(AttentionMetadata):
             num_increment=num_increment,
             slot_mapping=upload(slots, torch.int64, device),
             views=views,
-            gather_index=upload(gather, torch.int64, device) if gather else None,
+            gather_tables=gather_tables,
             gather_sizes=gather_sizes,
             kv_pool=kv_pool,
             kv_scales=kv_scales,
             timer=timer,
             **fields,
         )
+
+    @functools.cached_property
+    def gather_index(self) -> torch.Tensor | None:
+        """(sum of gather_sizes,) int64: the pool slots of the gathered requests' tokens, in order; None when
+        every request is read through its view (or elsewhere)."""
+        if not self.gather_tables:
+            return None
+        slots = [s for table, total in zip(self.gather_tables, self.gather_sizes)
+                 for s in token_slots(table, self.block_size, 0, total)]
+        return upload(slots, torch.int64, self.kv_pool.device)
 
     def _mask(self, i: int, window: int | None, device: torch.device) -> torch.Tensor:
         """Request i's (n, past + n) mask: query j (position past + j) sees every cached key and the new keys
