@@ -613,36 +613,6 @@ def test_the_warm_up_runs_its_plans_and_leaves_no_request(tmp_path: Path) -> Non
     assert worker.kv_pool[:, :, :, -4:].any()  # it did run the model into the pool, to its last block
 
 
-def test_captured_sizes_compile_nothing_after_the_warm_up() -> None:
-    """CUDA graphs capture compiled flex on views of one set of static buffers, one per batch size
-    (FlexMetadata.graph_buffers, FlexLayout.head). Views keeping the whole buffer's strides made each captured
-    size a new graph (dynamo guards on strides), past dynamo's limit of 8 on the first GPU run (flex then ran
-    unfused and the capture failed). After the warm-up's shapes, no size of the capture compiles again."""
-    from orca.models.attention.flex import FlexMetadata
-    from orca.worker.cuda_graphs import graph_sizes
-
-    compiled, graphs = _counting_compiled_flex()
-    block_size, slots = 4, 256
-    pool = torch.zeros(2, 2, slots, 8)
-
-    def call(layout: FlexLayout, rows: int) -> None:
-        q = torch.randn(1, 4, rows, 8)
-        compiled(q, pool[0][None], pool[1][None], block_mask=layout.block_mask(None), enable_gqa=True)
-
-    for plan in flex_warm_up_plans(block_size, 64):
-        lengths = [len(pr.token_ids) for pr in plan.requests]
-        tables = [list(pr.new_block_ids) for pr in plan.requests]
-        call(FlexLayout.build(lengths, [pr.start for pr in plan.requests], tables, block_size, slots,
-                              torch.device("cpu")), sum(lengths))
-    after_warm_up = len(graphs)
-    static = FlexMetadata.graph_buffers(pool[None], block_size, 0, 40, 64 // block_size + 1)
-    for n in reversed(graph_sizes(40)):
-        head = static.head(n)
-        assert head.flex.kv_indices.is_contiguous() and head.flex.kv_num_blocks.is_contiguous()
-        call(head.flex, n)
-    assert len(graphs) == after_warm_up, f"{len(graphs) - after_warm_up} captured sizes compiled again"
-
-
 def test_the_reference_masks_are_built_once_per_iteration_and_keep_what_they_should() -> None:
     """A later chunk, a verifying request's tokens and a windowed prompt longer than its window each need an
     (n, past + n) mask: the same at every layer, so built once per iteration (ReferenceMetadata._mask)."""

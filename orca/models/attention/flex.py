@@ -317,9 +317,9 @@ class FlexLayout:
                                        q_position=self.q_position[:num_tokens], num_tokens=num_tokens, _masks={})
         q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
         width = self.kv_indices.shape[-1]
-        # The first q_tiles rows of the (1, 1, Q tiles, ...) buffers, viewed with a fresh layout's contiguous
-        # strides (a [:, :, :q_tiles] slice keeps the whole buffer's strides, and compiled flex guards on
-        # strides: each captured size would compile again, past dynamo's recompile limit, on a GPU run).
+        # (Unpaged static layouts serve the tests' CPU runs of the graphs' buffers only: on CUDA every
+        # captured size is paged, so no graph calls flex_attention.) The first q_tiles rows of the
+        # (1, 1, Q tiles, ...) buffers, viewed with a fresh layout's contiguous strides, as build's are.
         return FlexLayout(
             q_request=self.q_request[:num_tokens], q_position=self.q_position[:num_tokens], tables=self.tables,
             block_index=self.block_index,
