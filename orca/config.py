@@ -140,10 +140,12 @@ class EngineConfig:
       dtype. "fp8_e4m3": float8 e4m3 values with a float32 scale per token and K/V head, so a token costs
       head_dim + 4 bytes per K/V head instead of 2 or 4 x head_dim: the pool holds 2D/(D+4) times
       bfloat16's tokens (1.9x at head_dim 64), 4D/(D+4) times float32's (3.8x); attention dequantizes what
-      it reads. "int8": the same with int8 values. Supported by the reference and batched attention
-      backends; refused with flex (its fused kernel reads the pool as it is), so CUDA graphs, which need
-      flex, do not run with it. On a CPU torch converts float8 element by element: int8 is the fast choice
-      there (docs/BENCHMARKS.md, "Results: quantized weights and K/V").
+      it reads. "int8": the same with int8 values. Every attention backend reads it: flex's paged decode
+      kernel (decode iterations, CUDA graphs) reads the values and scales as they are, flex_attention
+      (prompts) the iteration's blocks dequantized. attention_backend auto stays batched on CUDA with a
+      quantized pool (flex over one not yet measured on a GPU): choose flex for CUDA graphs with it. On a
+      CPU torch converts float8 element by element: int8 is the fast choice there (docs/BENCHMARKS.md,
+      "Results: quantized weights and K/V").
     - max_bs: at most this many requests per iteration (Orca's max_bs). In request_level_gpt it is Triton's
       max_batch_size, not a parameter.
     - block_size: tokens per K/V block of the paged pool, the unit in which requests take K/V memory.

@@ -16,8 +16,9 @@ order, each in its own process under its own time limit, inside one overall budg
    batch 64, against transformers; its iteration breakdown is the host's share of an iteration (input
    preparation and scheduling) beside the device's.
 6. quantized: ``orca-bench decode`` with flex and CUDA graphs on the same model, unquantized and with its
-   weights quantized at load (int8, int4, fp8; one process each), at batch 1, 16 and 64, against the
-   roofline of the quantized bytes (quantized-<kind>.json).
+   weights quantized at load (int8, int4, fp8; one process each), and the float weights over a quantized
+   K/V pool (kv-fp8_e4m3, kv-int8: the paged decode kernel reading values and scales), at batch 1, 16 and
+   64, against the roofline of the quantized bytes (quantized-<kind>.json).
 7. speculative: ``orca-bench speculative`` on the same model, random-token prompts, off against n-gram
    lookup and a draft model made of the model's first two layers (--draft-layers 2), with batched
    attention and with flex and CUDA graphs (speculative-<backend>.json).
@@ -380,8 +381,9 @@ FEATURE_BACKENDS = ("batched", "flex")  # on CUDA (a CPU runs auto only): batche
 # would take most of it for each engine)
 FEATURE_N_SLOTS = "65536"
 # The quantized stage's weights: none first, the unquantized weights on the same machine, in the same stage
-# (fp8 needs a GPU of compute capability 8.9 or later)
-QUANTIZED_KINDS_CUDA = ("none", "int8", "int4", "fp8")
+# (fp8 needs a GPU of compute capability 8.9 or later); then, on CUDA, the float weights over a quantized
+# K/V pool (kv-<kv_cache_dtype>: flex's paged decode kernel reading values and scales, in CUDA graphs)
+QUANTIZED_KINDS_CUDA = ("none", "int8", "int4", "fp8", "kv-fp8_e4m3", "kv-int8")
 QUANTIZED_KINDS_CPU = ("none", "int8", "int4")
 
 
@@ -413,8 +415,10 @@ def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float) ->
     batches, new_tokens, repeats = ("1,16,64", "32", "2") if cuda else ("1,4", "16", "1")  # (16: as stage_decode's)
 
     def argv(kind: str) -> list[str]:
-        return ["orca_client.bench.decode", "--model", str(checkpoint), "--systems", system, "--quantization", kind,
-                "--batch-sizes", batches, "--new-tokens", new_tokens, "--repeats", repeats]
+        weights, kv = ("none", kind.removeprefix("kv-")) if kind.startswith("kv-") else (kind, "auto")
+        return ["orca_client.bench.decode", "--model", str(checkpoint), "--systems", system, "--quantization",
+                weights, "--kv-cache-dtype", kv, "--batch-sizes", batches, "--new-tokens", new_tokens,
+                "--repeats", repeats]
 
     def table(result: dict[str, Any]) -> dict[str, Any]:
         return quantized_table(result, system)

@@ -535,6 +535,23 @@ def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofl
     assert orca_bench.main(["decode", "--systems", "vllm"]) == 2  # refused before any work
 
 
+def test_orca_bench_decode_over_a_quantized_kv_pool(tmp_path: Path) -> None:
+    """--kv-cache-dtype: orca's systems over an int8 pool (flex reads it too), the roofline counting a byte a
+    value and a float32 scale per token and K/V head."""
+    out = tmp_path / "decode.json"
+    argv = ["decode", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,3", "--prompt-len", "6",
+            "--new-tokens", "5", "--repeats", "2", "--systems", "orca-batched,orca-flex", "--kv-cache-dtype",
+            "int8", "--json", str(out)]
+    assert orca_bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    shape = result["shape"]
+    assert result["kv_cache_dtype"] == "int8"
+    assert result["kv_bytes_per_token"] == shape["num_layers"] * 2 * shape["num_kv_heads"] * (shape["head_dim"] + 4)
+    for r in result["runs"]:
+        for system in result["systems"]:
+            assert r[system]["decode_tokens_per_second"] > 0, system
+
+
 def test_decode_roofline_counts_weights_once_and_kv_per_request() -> None:
     from orca_client.bench.decode import roofline
 

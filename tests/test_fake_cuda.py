@@ -298,15 +298,21 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     return FakeCuda(mode, staging)
 
 
-def _paged_decode_on_the_device(q: torch.Tensor, pool: torch.Tensor, *tensors_and_options: Any) -> torch.Tensor:
-    """paged_decode_attention's stand-in: its tensors on q's device (cuda), its output's shape and dtype."""
+def _paged_decode_on_the_device(q: torch.Tensor, pool: torch.Tensor, *tensors_and_options: Any,
+                                scales: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_decode_attention's stand-in: its tensors on q's device (cuda), a quantized pool's scales with
+    it (one float32 per slot and K/V head), its output's shape and dtype."""
     tensors = [q, pool, *(t for t in tensors_and_options if isinstance(t, torch.Tensor))]
     assert len(tensors) == 5 and {t.device.type for t in tensors} == {"cuda"}, [t.device for t in tensors]
+    assert (scales is None) == (pool.dtype == q.dtype), (pool.dtype, q.dtype)  # int8 / float8 values: scales
+    if scales is not None:
+        assert scales.device.type == "cuda" and scales.dtype == torch.float32 and scales.shape == pool.shape[:3]
+        _paged_decode_on_the_device.scaled_calls += 1
     _paged_decode_on_the_device.calls += 1
     return torch.empty_like(q)
 
 
-_paged_decode_on_the_device.calls = 0
+_paged_decode_on_the_device.calls = _paged_decode_on_the_device.scaled_calls = 0
 
 
 def _fake_device_loader(mode: FakeTensorMode) -> Callable[..., tuple[nn.Module, Any]]:
@@ -612,14 +618,25 @@ def test_flex_on_cuda_is_refused_below_its_kernels_head_dim(fake_cuda: FakeCuda,
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("backend", ["reference", "batched"])
+@pytest.mark.parametrize("backend", ["reference", "batched", "flex"])
 def test_a_quantized_kv_pool_runs_on_fake_cuda(
     backend: str, kv_cache_dtype: str, fake_cuda: FakeCuda, checkpoints: Callable[[str], Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """flex: the mixed iteration's flex_attention over the iteration's blocks gathered and dequantized on the
+    device; the decode iteration (a CUDA graph's static buffers) through the paged decode kernel with the
+    pool's scales."""
     worker = _worker(checkpoints("llama"), backend, kv_cache_dtype=kv_cache_dtype)
     assert worker.kv_layout.quantized
-    _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
+    scaled_calls = _paged_decode_on_the_device.scaled_calls
+    history = _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
+    if backend == "flex":
+        mixed = history[1]["_prepare"][2]
+        assert not mixed.flex.paged and mixed.gather_blocks.device.type == "cuda"
+        graphs = worker.decode_graphs
+        assert all(graphs._metas[n].kv_scales is worker.kv_scales and graphs._metas[n].flex.paged
+                   for n in graphs.sizes)
+        assert history[-1]["_prepare"][2].flex.paged and _paged_decode_on_the_device.scaled_calls > scaled_calls
 
 
 @pytest.mark.parametrize("row_parallel", [False, True], ids=["plain", "row-parallel"])

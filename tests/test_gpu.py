@@ -381,6 +381,28 @@ def test_a_quantized_kv_pool_on_cuda_stays_close_to_the_float_one(name: str, mon
     assert_close_until_the_paths_part(name, want_tokens, want_rows, tokens, rows)
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_flex_over_a_quantized_kv_pool_on_cuda_generates_what_batched_does(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attention_backend flex with a quantized pool on the device: decode iterations replayed from CUDA graphs
+    through the paged decode kernel reading the pool's values and scales, prompts through compiled
+    flex_attention over their blocks dequantized; the batched backend over the same kind of pool gives the
+    same tokens and log-probabilities (to float32 rounding)."""
+    from test_kv_cache_dtype import GENERATION, _generate
+
+    path = _flex_checkpoint("llama")
+    want_tokens, want_rows, _ = _generate(_engine(path, kv_cache_dtype=name, attention_backend="batched",
+                                                  **GENERATION), monkeypatch)
+    engine = _engine(path, kv_cache_dtype=name, attention_backend="flex", **GENERATION)
+    tokens, rows, cached = _generate(engine, monkeypatch)
+    assert cached >= 2 * 4 and tokens == want_tokens
+    for rid, want in want_rows.items():
+        torch.testing.assert_close(torch.stack(rows[rid]), torch.stack(want), atol=1e-3, rtol=0)
+    if CUDA:
+        assert engine.executor.worker.decode_graphs.replays > 0
+
+
 SPEC_POOL = dict(n_slots=256, block_size=4, max_num_batched_tokens=32, max_bs=8)
 
 

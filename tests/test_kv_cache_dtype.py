@@ -8,7 +8,9 @@ consecutive and shuffled blocks, the slots written being the quantized new keys 
 backend's zeroed blocks (values and scales) keep NaN out. The pool holds 4D / (D + 4) times the tokens of a
 float32 one in the same bytes. Whole generations stay close to the float pool's (log-probabilities within
 each format's tolerance until greedy paths part, most of them never), and the compiled forward pass over an
-fp8 pool gives the eager one's tokens and logits. Values that cannot work are refused at load.
+fp8 pool gives the eager one's tokens and logits. The flex backend reads a quantized pool too (flex_attention
+over the iteration's blocks dequantized; its paged decode kernel: tests/test_paged_decode.py). Values that
+cannot work are refused at load.
 """
 
 from __future__ import annotations
@@ -138,6 +140,50 @@ def test_attention_over_a_quantized_pool_is_attention_over_its_dequantized_value
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(6, 2, None), (6, 2, 5)], ids=["gqa", "window"])
+def test_flex_over_a_quantized_pool_reads_the_iteration_s_blocks_dequantized(
+    name: str, shape: str, block_size: int, heads: int, kv_heads: int, window: int | None
+) -> None:
+    """flex_attention (on a CPU: PyTorch's unfused implementation) over a quantized pool reads the blocks of
+    the iteration's requests gathered and dequantized into a compact pool (compact_blocks): the same
+    attention as flex over a float pool of the dequantized values. The compact pool holds the requests'
+    blocks, padded to whole slot tiles, not the pool's. (The paged decode kernel, CUDA's path for
+    decode iterations, reads the scales itself: tests/test_paged_decode.py.)"""
+    from orca.models.attention.flex import compact_blocks
+
+    qdtype = KV_QUANTIZED_DTYPES[name]
+    requests = SHAPES[shape]
+    rng = random.Random(block_size + 7)
+    num_blocks, dim, layers, layer = 160 // block_size + 8, 8, 2, 1
+    tables = _tables(rng, requests, block_size, num_blocks)
+    lengths, context = [n for n, _ in requests], [p for _, p in requests]
+    torch.manual_seed(block_size)
+    values, scales = quantize_kv(torch.randn(layers, 2, kv_heads, num_blocks * block_size, dim) * 3, qdtype)
+    q, kv = torch.randn(sum(lengths), heads, dim), torch.randn(sum(lengths), 2, kv_heads, dim)
+
+    quantized = AttentionMetadata.build(lengths, context, tables, block_size, values.clone(), backend="flex",
+                                        kv_scales=scales.clone())
+    used = sorted({b for table in tables for b in table})
+    assert sorted(set(quantized.gather_blocks.tolist())) == used  # (the padding repeats the first block)
+    assert quantized.flex.num_slots == len(quantized.gather_blocks) * block_size < num_blocks * block_size
+    assert quantized.flex.num_slots % max(16, block_size) == 0
+    out = selective_attention(q, kv, quantized, layer, 0.3, window)
+
+    float_pool = dequantize_kv(values, scales, torch.float32)
+    plain = AttentionMetadata.build(lengths, context, tables, block_size, float_pool, backend="flex")
+    assert plain.gather_blocks is None and plain.flex.num_slots == num_blocks * block_size
+    want = selective_attention(q, dequantize_kv(*quantize_kv(kv, qdtype), torch.float32), plain, layer, 0.3, window)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(dequantize_kv(quantized.kv_pool, quantized.kv_scales, torch.float32), float_pool,
+                               atol=0, rtol=0)  # the new keys and values written, quantized
+    # compact_blocks: tables renumbered in order of first use, each request's blocks up to its last token.
+    blocks, renumbered = compact_blocks([1, 6], [5, 0], [[9, 4, 7], [4, 2, 8]], 4)
+    assert blocks[:4] == [9, 4, 2] + [9] and len(blocks) == 8 and renumbered == [[0, 1], [1, 2]]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_batched_increments_read_zeroed_blocks_of_a_quantized_pool(name: str) -> None:
     """Values and scales NaN everywhere (unwritten memory: float8's NaN byte, a NaN scale) but the blocks
     of the iteration's requests, which KVLayout.zero_blocks zeroes as the worker does when it hands them
@@ -173,10 +219,10 @@ def test_batched_increments_read_zeroed_blocks_of_a_quantized_pool(name: str) ->
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
 def test_the_pool_holds_more_tokens_in_the_same_bytes(head_dim: int) -> None:
     """A float32 model: 4 x D bytes per token and K/V head, against D values and a 4-byte scale."""
-    auto = KVLayout(3, 2, head_dim, resolve_kv_cache_dtype("auto", torch.float32, "batched"), 16)
+    auto = KVLayout(3, 2, head_dim, resolve_kv_cache_dtype("auto", torch.float32), 16)
     assert auto.dtype == torch.float32 and not auto.quantized
     for name in QUANTIZED:
-        layout = KVLayout(3, 2, head_dim, resolve_kv_cache_dtype(name, torch.float32, "batched"), 16)
+        layout = KVLayout(3, 2, head_dim, resolve_kv_cache_dtype(name, torch.float32), 16)
         assert layout.quantized and layout.bytes_per_slot == 3 * 2 * 2 * (head_dim + 4)
         assert auto.bytes_per_slot / layout.bytes_per_slot == 4 * head_dim / (head_dim + 4)
         budget = 1 << 20
@@ -256,6 +302,25 @@ def test_generation_over_a_quantized_pool_stays_close_to_the_float_one(
     assert_close_until_the_paths_part(name, want_tokens, want_rows, tokens, rows)
 
 
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_a_flex_engine_over_a_quantized_pool_generates_what_batched_does(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """attention_backend flex with a quantized pool (on a CPU: flex_attention over the iteration's blocks
+    dequantized, for every iteration): the same greedy tokens and log-probabilities as the batched backend
+    over the same kind of pool, chunked prompts, increments and prefix-cache hits included; the pool's
+    zeroed blocks (flex weighs every slot of a tile it visits) keep every result finite."""
+    options = dict(GENERATION, n_slots=320)
+    want_tokens, want_rows, _ = _generate(_engine(kv_cache_dtype=name, **options), monkeypatch, longest=24,
+                                          max_tokens=12)
+    engine = _engine(kv_cache_dtype=name, attention_backend="flex", **options)
+    assert engine.executor.worker.attention_backend == "flex" and engine.executor.worker.kv_scales is not None
+    tokens, rows, cached = _generate(engine, monkeypatch, longest=24, max_tokens=12)
+    assert cached >= 2 * 4 and tokens == want_tokens
+    for rid, want in want_rows.items():
+        torch.testing.assert_close(torch.stack(rows[rid]), torch.stack(want), atol=1e-4, rtol=0)
+
+
 def assert_close_until_the_paths_part(name: str, want_tokens: dict[str, list[int]], want_rows: dict[str, list],
                                       tokens: dict[str, list[int]], rows: dict[str, list]) -> None:
     """Each request's log-probabilities over a `name` pool, step by step while its tokens so far are the float
@@ -296,13 +361,5 @@ def test_values_that_cannot_work_are_refused_at_load() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8, got 'fp16'"):
         EngineConfig(kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8, got 'e5m2'"):
-        resolve_kv_cache_dtype("e5m2", torch.float32, "batched")
-    for name in QUANTIZED:
-        with pytest.raises(ValueError, match=f"kv_cache_dtype {name} with attention_backend flex is not supported"
-                                             ".*attention_backend reference, batched or auto"):
-            _engine(kv_cache_dtype=name, attention_backend="flex", n_slots=64)
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, "flex") == torch.bfloat16
-    layout = KVLayout(1, 1, 4, torch.float8_e4m3fn, 4)
-    with pytest.raises(ValueError, match="flex backend reads an unquantized K/V pool only"):
-        AttentionMetadata.build([1], [0], [[0]], 4, layout.allocate(1, torch.device("cpu")), backend="flex",
-                                kv_scales=layout.allocate_scales(1, torch.device("cpu")))
+        resolve_kv_cache_dtype("e5m2", torch.float32)
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16

@@ -1,7 +1,8 @@
 """The paged decode attention kernel (orca/models/attention/paged_decode.py) run by Triton's interpreter on
 the CPU (TRITON_INTERPRET=1), against attention computed directly from each row's gathered keys and values:
 grouped-query heads, block sizes smaller and larger than a tile, scattered blocks, windows, padding rows,
-one split and several (the combining kernel), float32 and bfloat16. tests/test_gpu.py runs it compiled.
+one split and several (the combining kernel), float32 and bfloat16, a quantized pool (int8, float8).
+tests/test_gpu.py runs it compiled.
 
 Triton chooses its interpreter when it is imported (its language's own functions are kernels too), so the
 kernel cases run in a pytest process of their own started with TRITON_INTERPRET=1
@@ -103,6 +104,46 @@ def test_the_kernel_is_attention_over_each_rows_blocks(interpreted, heads: int, 
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[:rows].float(), expected[:rows], atol=tolerance, rtol=tolerance)
     assert torch.count_nonzero(out[rows:]) == 0  # padding rows read nothing
+
+
+@pytest.mark.parametrize(("kv_dtype", "splits", "dtype"), [
+    (torch.int8, 1, torch.float32),
+    (torch.int8, 3, torch.bfloat16),
+    (torch.float8_e4m3fn, 2, torch.float32),
+])
+def test_a_quantized_pool_is_read_with_its_scales(interpreted, kv_dtype: torch.dtype, splits: int,  # noqa: ANN001
+                                                  dtype: torch.dtype) -> None:
+    """int8 and float8 keys and values with a float32 scale per slot and K/V head (kv_cache.py's layout,
+    quantize_kv's values): the kernel's attention is attention over dequantize_kv's keys and values; with
+    the scales ignored it would not be (each slot's scale differs)."""
+    from orca.models.attention.base import dequantize_kv, quantize_kv
+
+    rows, padding, block_size = 5, 1, 8
+    q, pool, q_request, q_position, table, tables, positions = _case(
+        31 + splits, rows=rows, heads=4, kv_heads=2, head_dim=16, block_size=block_size,
+        num_blocks=rows * (3 * paged_decode.BLOCK_N // block_size + 2), dtype=dtype, padding=padding)
+    pool = pool * torch.rand(pool.shape[:3])[..., None].to(dtype) * 4  # scales that differ by slot
+    values, scales = quantize_kv(pool, kv_dtype)  # (2, KVH, slots, D), (2, KVH, slots)
+    scale = 0.25
+    out = paged_decode.paged_decode_attention(q, values, q_request, q_position, table, block_size, scale, None,
+                                              splits=splits, scales=scales)
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = _expected(q, dequantize_kv(values, scales, torch.float32), tables, positions, block_size, scale,
+                         None, padding)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:rows].float(), expected[:rows], atol=tolerance, rtol=tolerance)
+    assert torch.count_nonzero(out[rows:]) == 0
+    unscaled = _expected(q, values.float(), tables, positions, block_size, scale, None, padding)
+    assert not torch.allclose(out[:rows].float(), unscaled[:rows], atol=1e-2)
+
+
+def test_a_quantized_pool_without_its_scales_or_with_others_is_refused() -> None:
+    q, rows = torch.zeros(1, 2, 16), torch.zeros(1, dtype=torch.int32)
+    pool, table = torch.zeros(2, 1, 32, 16, dtype=torch.int8), torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="a pool of torch.int8 needs its scales"):
+        paged_decode.paged_decode_attention(q, pool, rows, rows, table, 16, 1.0, None)
+    with pytest.raises(ValueError, match=r"scales of shape \(2, 1, 16\)"):
+        paged_decode.paged_decode_attention(q, pool, rows, rows, table, 16, 1.0, None, scales=torch.ones(2, 1, 16))
 
 
 def test_more_splits_than_a_rows_tiles_leave_the_empty_shares_out(interpreted) -> None:  # noqa: ANN001

@@ -101,9 +101,9 @@ class Worker:
         # The backend: its metadata class, whose builder runs once per iteration and whose traits say what it
         # needs of the pool and of the load (orca/models/attention/base.py).
         self.attention: type[AttentionMetadata] = get_backend(self.attention_backend)
-        # The K/V pool's dtype (kv_cache_dtype: the model's, or quantized values with scales); a quantized pool
-        # the attention backend cannot read is refused now, before the weights load.
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.attention_backend)
+        # The K/V pool's dtype (kv_cache_dtype: the model's, or quantized values with scales), checked before the
+        # weights load.
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         logger.info("linear_backend %s -> %s, attention_backend %s -> %s (%s on %s; weights about %.0f MB)%s",
                     config.linear_backend, self.linear_backend, config.attention_backend, self.attention_backend,
                     str(self.dtype).removeprefix("torch."), self.device, weight_bytes / 1e6,
@@ -273,7 +273,7 @@ class Worker:
                 self.model, self.attention, self.kv_pool, self.kv_layout.block_size,
                 pad_slot=num_blocks * self.kv_layout.block_size,
                 sizes=graph_sizes(self.config.max_bs), capture=self.device.type == "cuda",
-                max_blocks=-(-self._max_len() // self.kv_layout.block_size) + 1,
+                max_blocks=-(-self._max_len() // self.kv_layout.block_size) + 1, kv_scales=self.kv_scales,
             )
         elif self.device.type == "cuda":
             logger.info("decode iterations run without CUDA graphs: %s", self.no_graphs_reason)
@@ -657,7 +657,10 @@ def why_not_flex_by_default(config: EngineConfig, device: torch.device, checkpoi
     if device.type != "cuda":  # (why_no_graphs says so too; here before any checkpoint is read)
         return f"the device is {device.type}"
     if config.kv_cache_dtype != "auto":
-        return f"kv_cache_dtype {config.kv_cache_dtype} (flex reads an unquantized pool only)"
+        # flex reads a quantized pool (its paged decode kernel with the scales), but has not been measured
+        # against batched on one: attention_backend flex chooses it.
+        return (f"kv_cache_dtype {config.kv_cache_dtype} (flex over a quantized pool is not measured on a GPU "
+                "yet; attention_backend flex chooses it)")
     if config.enable_lora:
         return "enable_lora (iterations with an adapter run without CUDA graphs)"
     checkpoints = [checkpoint] + ([resolve_checkpoint(config.speculative_model)]

@@ -74,14 +74,15 @@ class DecodeGraphs:
     not captured, runs the model eagerly on the same buffers)."""
 
     def __init__(self, model: nn.Module, attention: type[AttentionMetadata], kv_pool: torch.Tensor, block_size: int,
-                 pad_slot: int, sizes: Sequence[int], capture: bool, max_blocks: int) -> None:
+                 pad_slot: int, sizes: Sequence[int], capture: bool, max_blocks: int,
+                 kv_scales: torch.Tensor | None = None) -> None:
         self.model, self.kv_pool, self.sizes = model, kv_pool, tuple(sizes)
         self.pad_slot = pad_slot
         device, rows = kv_pool.device, self.sizes[-1]
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         # The attention backend's metadata of the largest size, all padding; every size reads its head.
-        static = attention.graph_buffers(kv_pool, block_size, pad_slot, rows, max_blocks)
+        static = attention.graph_buffers(kv_pool, block_size, pad_slot, rows, max_blocks, kv_scales)
         self._metas = {n: static.head(n) for n in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}

@@ -24,12 +24,12 @@ bytes per layer instead of 2 x num_kv_heads x head_dim x 2 (bfloat16) or x 4 (fl
 worker's ``kv_scales`` beside its ``kv_pool``, AttentionMetadata's ``kv_scales`` beside ``kv_pool`` (None
 for an unquantized pool, whose path is unchanged).
 
-Limits: the flex backend does not read a quantized pool (refused at load: resolve_kv_cache_dtype). What
-dequantizing costs on a CPU: torch converts float8 to float32 one element at a time (~5-6 ns each here,
-15-18x int8's conversion), so the attention of a decode iteration (8 increments of 64-176 tokens, 4
-layers, head_dim 32, 1 thread) took 5.4 ms over fp8_e4m3 against 1.5 ms over int8 and 0.93 ms over
-float32, and a whole decode step of that 4-layer model 11.0, 7.4 and 6.6 ms (the fastest of 200). int8
-is the CPU's choice; float8 is for CUDA (not measured yet).
+Every attention backend reads it (flex: its paged decode kernel as it is, flex_attention over the
+iteration's blocks dequantized; orca/models/attention/flex.py). What dequantizing costs on a CPU: torch
+converts float8 to float32 one element at a time (~5-6 ns each here, 15-18x int8's conversion), so the
+attention of a decode iteration (8 increments of 64-176 tokens, 4 layers, head_dim 32, 1 thread) took 5.4 ms
+over fp8_e4m3 against 1.5 ms over int8 and 0.93 ms over float32, and a whole decode step of that 4-layer
+model 11.0, 7.4 and 6.6 ms (the fastest of 200). int8 is the CPU's choice; float8 is for CUDA (not measured yet).
 """
 
 from __future__ import annotations
@@ -46,22 +46,13 @@ KV_QUANTIZED_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 KV_SCALE_DTYPE = torch.float32
 
 
-def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype, attention_backend: str) -> torch.dtype:
+def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
     """EngineConfig.kv_cache_dtype to the dtype of the pool's values: "auto" the model's; fp8_e4m3 and int8
-    their own, with scales (KVLayout.quantized). `attention_backend` is the resolved one: flex reads the
-    pool inside its fused kernel, which does not dequantize, so a quantized pool is refused there (and with
-    it CUDA graphs, which run flex)."""
+    their own, with scales (KVLayout.quantized). Every attention backend reads a quantized pool."""
     if choice not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {choice!r}")
     if choice == "auto":
         return model_dtype
-    if attention_backend == "flex":
-        raise ValueError(
-            f"kv_cache_dtype {choice} with attention_backend flex is not supported: flex_attention reads keys "
-            "and values straight from the pool in its fused kernel, which does not dequantize them; use "
-            f"kv_cache_dtype {choice} with attention_backend reference, batched or auto, or flex with "
-            "kv_cache_dtype auto"
-        )
     return KV_QUANTIZED_DTYPES[choice]
 
 

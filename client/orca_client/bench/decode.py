@@ -156,7 +156,8 @@ def run_orca(system: str, checkpoint: Path, args: argparse.Namespace, prompts: l
     per_request = -(-(args.prompt_len + args.new_tokens) // block) * block
     engine = LLMEngine(EngineConfig(
         model=str(checkpoint), device=str(device), dtype=args.dtype, max_bs=max(batches), block_size=block,
-        n_slots=max(batches) * per_request, quantization=args.quantization, **ORCA_SYSTEMS[system],
+        n_slots=max(batches) * per_request, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        **ORCA_SYSTEMS[system],
     ))
     worker = getattr(engine.executor, "worker", None)
     graphs = getattr(worker, "decode_graphs", None)
@@ -231,11 +232,13 @@ def roofline(weight_bytes: int, kv_bytes_per_token: int, batch: int, context: fl
     return batch * bandwidth / (weight_bytes + batch * context * kv_bytes_per_token)
 
 
-def model_bytes(checkpoint: Path, dtype: Any, quantization: str = "none") -> tuple[int, int, dict[str, int]]:
+def model_bytes(checkpoint: Path, dtype: Any, quantization: str = "none",
+                kv_cache_dtype: str = "auto") -> tuple[int, int, dict[str, int]]:
     """(bytes of the weights a decode iteration reads: everything but the input embedding; K/V bytes per
     token; the shape) of a Llama-shaped checkpoint in `dtype`, its linear weights stored as `quantization`
     says (EngineConfig.quantization for a float checkpoint: int8 and fp8 one byte a weight; int4 half a
-    byte and a scale and offset per 32 in `dtype`, its LM head int8, as the loader keeps it)."""
+    byte and a scale and offset per 32 in `dtype`, its LM head int8, as the loader keeps it), its keys and
+    values as `kv_cache_dtype` says (a quantized pool: a byte a value and a float32 scale per head)."""
     import torch
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -255,7 +258,8 @@ def model_bytes(checkpoint: Path, dtype: Any, quantization: str = "none") -> tup
     shape = {"hidden_size": e, "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads,
              "head_dim": head_dim, "intermediate_size": i, "vocab_size": vocab,
              "parameters": params + e * vocab}  # + the input embedding
-    return int(weight_bytes), layers * 2 * kv_heads * head_dim * element, shape
+    per_head = head_dim * element if kv_cache_dtype == "auto" else head_dim + 4
+    return int(weight_bytes), layers * 2 * kv_heads * per_head, shape
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -281,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             print(f"building a random-weight {args.shape} Llama on {device} ...", flush=True)
             checkpoint = build_checkpoint(args.shape, Path(tmp) / args.shape, dtype, device)
-        weight_bytes, kv_bytes, shape = model_bytes(checkpoint, dtype, args.quantization)
+        weight_bytes, kv_bytes, shape = model_bytes(checkpoint, dtype, args.quantization, args.kv_cache_dtype)
         if args.prompt_len + args.new_tokens > json.loads((checkpoint / "config.json").read_text()).get(
                 "max_position_embeddings", 1 << 30):
             raise ValueError("--prompt-len + --new-tokens exceeds the model's max_position_embeddings")
@@ -293,6 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "benchmark": "decode", "command": sys.argv, "machine": _machine(device),
             "torch": torch.__version__, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "model": str(args.model or f"random {args.shape}"), "shape": shape, "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "weight_bytes": weight_bytes,
             "kv_bytes_per_token": kv_bytes, "copy_bandwidth_bytes_per_second": bandwidth,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -394,6 +399,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default="none", metavar="{none,int8,int4,fp8}",
                    help="EngineConfig.quantization of orca's systems (the random checkpoint is float: auto is none); "
                         "the roofline counts the weights' bytes in that format (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,fp8_e4m3,int8}",
+                   help="EngineConfig.kv_cache_dtype of orca's systems; the roofline counts the pool's bytes in it "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: %(default)s)")
     p.add_argument("--json", default=None, help="write the result here")
 

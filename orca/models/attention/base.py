@@ -193,10 +193,10 @@ class AttentionMetadata:
     # -- CUDA graphs (cuda_graphs backends) --------------------------------------------------------------
     @classmethod
     def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int,
-                      max_blocks: int) -> AttentionMetadata:
+                      max_blocks: int, kv_scales: torch.Tensor | None = None) -> AttentionMetadata:
         """Metadata of `rows` padding rows over static buffers, which a captured graph reads: each
         iteration's values are copied in (copy_) into the head (head) of its size. A request holds at most
-        `max_blocks` blocks (the model's longest sequence)."""
+        `max_blocks` blocks (the model's longest sequence). `kv_scales`: a quantized pool's."""
         raise NotImplementedError(f"attention backend {cls.name} has no fixed shapes for CUDA graphs")
 
     def head(self, num_tokens: int) -> AttentionMetadata:

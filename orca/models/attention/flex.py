@@ -27,8 +27,14 @@ K/V head, reading the row's blocks through its table), on a `paged` FlexLayout: 
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each
 block it hands to a request (reads_whole_blocks). The compiled forward pass of a CPU (orca/worker/
-compiled.py) does not run with it. Nor does a quantized pool (kv_cache_dtype fp8_e4m3 or int8: the fused
-kernel reads the pool as it is and would need its scales; refused at load, orca/worker/kv_cache.py).
+compiled.py) does not run with it.
+
+A quantized pool (kv_cache_dtype fp8_e4m3 or int8: values and a scale per slot and K/V head,
+orca/worker/kv_cache.py): the paged decode kernel reads the values and scales as they are (every decode
+iteration, every CUDA graph); flex_attention, which takes keys and values of the query's dtype, reads the
+blocks of its iteration gathered and dequantized per layer into a compact pool (compact_blocks: the layout's
+tables renumbered, so its structure and mask are built over that pool, not the whole one). Prompts and
+chunks read their own blocks once more that way: a cost of their tokens, not of the pool.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from orca.models.attention.base import AttentionMetadata, PhaseTimer, token_slots
+from orca.models.attention.base import AttentionMetadata, PhaseTimer, dequantize_kv, token_slots
 from orca.models.attention.paged_decode import paged_decode_attention
 from orca.models.device import upload, upload_arrays
 
@@ -89,6 +95,9 @@ class FlexMetadata(AttentionMetadata):
     warm_up_rows = (PAGED_ROWS + 1, 2 * FLEX_Q_BLOCK + 1, FLEX_DECODING_ROWS + 1)
 
     flex: FlexLayout = field()  # (required: the base's None is for the other backends)
+    # A quantized pool's iteration that flex_attention reads (not paged): the pool blocks its layout's tables
+    # number 0, 1, ... (compact_blocks), which each layer gathers and dequantizes to q's dtype. None otherwise.
+    gather_blocks: torch.Tensor | None = None
 
     @classmethod
     def for_iteration(
@@ -103,27 +112,37 @@ class FlexMetadata(AttentionMetadata):
         pad_slot: int = 0,
         kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """Padding rows write to `pad_slot` and attend to nothing (FlexLayout). An unquantized pool only."""
-        if kv_scales is not None:
-            raise ValueError("the flex backend reads an unquantized K/V pool only (kv_cache_dtype auto)")
+        """Padding rows write to `pad_slot` and attend to nothing (FlexLayout). A quantized pool (`kv_scales`):
+        the paged decode kernel reads it as it is; flex_attention, which reads keys and values of q's dtype,
+        reads the iteration's blocks dequantized (compact_blocks)."""
         slots: list[int] = []
         for n, past, table in zip(lengths, context_lens, block_tables):
             slots.extend(token_slots(table, block_size, past, past + n))
         slots.extend([pad_slot] * padding)
         device = kv_pool.device
-        layout = FlexLayout.build(lengths, context_lens, block_tables, block_size, kv_pool.shape[3], device, padding,
-                                  paged=takes_paged_decode(device, lengths))
-        return cls(slot_mapping=upload(slots, torch.int64, device), kv_pool=kv_pool, timer=timer, flex=layout)
+        paged, gather_blocks, num_slots = takes_paged_decode(device, lengths), None, kv_pool.shape[3]
+        if kv_scales is not None and not paged:
+            used, block_tables = compact_blocks(lengths, context_lens, block_tables, block_size)
+            gather_blocks, num_slots = upload(used, torch.int64, device), len(used) * block_size
+        layout = FlexLayout.build(lengths, context_lens, block_tables, block_size, num_slots, device, padding,
+                                  paged=paged)
+        return cls(slot_mapping=upload(slots, torch.int64, device), kv_pool=kv_pool, kv_scales=kv_scales,
+                   timer=timer, flex=layout, gather_blocks=gather_blocks)
 
-    def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
+               scales: torch.Tensor | None = None) -> torch.Tensor:
         """One flex_attention call over the whole of `pool` (this layer's, new keys and values written), or
-        for a paged layout one paged decode kernel launch."""
+        for a paged layout one paged decode kernel launch. `scales`: a quantized pool's (this layer's)."""
         num_tokens, num_heads, head_dim = q.shape
         layout = self.flex
         if layout.paged:
             out = paged_decode_attention(q, pool, layout.q_request, layout.q_position, layout.tables,
-                                         layout.block_size, scale, window)
+                                         layout.block_size, scale, window, scales=scales)
             return out.reshape(num_tokens, num_heads * head_dim)
+        if scales is not None:  # the iteration's blocks of this layer, dequantized, as compact_blocks numbers them
+            blocks = pool.unflatten(2, (-1, layout.block_size)).index_select(2, self.gather_blocks)
+            block_scales = scales.unflatten(2, (-1, layout.block_size)).index_select(2, self.gather_blocks)
+            pool = dequantize_kv(blocks, block_scales, q.dtype).flatten(2, 3)  # (2, KVH, compact slots, D)
         options = {"BLOCK_M": FLEX_Q_BLOCK, "BLOCK_N": FLEX_KV_BLOCK} if q.device.type == "cuda" else None
         with warnings.catch_warnings():  # the unfused CPU path warns that it is unfused, at every call
             warnings.simplefilter("ignore", UserWarning)
@@ -146,18 +165,22 @@ class FlexMetadata(AttentionMetadata):
 
     @classmethod
     def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int,
-                      max_blocks: int) -> AttentionMetadata:
-        """An all-padding layout of `rows` rows of up to `max_blocks` blocks each; every size reads its head."""
+                      max_blocks: int, kv_scales: torch.Tensor | None = None) -> AttentionMetadata:
+        """An all-padding layout of `rows` rows of up to `max_blocks` blocks each; every size reads its head.
+        A quantized pool's graphs read it through the paged decode kernel (CUDA: every captured size)."""
         device = kv_pool.device
+        paged = takes_paged_decode(device, [1])
+        if kv_scales is not None and not paged:
+            raise ValueError("static buffers over a quantized pool are paged only (the paged decode kernel)")
         return cls(
             slot_mapping=torch.full((rows,), pad_slot, dtype=torch.int64, device=device), kv_pool=kv_pool,
-            flex=FlexLayout.static(rows, max_blocks, block_size, kv_pool.shape[3], device,
-                                   paged=takes_paged_decode(device, [1])),
+            kv_scales=kv_scales, flex=FlexLayout.static(rows, max_blocks, block_size, kv_pool.shape[3], device,
+                                                        paged=paged),
         )
 
     def head(self, num_tokens: int) -> AttentionMetadata:
         return FlexMetadata(slot_mapping=self.slot_mapping[:num_tokens], kv_pool=self.kv_pool,
-                            flex=self.flex.head(num_tokens))
+                            kv_scales=self.kv_scales, flex=self.flex.head(num_tokens))
 
     def copy_(self, other: AttentionMetadata) -> None:
         self.slot_mapping.copy_(other.slot_mapping, non_blocking=True)
@@ -381,6 +404,23 @@ class FlexLayout:
                 compute_q_blocks=False,
             )
         return self._masks[window]
+
+
+def compact_blocks(lengths: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                   block_size: int) -> tuple[list[int], list[list[int]]]:
+    """The pool blocks an iteration reads (each request's first blocks up to its last new token), in order of
+    first use and numbered 0, 1, ... as the tables given back name them: the compact pool a layer's
+    dequantized blocks make for flex_attention (FlexMetadata.attend, a quantized pool). Padded, with the
+    first block again (in no table: masked out, and finite), to whole slot tiles, at least two (compiled
+    flex specialises a size of one)."""
+    index: dict[int, int] = {}
+    tables = []
+    for n, past, table in zip(lengths, context_lens, block_tables):
+        tables.append([index.setdefault(b, len(index)) for b in table[:-(-(past + n) // block_size)]])
+    used = list(index)
+    per_tile = _kv_block(block_size) // block_size
+    used += used[:1] * (max(2 * per_tile, -(-len(used) // per_tile) * per_tile) - len(used))
+    return used, tables
 
 
 def _kv_block(block_size: int) -> int:

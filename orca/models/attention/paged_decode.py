@@ -19,7 +19,9 @@ that keeps the GPU busy when rows x heads are few and contexts long. The split c
 row count and the GPU (`num_splits`), so a CUDA graph of a batch size captures one launch configuration.
 
 Rows whose position is -1 (FlexLayout's padding rows) read nothing and come out as zeros. The pool is read
-as it is (the model's dtype: kv_cache_dtype auto, as flex). Tested on a CPU under TRITON_INTERPRET=1
+as it is: the model's dtype (kv_cache_dtype auto), or int8 / float8 values with their float32 scales (a
+quantized pool, orca/worker/kv_cache.py), which scale each key's scores and each value's softmax weight:
+the pool's bytes are what is read, never a dequantized copy. Tested on a CPU under TRITON_INTERPRET=1
 (tests/test_paged_decode.py) and on CUDA against the reference backend (tests/test_gpu.py).
 """
 
@@ -62,17 +64,25 @@ def paged_decode_attention(
     splits: int | None = None,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q (T, H, D) over `pool` (one layer's, (2, KVH, slots, D)): row t reads the slots of request
     q_request[t]'s blocks (its row of `tables`, (requests, width)) at positions up to q_position[t] (and
-    within `window`) -> (T, H, D) in q's dtype. `splits`, `block_n` (a power of 2, at least 16) and
-    `num_warps`: the launch's (scripts/experiments/paged_decode_tiles.py sweeps them); by default
+    within `window`) -> (T, H, D) in q's dtype. `scales`: a quantized pool's (this layer's (2, KVH, slots)
+    float32; the pool int8 or float8), by which the kernel multiplies each key's scores and each value's
+    weights (what dequantize_kv reads back, in float32). `splits`, `block_n` (a power of 2, at least 16)
+    and `num_warps`: the launch's (scripts/experiments/paged_decode_tiles.py sweeps them); by default
     num_splits' count and the module's tiles."""
     num_rows, num_heads, head_dim = q.shape
     kv_heads = pool.shape[1]
     group = num_heads // kv_heads
     if num_heads % kv_heads or pool.shape[3] != head_dim:
         raise ValueError(f"{num_heads} query heads of {head_dim} over {kv_heads} K/V heads of {pool.shape[3]}")
+    if scales is not None and (scales.shape != pool.shape[:3] or scales.stride(2) != 1):
+        raise ValueError(f"scales of shape {tuple(scales.shape)} (slots strided {scales.stride(2)}) do not "
+                         f"match a pool of {tuple(pool.shape[:3])} slots, one apart")
+    if scales is None and pool.dtype.itemsize == 1:  # int8 or float8 values
+        raise ValueError(f"a pool of {pool.dtype} needs its scales")
     splits = splits or num_splits(num_rows, kv_heads, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits {splits} is outside [1, {MAX_SPLITS}]")
@@ -84,6 +94,7 @@ def paged_decode_attention(
     if num_rows == 0:
         return out
     keys, values = pool[0], pool[1]
+    key_scales, value_scales = (keys, values) if scales is None else (scales[0], scales[1])  # (unread if None)
     block_g = max(MIN_DOT, _next_power_of_2(group))
     block_d = max(MIN_DOT, _next_power_of_2(head_dim))
     # The dots run on float32 tiles: IEEE for a float32 model; tf32 for 16-bit ones, which holds bf16 and fp16
@@ -99,12 +110,14 @@ def paged_decode_attention(
     maxes = torch.empty(shape[:3], dtype=torch.float32, device=q.device)  # (a tensor each: both 16-byte aligned,
     sums = torch.empty(shape[:3], dtype=torch.float32, device=q.device)  # as Triton's specialisation assumes)
     stage[(num_rows, kv_heads, splits)](
-        q, keys, values, q_request, q_position, tables,
+        q, keys, values, key_scales, value_scales, q_request, q_position, tables,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        tables.stride(0), block_size, window or 0, log2_scale, group, head_dim, splits,
+        key_scales.stride(0), value_scales.stride(0), tables.stride(0),
+        block_size, window or 0, log2_scale, group, head_dim, splits,
         out, out.stride(0), out.stride(1), acc, maxes, sums, acc.stride(0), acc.stride(1), acc.stride(2),
         maxes.stride(0), maxes.stride(1),
-        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=precision, QUANTIZED=scales is not None,
+        num_warps=num_warps,
     )
     if splits > 1:
         combine[(num_rows, num_heads)](

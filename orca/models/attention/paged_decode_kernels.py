@@ -11,13 +11,17 @@ import triton.language as tl
 # Triton compiles a variant per integer argument's value of 1 and multiples of 16: not on those that change
 # with the iteration (the split count, the table width, the partial buffers' strides) or the layer (the
 # window), so one compilation serves every batch size and layer.
+# A quantized pool (QUANTIZED): K and V hold int8 or float8 values and KS and VS their float32 scales, one per
+# slot and K/V head; a score is the dot with the stored key times the key's scale, and a value's weight is
+# multiplied by its scale before the weighted sum (the stored values are exact in tf32's dots).
 @triton.jit(do_not_specialize=["window", "splits", "stride_table", "stride_as", "stride_at", "stride_ah",
                                "stride_ss", "stride_st"])
-def stage(Q, K, V, q_request, q_position, tables,
-          stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_table,
+def stage(Q, K, V, KS, VS, q_request, q_position, tables,
+          stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, stride_ksh, stride_vsh, stride_table,
           block_size, window, log2_scale, group, head_dim, splits,
           Out, stride_ot, stride_oh, Acc, Max, Sum, stride_as, stride_at, stride_ah, stride_ss, stride_st,
-          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+          QUANTIZED: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)  # x a head's stride: past int32 in a large pool
     split = tl.program_id(2)
@@ -50,6 +54,8 @@ def stage(Q, K, V, q_request, q_position, tables,
         k = tl.load(K + kv_head * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_ok,
                     other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * log2_scale  # (BLOCK_G, BLOCK_N), log2 units
+        if QUANTIZED:
+            s = s * tl.load(KS + kv_head * stride_ksh + slot, mask=keep, other=0.0)[None, :]
         s = tl.where(keep[None, :], s, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(s, 1))
         alpha = tl.exp2(running_max - new_max)
@@ -57,6 +63,8 @@ def stage(Q, K, V, q_request, q_position, tables,
         running_sum = running_sum * alpha + tl.sum(weights, 1)
         v = tl.load(V + kv_head * stride_vh + slot[:, None] * stride_vs + d[None, :], mask=kv_ok,
                     other=0.0).to(tl.float32)
+        if QUANTIZED:
+            weights = weights * tl.load(VS + kv_head * stride_vsh + slot, mask=keep, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
         running_max = new_max
     out_ok = g_ok[:, None] & d_ok[None, :]
