@@ -34,7 +34,11 @@ orca/worker/kv_cache.py): the paged decode kernel reads the values and scales as
 iteration, every CUDA graph); flex_attention, which takes keys and values of the query's dtype, reads the
 blocks of its iteration gathered and dequantized per layer into a compact pool (compact_blocks: the layout's
 tables renumbered, so its structure and mask are built over that pool, not the whole one). Prompts and
-chunks read their own blocks once more that way: a cost of their tokens, not of the pool.
+chunks read their own blocks once more that way: a cost of their tokens, not of the pool. Not yet run on a
+GPU: the compact pool's length changes with every iteration (the whole pool's never does), and dynamo's
+guards on it are not all covered by the warm-up (on the CPU, dynamo alone with a counting backend: 2 more
+graphs over 12 random iterations after the warm-up's, from a duck-sizing equality between the keys'
+length and a view's offset; within FLEX_RECOMPILE_LIMIT, but each a compile in a request on CUDA).
 """
 
 from __future__ import annotations
