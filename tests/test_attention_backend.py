@@ -526,17 +526,22 @@ def test_flex_under_tensor_parallelism_is_transformers_greedy() -> None:
 
 
 def _counting_compiled_flex() -> tuple[Any, list[Any]]:
-    """flex_attention compiled as CUDA compiles it (dynamic=True), with a backend that records each graph
-    dynamo makes (its guards decide recompiles; the backend only runs the graph): (compiled, graphs)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    """flex_attention compiled as CUDA compiles it (compile_flex), with a backend that records each graph
+    dynamo makes (its guards decide recompiles; the backend only runs the graph): (compiled, graphs). Dynamo
+    reset first, as in a fresh process: graphs an earlier test left on flex_attention would serve calls
+    that would otherwise compile (the compact case below passed after the whole one, vacuously)."""
+    import torch._dynamo
 
+    from orca.models.attention.flex import compile_flex
+
+    torch._dynamo.reset()
     graphs: list[Any] = []
 
     def counting(gm, example_inputs):  # noqa: ANN001, ANN202
         graphs.append(gm)
         return gm.forward
 
-    return torch.compile(flex_attention, backend=counting, dynamic=True), graphs
+    return compile_flex(counting), graphs
 
 
 def test_auto_is_flex_on_cuda_only_where_its_graphs_serve_the_configuration(tmp_path: Path) -> None:
@@ -561,36 +566,47 @@ def test_auto_is_flex_on_cuda_only_where_its_graphs_serve_the_configuration(tmp_
         assert reasons[name] is not None and words in reasons[name], (name, reasons[name])
 
 
-def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch() -> None:
-    """torch.compile(flex_attention, dynamic=True), as CUDA runs it, with a counting backend (dynamo's
-    guards are what decide recompiles; the backend only runs the graph): a new layout and mask function every
+@pytest.mark.parametrize("pool", ["whole", "compact"])
+def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch(pool: str) -> None:
+    """flex_attention compiled as CUDA runs it (compile_flex), with a counting backend (dynamo's guards are
+    what decide recompiles; the backend only runs the graph): a new layout and mask function every
     iteration, token counts from 1 to 47, and two window sizes. Graphs: per window, one for a single query
     row, one for a single query tile, one for more; the worker's warm-up plans run each of those shapes, after
-    which nothing compiles again."""
+    which nothing compiles again. `compact`: a quantized pool's iterations, each over its own blocks
+    (compact_blocks: keys of a length that changes every iteration); with duck sizing 2 graphs more."""
+    from orca.models.attention.flex import compact_blocks
+
     compiled, graphs = _counting_compiled_flex()
     block_size, slots = 4, 512
-    pool = torch.zeros(2, 2, slots, 8)
+    whole = torch.zeros(2, 2, slots, 8)
     rng = random.Random(0)
     seen_after_warm_up = None
     warm_up = [([len(pr.token_ids) for pr in plan.requests], [pr.start for pr in plan.requests])
                for plan in flex_warm_up_plans(block_size, 64)]
-    for iteration in range(16):
-        # The warm-up's shapes first, then random batches.
+    for iteration in range(24):
+        # The warm-up's shapes first, then random batches (a last request's prompt or a chunk after 13 tokens).
         if iteration < len(warm_up):
             lengths, context = warm_up[iteration]
+        elif iteration == len(warm_up):  # (one tile after cached tokens: with duck sizing, compact compiled again)
+            lengths, context = [1, 1, 1, 1, 9], [19, 9, 7, 40, 13]
         else:
             increments = rng.randint(0, 5)
             lengths = [1] * increments + [rng.choice([1, 2, 9, 30, 45])]
-            context = [rng.randint(1, 20) for _ in range(increments)] + [0]
+            context = [rng.randint(1, 40) for _ in range(increments)] + [rng.choice([0, 13])]
         tables, next_block = [], 0
         for n, past in zip(lengths, context):
             used = -(-(n + past) // block_size)
             tables.append(list(range(next_block, next_block + used)))
             next_block += used
-        layout = FlexLayout.build(lengths, context, tables, block_size, slots, torch.device("cpu"))
+        if pool == "compact":
+            used, tables = compact_blocks(lengths, context, tables, block_size)
+            kv = torch.zeros(2, 2, len(used) * block_size, 8)
+        else:
+            kv = whole
+        layout = FlexLayout.build(lengths, context, tables, block_size, kv.shape[2], torch.device("cpu"))
         q = torch.randn(1, 6, sum(lengths), 8)
         for window in (None, 4):
-            compiled(q, pool[0][None], pool[1][None], block_mask=layout.block_mask(window), enable_gqa=True)
+            compiled(q, kv[0][None], kv[1][None], block_mask=layout.block_mask(window), enable_gqa=True)
         if iteration == len(warm_up) - 1:
             seen_after_warm_up = len(graphs)
     assert seen_after_warm_up == len(graphs) <= 8, "a batch after the warm-up's shapes compiled again"

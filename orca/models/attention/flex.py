@@ -34,11 +34,9 @@ orca/worker/kv_cache.py): the paged decode kernel reads the values and scales as
 iteration, every CUDA graph); flex_attention, which takes keys and values of the query's dtype, reads the
 blocks of its iteration gathered and dequantized per layer into a compact pool (compact_blocks: the layout's
 tables renumbered, so its structure and mask are built over that pool, not the whole one). Prompts and
-chunks read their own blocks once more that way: a cost of their tokens, not of the pool. Not yet run on a
-GPU: the compact pool's length changes with every iteration (the whole pool's never does), and dynamo's
-guards on it are not all covered by the warm-up (on the CPU, dynamo alone with a counting backend: 2 more
-graphs over 12 random iterations after the warm-up's, from a duck-sizing equality between the keys'
-length and a view's offset; within FLEX_RECOMPILE_LIMIT, but each a compile in a request on CUDA).
+chunks read their own blocks once more that way: a cost of their tokens, not of the pool. The compact
+pool's length changes with every iteration (the whole pool's never does): compiled flex traces without duck
+sizing (compile_flex), so no equality drawn at the warm-up ties it to another size. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -450,13 +449,35 @@ def _flex_function(device_type: str) -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type == "cuda":
-        import torch._dynamo
-
-        # A few shapes specialise (FlexMetadata.warm_up_rows) and each window size and model of the process
-        # (an engine per test) adds its own: dynamo's default limit of 8 graphs per function, once reached,
-        # silently runs flex unfused (minutes per iteration over a large pool, and no CUDA graph capture).
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
-                                                               4 * FLEX_RECOMPILE_LIMIT)
-        return torch.compile(flex_attention, dynamic=True)
+        return compile_flex()
     return flex_attention
+
+
+def compile_flex(backend: str | Callable = "inductor") -> Callable:
+    """flex_attention compiled as CUDA runs it: every size dynamic, and traced without duck sizing. Duck
+    sizing makes two sizes that happen to be equal when a graph is traced one symbol, guarded equal ever
+    after: with a quantized pool's compact pools (compact_blocks), whose length changes with every
+    iteration, it tied the keys' length to a view's offset and compiled again after the warm-up (2 graphs
+    over 12 random iterations, dynamo alone on the CPU: tests/test_attention_backend.py); without it, none.
+    `backend`: the tests count dynamo's graphs with one of their own (under the same recompile limit)."""
+    import torch._dynamo
+    import torch.fx.experimental._config as fx_config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # A few shapes specialise (FlexMetadata.warm_up_rows) and each window size and model of the process (an
+    # engine per test) adds its own: dynamo's default limit of 8 graphs per function, once reached, silently
+    # runs flex unfused (minutes per iteration over a large pool, and no CUDA graph capture).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                           4 * FLEX_RECOMPILE_LIMIT)
+    compiled = torch.compile(flex_attention, backend=backend, dynamic=True)
+
+    def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+        duck = fx_config.use_duck_shape  # (set and restored by hand: config.patch costs 4x, ~12 us a call)
+        fx_config.use_duck_shape = False
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            fx_config.use_duck_shape = duck
+
+    return call
