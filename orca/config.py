@@ -141,8 +141,9 @@ class EngineConfig:
       head_dim + 4 bytes per K/V head instead of 2 or 4 x head_dim: the pool holds 2D/(D+4) times
       bfloat16's tokens (1.9x at head_dim 64), 4D/(D+4) times float32's (3.8x); attention dequantizes what
       it reads. "int8": the same with int8 values. Every attention backend reads it: flex's paged decode
-      kernel (decode iterations, CUDA graphs) reads the values and scales as they are, flex_attention
-      (prompts) the iteration's blocks dequantized. attention_backend auto stays batched on CUDA with a
+      kernel (decode iterations, CUDA graphs) reads the values and scales as they are (fp8_e4m3 there on GPUs
+      of compute capability 8.9 or later), flex_attention (prompts) the iteration's blocks dequantized.
+      attention_backend auto stays batched on CUDA with a
       quantized pool (flex over one not yet measured on a GPU): choose flex for CUDA graphs with it. On a
       CPU torch converts float8 element by element: int8 is the fast choice there (docs/BENCHMARKS.md,
       "Results: quantized weights and K/V").

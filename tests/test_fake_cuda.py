@@ -626,6 +626,7 @@ def test_a_quantized_kv_pool_runs_on_fake_cuda(
     """flex: the mixed iteration's flex_attention over the iteration's blocks gathered and dequantized on the
     device; the decode iteration (a CUDA graph's static buffers) through the paged decode kernel with the
     pool's scales."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))  # (fp8 with flex)
     worker = _worker(checkpoints("llama"), backend, kv_cache_dtype=kv_cache_dtype)
     assert worker.kv_layout.quantized
     scaled_calls = _paged_decode_on_the_device.scaled_calls
@@ -637,6 +638,22 @@ def test_a_quantized_kv_pool_runs_on_fake_cuda(
         assert all(graphs._metas[n].kv_scales is worker.kv_scales and graphs._metas[n].flex.paged
                    for n in graphs.sizes)
         assert history[-1]["_prepare"][2].flex.paged and _paged_decode_on_the_device.scaled_calls > scaled_calls
+
+
+def test_flex_over_an_fp8_pool_is_refused_below_compute_capability_8_9(
+    fake_cuda: FakeCuda, checkpoints: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The paged decode kernel reads float8 e4m3, which Triton converts from compute capability 8.9 on: an A100
+    (8.0) is refused at load, naming what works there; int8 is not; 8.9 is not."""
+    path = checkpoints("llama")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype fp8_e4m3 with attention_backend flex needs a GPU of "
+                                         r"compute capability 8.9 or later .* is 8.0: choose kv_cache_dtype int8"):
+        _worker(path, "flex", kv_cache_dtype="fp8_e4m3")
+    assert _worker(path, "flex", kv_cache_dtype="int8").kv_layout.quantized
+    assert _worker(path, "batched", kv_cache_dtype="fp8_e4m3").kv_layout.quantized
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert _worker(path, "flex", kv_cache_dtype="fp8_e4m3").kv_layout.quantized
 
 
 @pytest.mark.parametrize("row_parallel", [False, True], ids=["plain", "row-parallel"])

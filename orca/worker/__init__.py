@@ -42,7 +42,7 @@ from orca.models.device import upload
 from orca.models.layers import resolve_linear_backend
 from orca.models.loader import checkpoint_bytes, load_model
 from orca.models.lora import LoRAModel
-from orca.models.quantization import QuantizedLinear
+from orca.models.quantization import FP8_MIN_CAPABILITY, QuantizedLinear
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.worker.compiled import CompiledForward, why_not_compiled
 from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, graph_sizes, why_no_graphs
@@ -128,6 +128,13 @@ class Worker:
                 and self.model_config.head_dim < FLEX_MIN_HEAD_DIM):
             raise ValueError(f"attention_backend flex on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM} (torch's flex "
                              f"kernels); this model's is {self.model_config.head_dim}: choose batched or reference")
+        if self.attention_backend == "flex" and self.device.type == "cuda" and kv_dtype == torch.float8_e4m3fn:
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < FP8_MIN_CAPABILITY:  # (Triton converts float8 e4m3 from compute capability 8.9 on)
+                raise ValueError(
+                    "kv_cache_dtype fp8_e4m3 with attention_backend flex needs a GPU of compute capability 8.9 or "
+                    f"later (its paged decode kernel reads float8 e4m3); {self.device} is "
+                    f"{capability[0]}.{capability[1]}: choose kv_cache_dtype int8, or attention_backend batched")
         warning = self.attention.device_warning(self.device)
         if warning is not None:
             logger.warning("%s", warning)
