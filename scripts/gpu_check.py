@@ -17,8 +17,8 @@ order, each in its own process under its own time limit, inside one overall budg
    preparation and scheduling) beside the device's.
 6. quantized: ``orca-bench decode`` with flex and CUDA graphs on the same model, unquantized and with its
    weights quantized at load (int8, int4, fp8; one process each), and the float weights over a quantized
-   K/V pool (kv-fp8_e4m3, kv-int8: the paged decode kernel reading values and scales), at batch 1, 16 and
-   64, against the roofline of the quantized bytes (quantized-<kind>.json).
+   K/V pool (kv-fp8_e4m3, kv-int8: the paged decode kernel reading values and scales; batched beside it),
+   at batch 1, 16 and 64, against the roofline of the quantized bytes (quantized-<kind>.json).
 7. speculative: ``orca-bench speculative`` on the same model, random-token prompts, off against n-gram
    lookup and a draft model made of the model's first two layers (--draft-layers 2), with batched
    attention and with flex and CUDA graphs (speculative-<backend>.json).
@@ -384,7 +384,7 @@ FEATURE_N_SLOTS = "65536"
 # (fp8 needs a GPU of compute capability 8.9 or later); then, on CUDA, the float weights over a quantized
 # K/V pool (kv-<kv_cache_dtype>: flex's paged decode kernel reading values and scales, in CUDA graphs)
 QUANTIZED_KINDS_CUDA = ("none", "int8", "int4", "fp8", "kv-fp8_e4m3", "kv-int8")
-QUANTIZED_KINDS_CPU = ("none", "int8", "int4")
+QUANTIZED_KINDS_CPU = ("none", "int8", "int4", "kv-int8")
 
 
 def feature_backends(cuda: bool) -> tuple[str, ...]:
@@ -416,12 +416,17 @@ def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float) ->
 
     def argv(kind: str) -> list[str]:
         weights, kv = ("none", kind.removeprefix("kv-")) if kind.startswith("kv-") else (kind, "auto")
-        return ["orca_client.bench.decode", "--model", str(checkpoint), "--systems", system, "--quantization",
+        # A quantized pool: batched beside flex, the comparison attention_backend auto's choice waits for
+        systems = f"{system},orca-batched" if kv != "auto" and system != "orca-batched" else system
+        return ["orca_client.bench.decode", "--model", str(checkpoint), "--systems", systems, "--quantization",
                 weights, "--kv-cache-dtype", kv, "--batch-sizes", batches, "--new-tokens", new_tokens,
                 "--repeats", repeats]
 
     def table(result: dict[str, Any]) -> dict[str, Any]:
-        return quantized_table(result, system)
+        record = quantized_table(result, system)
+        if system != "orca-batched" and "orca-batched" in result.get("systems", ()):
+            record["orca-batched"] = quantized_table(result, "orca-batched")["table"]
+        return record
 
     kinds = QUANTIZED_KINDS_CUDA if cuda else QUANTIZED_KINDS_CPU
     record: dict[str, Any] = {"system": system, "kinds": _bench_runs(check, "quantized", kinds, argv, table, limit)}
@@ -584,6 +589,8 @@ def print_table(check: Check) -> None:
     for kind, run in s.get("quantized", {}).get("kinds", {}).items():
         for row in run.get("table", []):
             check.say(f"  quantized {kind}: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+        for row in run.get("orca-batched", []):
+            check.say(f"  quantized {kind} (orca-batched): " + ", ".join(f"{k} {v}" for k, v in row.items()))
     for row in s.get("host", {}).get("summary", []):
         check.say(f"  host {row['system']} B={row['batch']}: step {row['step_ms']} ms, device busy "
                   f"{row['device_busy_ms']} ms, phases {row['phases_ms']}")

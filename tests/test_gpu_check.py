@@ -44,6 +44,8 @@ def test_gpu_check_runs_end_to_end_on_a_cpu_and_says_the_gpu_parts_were_skipped(
     assert stages["offline"]["summary"]["breakdown_fraction"]
     # the feature stages: quantized weights' decode, speculative decoding (n-gram and a layer draft), LoRA
     assert [row["batch"] for row in stages["quantized"]["kinds"]["int8"]["table"]] == [1, 4]
+    kv = json.loads((tmp_path / "quantized-kv-int8.json").read_text())  # float weights over an int8 pool
+    assert (kv["quantization"], kv["kv_cache_dtype"]) == ("none", "int8") and kv["systems"] == ["orca-batched"]
     random = stages["speculative"]["backends"]["auto"]["summary"]["random"]
     assert set(random["tokens_per_second"]) == {"off", "ngram", "draft"}
     assert set(random["same_tokens_as_off"]) == {"ngram", "draft"}
