@@ -198,7 +198,9 @@ class EngineConfig:
       by drawing them as the request would (its sampling options, seed and output steps, so a draft close
       to the model is accepted when sampling too); verification is the same. One worker process only
       (tensor_parallel_size and pipeline_parallel_size 1); on CUDA the draft runs outside CUDA graphs.
-    - num_speculative_tokens: the most tokens a request proposes per iteration (1 to 16; default 4).
+    - num_speculative_tokens: the most tokens a request proposes per iteration (1 to 16; default 4). On a
+      CPU with int4 weights 3 is faster: torch's int4 kernel makes a second pass from a fifth row
+      (docs/BENCHMARKS.md, "The ceiling of n-gram lookup on this workload").
     - prompt_lookup_min: the shortest n-gram prompt lookup matches (1 to 16, at most prompt_lookup_max;
       default 2).
     - prompt_lookup_max: the longest n-gram prompt lookup matches, tried first (1 to 16; default 4).
