@@ -238,8 +238,10 @@ def model_bytes(checkpoint: Path, dtype: Any, quantization: str = "none",
     token; the shape) of a Llama-shaped checkpoint in `dtype`, its linear weights stored as `quantization`
     says (EngineConfig.quantization for a float checkpoint: int8 and fp8 one byte a weight; int4 half a
     byte and a scale and offset per 32 in `dtype`, its LM head int8, as the loader keeps it), its keys and
-    values as `kv_cache_dtype` says (a quantized pool: a byte a value and a float32 scale per head)."""
+    values as `kv_cache_dtype` says (the pool's own KVLayout: a quantized one's values and scales)."""
     import torch
+
+    from orca.worker.kv_cache import KVLayout, resolve_kv_cache_dtype
 
     config = json.loads((checkpoint / "config.json").read_text())
     e, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
@@ -258,8 +260,8 @@ def model_bytes(checkpoint: Path, dtype: Any, quantization: str = "none",
     shape = {"hidden_size": e, "num_layers": layers, "num_heads": heads, "num_kv_heads": kv_heads,
              "head_dim": head_dim, "intermediate_size": i, "vocab_size": vocab,
              "parameters": params + e * vocab}  # + the input embedding
-    per_head = head_dim * element if kv_cache_dtype == "auto" else head_dim + 4
-    return int(weight_bytes), layers * 2 * kv_heads * per_head, shape
+    kv = KVLayout(layers, kv_heads, head_dim, resolve_kv_cache_dtype(kv_cache_dtype, dtype), block_size=1)
+    return int(weight_bytes), kv.bytes_per_slot, shape
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
