@@ -346,6 +346,17 @@ def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return (values * scales.unsqueeze(-1)).to(dtype)
 
 
+def read_blocks(pool: torch.Tensor, scales: torch.Tensor | None, block_size: int, blocks: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """These blocks of one layer's `pool` ((2, KVH, slots, D); `blocks` int64 on its device), gathered ->
+    (2, KVH, len(blocks), block_size, D): as stored, or for a quantized pool (`scales` (2, KVH, slots))
+    dequantized to `dtype`."""
+    kv = pool.unflatten(2, (-1, block_size)).index_select(2, blocks)
+    if scales is None:
+        return kv
+    return dequantize_kv(kv, scales.unflatten(2, (-1, block_size)).index_select(2, blocks), dtype)
+
+
 # -- attention inside a compiled forward pass (orca/worker/compiled.py) ----------------------------------
 # torch.compile turns the model's forward pass into one graph whatever the iteration's composition: every
 # op but attention runs on the flat [T, hidden] batch and depends on T only. Attention depends on the

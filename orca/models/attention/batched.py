@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orca.models.attention.base import AttentionMetadata, PhaseTimer, dequantize_kv, leading_increments
+from orca.models.attention.base import AttentionMetadata, PhaseTimer, leading_increments, read_blocks
 from orca.models.attention.reference import ReferenceMetadata
 from orca.models.device import upload
 
@@ -100,11 +100,8 @@ class BatchedMetadata(ReferenceMetadata):
         outputs: list[torch.Tensor] = []
         for batch in self.increments:
             n, queries = batch.rows, batch.queries
-            blocks = pool.unflatten(2, (-1, batch.block_size))  # (2, KVH, pool blocks, block size, D)
-            kv = blocks.index_select(2, batch.blocks).view(2, num_kv_heads * n, batch.width, head_dim)
-            if scales is not None:
-                kv_scales = scales.unflatten(2, (-1, batch.block_size)).index_select(2, batch.blocks)
-                kv = dequantize_kv(kv, kv_scales.view(2, num_kv_heads * n, batch.width), q.dtype)
+            kv = read_blocks(pool, scales, batch.block_size, batch.blocks, q.dtype).view(
+                2, num_kv_heads * n, batch.width, head_dim)
             # The `group` query heads sharing a K/V head are `group` query rows against it (and a short
             # request's `queries` tokens, queries x group rows): a batch of KVH x n (queries x group, D) x
             # (D, width) products, the scale and the mask added in the same call.

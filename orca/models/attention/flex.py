@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from orca.models.attention.base import AttentionMetadata, PhaseTimer, dequantize_kv, token_slots
+from orca.models.attention.base import AttentionMetadata, PhaseTimer, read_blocks, token_slots
 from orca.models.attention.paged_decode import paged_decode_attention
 from orca.models.device import upload, upload_arrays
 
@@ -143,9 +143,7 @@ class FlexMetadata(AttentionMetadata):
                                          layout.block_size, scale, window, scales=scales)
             return out.reshape(num_tokens, num_heads * head_dim)
         if scales is not None:  # the iteration's blocks of this layer, dequantized, as compact_blocks numbers them
-            blocks = pool.unflatten(2, (-1, layout.block_size)).index_select(2, self.gather_blocks)
-            block_scales = scales.unflatten(2, (-1, layout.block_size)).index_select(2, self.gather_blocks)
-            pool = dequantize_kv(blocks, block_scales, q.dtype).flatten(2, 3)  # (2, KVH, compact slots, D)
+            pool = read_blocks(pool, scales, layout.block_size, self.gather_blocks, q.dtype).flatten(2, 3)
         options = {"BLOCK_M": FLEX_Q_BLOCK, "BLOCK_N": FLEX_KV_BLOCK} if q.device.type == "cuda" else None
         with warnings.catch_warnings():  # the unfused CPU path warns that it is unfused, at every call
             warnings.simplefilter("ignore", UserWarning)
