@@ -25,7 +25,7 @@ from checkpoints import make_llama, make_mistral, make_mixtral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, resolve_attention_backend, selective_attention
-from orca.models.attention.base import LoneDecode
+from orca.models.attention.base import FEW_MAX_ROWS, FewDecode, LoneDecode
 from orca.models.attention.batched import BATCHED_MAX_QUERIES, BATCHED_MIN_INCREMENTS
 from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
 from orca.worker import Worker, flex_warm_up_plans, why_not_flex_by_default
@@ -146,6 +146,56 @@ def test_a_lone_step_attends_over_its_cached_blocks_and_its_own_keys(heads: int,
     assert len(lone.written) == 2 and torch.equal(pool.nan_to_num(), before.nan_to_num())  # nothing written
     with pytest.raises(ValueError, match="sliding window"):
         selective_attention(q, kv, lone, 0, 0.3, window=5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["reference", "batched"])
+@pytest.mark.parametrize("pasts", [[1, 4], [37, 2, 8], [5, 16, 1, 23, 11]], ids=["2", "3", "5"])
+def test_a_few_step_attends_each_request_over_its_cached_blocks_and_its_own_key(
+        heads: int, kv_heads: int, dtype: torch.dtype, backend: str, pasts: list[int]) -> None:
+    """FewDecode (the compiled graph of a decode step of 2 to FEW_MAX_ROWS requests): each row gets the
+    backend's output for the same step (the new keys and values written first), reading its request's
+    cached keys and values through its padded row of the metadata's few_tables (scattered blocks; the pool
+    NaN everywhere else, each table's last block's slots past its cached keys and the padding blocks'
+    included), without writing the pool: the new keys and values come back in `written`. No few_tables
+    for a step with a prompt in it, one request, or more than FEW_MAX_ROWS."""
+    block_size, dim, num_blocks = 4, 8, 64
+    n = len(pasts)
+    torch.manual_seed(n)
+    rng = random.Random(n)
+    free = rng.sample(range(num_blocks), num_blocks)
+    tables = [[free.pop() for _ in range(-(-(past + 1) // block_size))] for past in pasts]
+    pool = torch.full((3, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
+    for past, table in zip(pasts, tables):
+        for b in table:  # (the worker zeroes each block it hands out: the batched backend reads whole blocks)
+            pool[:, :, :, b * block_size : (b + 1) * block_size] = 0
+        for p in range(past):
+            slot = table[p // block_size] * block_size + p % block_size
+            pool[:, :, :, slot] = torch.randn(3, 2, kv_heads, dim).to(dtype)
+    before = pool.clone()
+    meta = AttentionMetadata.build([1] * n, pasts, tables, block_size, pool.clone(), backend=backend)
+    width = max(-(-past // block_size) for past in pasts)
+    assert meta.few_tables.tolist() == [t[: -(-p // block_size)] + [t[0]] * (width - -(-p // block_size))
+                                        for t, p in zip(tables, pasts)]
+    assert meta.few_past.tolist() == pasts
+    few = FewDecode(pool.unflatten(3, (-1, block_size)), meta.few_tables, meta.few_past)
+    for layer in (0, 2):  # (out of order: `written` follows the calls)
+        q, kv = torch.randn(n, heads, dim).to(dtype), torch.randn(n, 2, kv_heads, dim).to(dtype)
+        got = selective_attention(q, kv, few, layer, 0.3)
+        want = selective_attention(q, kv, meta, layer, 0.3)
+        assert not want.isnan().any()
+        torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
+        assert got.dtype == dtype and got.shape == (n, heads * dim)
+        assert torch.equal(few.written[-1], kv)
+    assert len(few.written) == 2 and torch.equal(pool.nan_to_num(), before.nan_to_num())  # nothing written
+    with pytest.raises(ValueError, match="sliding window"):
+        selective_attention(q, kv, few, 0, 0.3, window=5)
+    for lengths, context in (([2] + [1] * (n - 1), pasts), ([1], pasts[:1]),
+                             ([1] * (FEW_MAX_ROWS + 1), (pasts * FEW_MAX_ROWS)[: FEW_MAX_ROWS + 1])):
+        tabs = [list(range(i * 16, i * 16 + 16)) for i in range(len(lengths))]
+        other = AttentionMetadata.build(lengths, list(context), tabs, block_size, pool.clone(), backend=backend)
+        assert other.few_tables is None and other.few_past is None
 
 
 def _nan_pool_outside(shape: list[tuple[int, int]], rng: random.Random, block_size: int, num_blocks: int,

@@ -21,6 +21,7 @@ from checkpoints import make_mixtral
 
 from orca import LLM, EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, iteration_scope
+from orca.models.attention.base import FEW_MAX_ROWS
 from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
 from orca.models.lora import LoRABatch
@@ -67,6 +68,7 @@ def test_the_compiled_engine_is_the_eager_one(compiled_engine: LLMEngine, monkey
     final, logits = _run(compiled_engine, monkeypatch)
     want_final, want_logits = _run(eager, monkeypatch)
     assert compiled_engine.stats().preemptions > 0
+    assert compiled_engine.executor.worker.compiled.few.steps > 0  # (decode steps of 2-5 requests: FewStep)
     reference = tiny_reference(family)
     for i, (prompt, n) in enumerate(_jobs()):
         assert final[f"r{i}"].token_ids == want_final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
@@ -118,6 +120,32 @@ def test_single_stream_decode_runs_the_lone_step_graph(family: str) -> None:
         assert compiled.lone.steps - before == 11, again  # every increment (the prompt's drew the first token)
     assert final["again"].num_cached_tokens == 4
     assert compiled.lone_rows is None  # (an engine that does not speculate compiles no graph of several rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_steps_of_a_few_requests_run_the_few_step_graph(family: str) -> None:
+    """Two to four requests decoding together (each joining at another moment, so their contexts differ;
+    the later ones' prompts from the prefix cache, their other blocks elsewhere): their decode steps run
+    FewStep's graph, compiled at load (the stance fails any compilation), at every row count and context,
+    with transformers' greedy tokens each; a lone request's steps still run LoneStep's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 96}))
+    compiled = engine.executor.worker.compiled
+    assert compiled.few is not None and compiled.few.ready
+    compiled.stance, compiled.all_guards = "fail_on_recompile", True
+    reference = tiny_reference(family)
+    prompts = [[5, 17, 33, 2, 9, 4, 71, 8], [5, 17, 33, 2, 60, 61], [7, 3], [5, 17, 33, 2, 9, 4, 71, 8, 99]]
+    budgets = [14, 9, 11, 5]
+    for i, (prompt, n) in enumerate(zip(prompts, budgets)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        engine.step()
+        engine.step()
+    final = drain(engine)
+    for i, (prompt, n) in enumerate(zip(prompts, budgets)):
+        assert final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
+    assert final["r3"].num_cached_tokens == 8
+    assert compiled.few.steps >= 10 and compiled.lone.steps > 0
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -184,17 +212,19 @@ def test_a_speculating_engine_with_float_copies_compiles_both_lone_graphs() -> N
     assert compiled.lone.ready and compiled.lone_rows is not None and compiled.lone_rows.ready
 
 
-def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(tmp_path: Path) -> None:
-    """A sliding-window model compiles no LoneStep (its layers would read different keys); a lone
-    request's step of more rows than LONE_MAX_ROWS, a prompt, several requests, a quantized pool, an
-    adapter row or a profiling timer run the graph of every token count. (Blocks that are not consecutive
-    do not stop it: it reads them through the block table.)"""
+def test_lone_and_few_steps_are_left_to_the_graph_of_every_count_where_they_do_not_apply(tmp_path: Path) -> None:
+    """A sliding-window model compiles no LoneStep or FewStep (its layers would read different keys); a lone
+    request's step of more rows than LONE_MAX_ROWS, a prompt, several requests (but a decode step of 2 to
+    FEW_MAX_ROWS: FewStep), more than FEW_MAX_ROWS or as many as the float copies' graph takes, a request
+    of several rows among them, a quantized pool, an adapter row or a profiling timer run the graph of every
+    token count. (Blocks that are not consecutive do not stop them: they read them through block tables.)"""
     from checkpoints import make_mistral
 
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ORCA_TORCH_COMPILE")
         windowed = LLMEngine(EngineConfig(model=str(make_mistral(tmp_path / "mistral")), **OPTIONS))
     assert windowed.executor.worker.compiled is not None and windowed.executor.worker.compiled.lone is None
+    assert windowed.executor.worker.compiled.few is None
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), n_slots=64, block_size=4))
     forward = CompiledForward(worker.model, verifies=True)
     pool = torch.zeros(worker.kv_layout.num_layers, 2, 2, 64, 16)
@@ -210,15 +240,27 @@ def test_lone_step_is_left_to_the_graph_of_every_count_where_it_does_not_apply(t
     assert forward._lone_step(quantized) is None
     assert forward._lone_step(step(9, [3, 4, 5, 6])) is None  # more rows than LONE_MAX_ROWS
     assert forward._lone_step(step(2, [3], past=0)) is None  # a prompt
-    two = AttentionMetadata.build([1, 1], [5, 5], [[3, 4], [5, 6]], 4, pool, backend="batched")
-    assert forward._lone_step(two) is None
+
+    def steps(lengths: list[int], backend: str = "batched", **kw: Any) -> AttentionMetadata:
+        n = len(lengths)
+        return AttentionMetadata.build(lengths, [5] * n, [[2 * i, 2 * i + 1] for i in range(n)], 4, pool,
+                                       backend=backend, **kw)
+
+    assert forward._lone_step(steps([1, 1], "reference")) is forward.few  # (the reference's metadata: 2 rows)
+    assert all(forward._lone_step(steps([1] * n)) is forward.few for n in range(2, FEW_MAX_ROWS + 1))
+    assert forward._lone_step(steps([1] * (FEW_MAX_ROWS + 1))) is None
+    assert forward._lone_step(steps([1, 2])) is None  # a request of two rows among them
+    assert forward._lone_step(steps([1, 1], kv_scales=scales)) is None  # a quantized pool
+    forward.float_rows = 3  # (a model with float copies: 3 rows take their graph)
+    assert forward._lone_step(steps([1, 1])) is forward.few and forward._lone_step(steps([1, 1, 1])) is None
+    forward.float_rows = None
     forward.lora_batch = LoRABatch()
     forward.lora_batch.active = True  # an adapter row
-    assert forward._lone_step(step(1, [3, 4])) is None
+    assert forward._lone_step(step(1, [3, 4])) is None and forward._lone_step(steps([1, 1])) is None
     forward.lora_batch.active = False
-    lone = step(1, [3, 4])
-    lone.timer = object()
-    assert forward._lone_step(lone) is None
+    for meta in (step(1, [3, 4]), steps([1, 1])):
+        meta.timer = object()
+        assert forward._lone_step(meta) is None
 
 
 def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -305,6 +305,10 @@ class Worker:
                     plans += tuple(dataclasses.replace(plan, requests=tuple(
                         dataclasses.replace(pr, request_id=f"{pr.request_id}-lora", lora_slot=0)
                         for pr in plan.requests)) for plan in plans)
+                if self.compiled.few is not None:  # FewStep's graph: a decode step of two requests
+                    with_few = plans + few_warm_up_plans(self.kv_layout.block_size, _next_block(plans))
+                    if self._pool_holds(with_few, _next_block(with_few)):  # (else such steps run the op)
+                        plans = with_few
                 self.compiled.compile(lambda: self._warm_up(plans, "compiling the forward pass"), self.device)
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly, say why
                 self.compiled = None
@@ -348,9 +352,11 @@ class Worker:
         self._warm_up(plans, "warming up flex attention")
         logger.info("flex attention compiled in %.1f s", time.perf_counter() - t0)
 
-    def _pool_holds(self, plans: tuple[StepPlan, ...]) -> bool:
-        """Whether the K/V pool has the blocks warm-up `plans` write (warm_up_plans: taken in order)."""
-        needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
+    def _pool_holds(self, plans: tuple[StepPlan, ...], needed: int | None = None) -> bool:
+        """Whether the K/V pool has the blocks warm-up `plans` write (warm_up_plans: taken in order; or
+        `needed` blocks)."""
+        if needed is None:
+            needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
         return self.kv_pool is not None and needed * self.kv_layout.block_size <= self.kv_pool.shape[3]
 
     def _warm_up(self, plans: tuple[StepPlan, ...], what: str) -> None:
@@ -734,6 +740,26 @@ def verification_plan(block_size: int) -> StepPlan:
     before = PROMPT_AND_INCREMENT_SLOTS
     blocks = tuple(range(-(-before // block_size), -(-(before + VERIFICATION_ROWS) // block_size)))
     return StepPlan(-1, (PlannedRequest("warm-up-a", (0,) * VERIFICATION_ROWS, before, blocks),))
+
+
+def few_warm_up_plans(block_size: int, first_block: int) -> tuple[StepPlan, StepPlan]:
+    """Two two-token prompts, then a step of one token each, in blocks from `first_block` on: what compiles
+    FewStep's graph (orca/worker/compiled.py)."""
+    spec = SamplingSpec(1.0, 0, 1.0, 0)
+    prompt_blocks, all_blocks = -(-2 // block_size), -(-3 // block_size)
+    firsts = (first_block, first_block + all_blocks)
+    names = ("warm-up-few-0", "warm-up-few-1")
+    return (
+        StepPlan(-1, tuple(PlannedRequest(name, (0, 0), 0, tuple(range(b, b + prompt_blocks)), spec, sample_step=0)
+                           for name, b in zip(names, firsts))),
+        StepPlan(-1, tuple(PlannedRequest(name, (0,), 2, tuple(range(b + prompt_blocks, b + all_blocks)),
+                                          sample_step=1) for name, b in zip(names, firsts))),
+    )
+
+
+def _next_block(plans: tuple[StepPlan, ...]) -> int:
+    """The first block after every block warm-up `plans` write."""
+    return 1 + max((b for plan in plans for pr in plan.requests for b in pr.new_block_ids), default=-1)
 
 
 def _execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:

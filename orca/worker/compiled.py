@@ -21,19 +21,21 @@ What a graph holds: the whole forward pass but two opaque ops (three with LoRA),
   (orca/models/lora.py): a second graph, traced with adapter rows and compiled at load by a second pair
   of warm-up iterations; the first, without adapter rows, has no LoRA op at all.
 
-A single stream's decode step, the iteration that pays most for the opaque attention op (its write,
-Python and SDPA call ~85 us a layer at one row, SmolLM2, 300 cached keys), has a graph of its own with
-attention inside it: LoneStep, below (1.17-1.24x faster steps here, 1.30x where the request's blocks are
-not consecutive, docs/BENCHMARKS.md); where the engine speculates, so does such a stream's verification
-of its proposed tokens (a second LoneStep, of several rows). With int8 layers its graphs hold the weights
-as constants, for inductor's int8 GEMM template (an int8 model's single-stream step 1.57x faster).
+A single stream's decode step, the iteration that pays most for the opaque attention op (its write, Python and
+SDPA call ~85 us a layer at one row, SmolLM2, 300 cached keys), has a graph of its own with attention inside
+it: LoneStep, below (1.17-1.24x faster steps here, 1.30x where the request's blocks are not consecutive,
+docs/BENCHMARKS.md); where the engine speculates, so does such a stream's verification of its proposed tokens
+(a second LoneStep, of several rows). A decode step of 2 to FEW_MAX_ROWS (5) requests has one too, each
+request's row over its own block table: FewStep (1.17-1.31x faster steps at 2-5 requests, SmolLM2 as shipped;
+its compile about 80 s of a cold load, 7 s of a warm one). With int8 layers its graphs hold the weights as
+constants, for inductor's int8 GEMM template (an int8 model's single-stream step 1.57x faster).
 
 Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
 backed dynamic size would have dynamo specialise one row and compile a one-row graph of its own, which
 cost 9 s more at load here and decoded no faster (with attention still an opaque op). It is compiled at
 load by the warm-up iterations (two rows, then one, which LoneStep runs, then with float copies one of
-float_rows rows), with a progress message;
+float_rows rows, then two prompts and their step, which FewStep runs), with a progress message;
 afterwards an input the graph does not fit (none is known) would run eagerly rather than compile inside a
 user's request
 (``torch.compiler.set_stance("eager_on_recompile")``).
@@ -84,7 +86,7 @@ import torch
 from torch import nn
 
 from orca.models.attention import AttentionMetadata, get_backend, iteration_scope
-from orca.models.attention.base import LoneDecode
+from orca.models.attention.base import FEW_MAX_ROWS, FewDecode, LoneDecode
 from orca.models.attention.reference import ReferenceMetadata
 from orca.models.lora import LoRABatch
 from orca.models.moe import SparseMoE
@@ -177,6 +179,7 @@ class CompiledForward:
         self.head = CompiledHead.of(model, self)
         self.lone = LoneStep.of(model)
         self.lone_rows = LoneStep.of(model, rows=True) if verifies else None
+        self.few = FewStep.of(model)
         self._fingerprint: str | None = None
         self.ready = False
         self.compile_seconds: float | None = None
@@ -212,10 +215,16 @@ class CompiledForward:
     def _lone_step(self, meta: AttentionMetadata) -> LoneStep | None:
         """The LoneStep that runs iteration `meta`, or None: one request's step of one token (self.lone) or
         of up to LONE_MAX_ROWS (self.lone_rows) after its cached ones (meta.lone_table: an unquantized pool on
-        a CPU), with no adapter row, fewer rows than the float copies' graph takes, and no profiling timer
-        (which times attention by itself)."""
-        if (type(meta) is not ReferenceMetadata or meta.lone_table is None or meta.timer is not None
+        a CPU), or a decode step of 2 to FEW_MAX_ROWS requests (self.few; meta.few_tables), with no adapter
+        row, fewer rows than the float copies' graph takes, and no profiling timer (which times attention by
+        itself)."""
+        if (not isinstance(meta, ReferenceMetadata) or meta.timer is not None
                 or (self.lora_batch is not None and self.lora_batch.active)):
+            return None
+        if meta.few_tables is not None:
+            rows = len(meta.lengths)
+            return self.few if self.float_rows is None or rows < self.float_rows else None
+        if type(meta) is not ReferenceMetadata or meta.lone_table is None:
             return None
         rows = meta.lengths[0]
         if self.float_rows is not None and rows >= self.float_rows:
@@ -225,8 +234,8 @@ class CompiledForward:
     def compile(self, warm_up: Callable[[], None], device: torch.device) -> None:
         """Runs `warm_up()` (iterations through this object: the first compiles the graph, the next check
         it serves them) and marks it ready, logging the time it took."""
-        logger.info("compiling the model's forward pass for %s with torch.compile (once, at load; 25-90 s "
-                    "for a 135M model on 2 cores) ...", device)
+        logger.info("compiling the model's forward pass for %s with torch.compile (once, at load: for a "
+                    "135M model on 2 cores about 30 s with inductor's on-disk cache warm, 200 s cold) ...", device)
         t0 = time.perf_counter()
         try:
             warm_up()
@@ -239,6 +248,10 @@ class CompiledForward:
             if self.lone_rows is not None and not self.lone_rows.ready:
                 logger.info("a single stream's verifications run the graph of every token count: the warm-up ran none")
                 self.lone_rows = None
+            if self.few is not None and not self.few.ready:
+                logger.info("decode steps of 2-%d requests run the graph of every token count: the warm-up ran none",
+                            FEW_MAX_ROWS)
+                self.few = None
         except BaseException:  # the model runs eagerly then (the worker says why): its head too
             if self.head is not None:
                 self.head.layer.int_kernel = None
@@ -267,7 +280,7 @@ class LoneStep:
     compiled only where the engine speculates."""
 
     def __init__(self, model: nn.Module, rows: bool = False) -> None:
-        module = _LoneRowsModel(model) if rows else _LoneModel(model)  # (dynamo keeps graphs by code object)
+        module = self._module(model, rows)
         self.compiled = torch.compile(module, dynamic=False, options={"guard_filter_fn": _guards_to_keep})
         self.rows = rows
         # Compiled with the weights frozen in (FROZEN_OPTIONS) where a decoder layer is int8: inductor's int8
@@ -287,28 +300,70 @@ class LoneStep:
             return None
         return cls(model, rows)
 
+    @staticmethod
+    def _module(model: nn.Module, rows: bool) -> nn.Module:
+        """What it compiles. (dynamo keeps graphs by code object: each graph's module a class of its own)"""
+        return _LoneRowsModel(model) if rows else _LoneModel(model)
+
+    def _tables(self, meta: ReferenceMetadata) -> tuple[torch.Tensor, ...]:
+        """The graph's inputs after the pool: the request's table (its length unbacked at the warm-up)."""
+        return (meta.lone_table,)  # type: ignore[return-value]
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: ReferenceMetadata,
                  owner: CompiledForward) -> torch.Tensor:
         """(T, E): the model's hidden rows; writes the step's keys and values into meta's pool."""
         self.steps += 1
         pool = meta.kv_pool  # (layers, 2, KVH, slots, D)
         blocks = pool.unflatten(3, (-1, meta.block_size))  # (layers, 2, KVH, blocks, block size, D)
-        table = meta.lone_table
+        tables = self._tables(meta)
         if not self.ready:  # the warm-up's iteration: compiles, in this process
             import torch._inductor.config as inductor_config
 
-            torch._dynamo.decorators.mark_unbacked(table, 0)  # any number of cached blocks: one graph
+            for table in tables:  # any number of cached blocks (and of requests): one graph
+                for dim in range(table.dim()):
+                    torch._dynamo.decorators.mark_unbacked(table, dim)
             if self.rows:  # and of new tokens
                 torch._dynamo.decorators.mark_unbacked(input_ids, 0)
                 torch._dynamo.decorators.mark_unbacked(positions, 0)
             with frozen_compiling(owner.fingerprint) if self.frozen else inductor_config.patch(**GRAPH_OPTIONS):
-                hidden, written = self.compiled(input_ids, positions, blocks, table)
+                hidden, written = self.compiled(input_ids, positions, blocks, *tables)
             self.ready = True
         else:
             with torch.compiler.set_stance(owner.stance, skip_guard_eval_unsafe=not owner.all_guards):
-                hidden, written = self.compiled(input_ids, positions, blocks, table)
+                hidden, written = self.compiled(input_ids, positions, blocks, *tables)
         pool.index_copy_(3, meta.slot_mapping, written.permute(0, 2, 3, 1, 4))  # (layers, T, 2, KVH, D)
         return hidden
+
+
+class FewStep(LoneStep):
+    """A decode step of 2 to FEW_MAX_ROWS requests (one new token each, after cached ones; an unquantized pool
+    on a CPU; fewer rows than the float copies' graph takes) as a compiled graph of its own, attention
+    inside it (FewDecode, orca/models/attention/base.py), as LoneStep runs one request's: each request's
+    cached keys and values read through its block table (`meta.few_tables`, padded to the longest, and
+    `meta.few_past`), the row count and the tables' width unbacked (one graph), compiled at load by a
+    warm-up step of two requests (orca/worker: few_warm_up_plans). Where the graph of every token count
+    calls attention as an opaque op, its per-request SDPA calls (2 rows) or the batched backend's gathers,
+    two bmm and a softmax (3-5) cost 1.4x FewDecode's loops at 4 rows (docs/BENCHMARKS.md)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, rows=True)
+        # (not frozen for int8 layers, as LoneStep's graphs are: inductor's int8 template was measured at one
+        # row only, and autotuning it for an unbacked row count at load is not)
+        self.frozen = False
+
+    @classmethod
+    def of(cls, model: nn.Module, rows: bool = True) -> FewStep | None:  # type: ignore[override]
+        """FewStep of `model`, or None where a layer has a sliding window."""
+        if any(getattr(m, "window", None) is not None for m in model.modules()):
+            return None
+        return cls(model)
+
+    @staticmethod
+    def _module(model: nn.Module, rows: bool) -> nn.Module:
+        return _FewModel(model)
+
+    def _tables(self, meta: ReferenceMetadata) -> tuple[torch.Tensor, ...]:
+        return meta.few_tables, meta.few_past  # type: ignore[return-value]
 
 
 class _LoneModel(nn.Module):
@@ -337,6 +392,22 @@ class _LoneRowsModel(_LoneModel):
         lone = LoneDecode(blocks, table, positions[0])
         hidden = self.model(input_ids, positions, lone)
         return hidden, torch.stack(lone.written)
+
+
+class _FewModel(nn.Module):
+    """What FewStep compiles: the model over one row per request, attention reading each request's cached
+    keys and values of the pool's `blocks` through its row of `tables` (FewDecode); returns the hidden rows
+    and the step's keys and values, (layers, n, 2, KVH, D)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, blocks: torch.Tensor,
+                tables: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        few = FewDecode(blocks, tables, past)
+        hidden = self.model(input_ids, positions, few)
+        return hidden, torch.stack(few.written)
 
 
 # A compiled int8 head takes its float copy (linear_backend hybrid) from this many rows, if its dtype's

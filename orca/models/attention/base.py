@@ -325,6 +325,51 @@ class LoneDecode:
         return out.to(q.dtype).view(rows, num_heads * head_dim)
 
 
+# FewDecode's (FewStep's) iterations: decode steps of 2 to this many requests.
+FEW_MAX_ROWS = 5
+
+
+class FewDecode(LoneDecode):
+    """A decode step of a few requests (2 to FEW_MAX_ROWS, orca/worker/compiled.py: FewStep), one new token
+    each, as LoneDecode runs one: attention inside the compiled graph, each row over its request's cached
+    keys and values read through its block table, then its own new key. `tables` (n, width) holds each
+    request's blocks of cached tokens, padded with its first block to the longest table; `past` (n,) its
+    cached tokens: a row's slots at or past it (its last block's tail, its padding blocks) are masked out
+    of the scores and the values alike (never written, stale or NaN there). Both lengths unbacked in the
+    graph: one graph for any such step. The step's keys and values are collected in `written`.
+
+    At 2-4 rows the opaque op's per-request calls (2 rows: the reference's) or its batch (3-4: the batched
+    backend's gathers, two bmm and a softmax) cost 1.4x these loops at 4 rows and even at 8 (SmolLM2's
+    heads, bfloat16, 33-190 cached tokens over a default pool: scripts/experiments/batched_attention_forms.py;
+    docs/BENCHMARKS.md)."""
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+        """q (n, H, D), kv (n, 2, KVH, D), one row per request -> (n, H * D). (`table` is (n, width) here,
+        `past` (n,).)"""
+        if window is not None:
+            raise ValueError("FewDecode has no sliding window (the worker runs such layers through the op)")
+        self.written.append(kv)
+        rows, num_heads, head_dim = q.shape
+        num_kv_heads = kv.shape[2]
+        cached = self.blocks[layer][:, :, self.table]  # (2, KVH, n, width, block size, D)
+        keys, values = cached.unbind(0)  # (KVH, n, width, block size, D) each
+        new_keys, new_values = kv.permute(1, 2, 0, 3).unbind(0)  # (KVH, n, D) each
+        # The `group` query heads sharing a K/V head are rows of that head: (KVH, n, group, D).
+        qf = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1).float()
+        old = (qf[:, :, :, None, None, :] * keys[:, :, None]).sum(-1) * scale  # (KVH, n, group, width, block size)
+        width, block_size = keys.shape[2], keys.shape[3]
+        slot = torch.arange(width * block_size, device=q.device).view(1, width, block_size)
+        beyond = slot >= self.past.view(-1, 1, 1)  # (n, width, block size)
+        old = old.masked_fill(beyond[None, :, None], float("-inf"))
+        values = values.masked_fill(beyond[None, :, :, :, None], 0)
+        own = (qf * new_keys[:, :, None]).sum(-1) * scale  # (KVH, n, group)
+        top = torch.maximum(old.amax((-2, -1)), own)
+        old_w, own_w = torch.exp(old - top[..., None, None]), torch.exp(own - top)
+        out = (old_w[..., None] * values[:, :, None]).sum((-3, -2)) + own_w[..., None] * new_values[:, :, None]
+        out = out / (old_w.sum((-2, -1)) + own_w)[..., None]  # (KVH, n, group, D)
+        return out.to(q.dtype).transpose(0, 1).reshape(rows, num_heads * head_dim)
+
+
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D) as `dtype` values (float8_e4m3fn or int8) and float32 scales (...,), one per row:
     symmetric, scale = amax(|x|) / KV_QUANTIZED_MAX[dtype], the values x / scale (int8's rounded to the

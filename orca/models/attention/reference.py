@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from orca.models.attention.base import (
+    FEW_MAX_ROWS,
     AttentionMetadata,
     PhaseTimer,
     dequantize_kv,
@@ -64,6 +65,11 @@ class ReferenceMetadata(AttentionMetadata):
     # tokens, in order, for the compiled forward pass's graph of a lone step (LoneStep,
     # orca/worker/compiled.py), which reads them through this table wherever they are; None otherwise.
     lone_table: torch.Tensor | None = None
+    # A decode step of 2 to FEW_MAX_ROWS requests, an unquantized pool on a CPU: each request's blocks of cached
+    # tokens (padded with its first block to the longest) and its cached tokens, for the compiled forward
+    # pass's graph of such steps (FewStep, orca/worker/compiled.py); None otherwise.
+    few_tables: torch.Tensor | None = None  # (n, width) int64
+    few_past: torch.Tensor | None = None  # (n,) int64
     block_size: int = 0  # (the pool's: the gathers' slots and LoneStep's blocks)
     # The masks of the requests of several new tokens after a cached prefix, by (request, window): the same
     # at every layer, so built once per iteration, not once per layer (a verifying iteration of 8
@@ -125,12 +131,21 @@ class ReferenceMetadata(AttentionMetadata):
                 gather_tables.append(table)
                 gather_sizes.append(total)
         device = kv_pool.device
+        few_tables = few_past = None
+        if (device.type == "cpu" and kv_scales is None and 2 <= len(lengths) <= FEW_MAX_ROWS
+                and all(n == 1 for n in lengths) and all(context_lens)):
+            cached = [table[: -(-past // block_size)] for table, past in zip(block_tables, context_lens)]
+            width = max(map(len, cached))
+            few_tables = upload([list(c) + [c[0]] * (width - len(c)) for c in cached], torch.int64, device)
+            few_past = upload(list(context_lens), torch.int64, device)
         alone = len(lengths) == 1 and not elsewhere and kv_scales is None
         lone = alone and num_increment == 1
         past = context_lens[0] if alone and device.type == "cpu" else 0  # (LoneStep: a CPU's compiled pass)
         return cls(
             lone_view=views[0] if lone else None,
             lone_table=upload(block_tables[0][: -(-past // block_size)], torch.int64, device) if past else None,
+            few_tables=few_tables,
+            few_past=few_past,
             block_size=block_size,
             lengths=list(lengths),
             context_lens=list(context_lens),
