@@ -110,10 +110,12 @@ class EngineConfig:
       pass"): a CPU, attention_backend reference or batched, a dense model, one worker
       (orca/worker/compiled.py: one graph for every token count, every op fused but attention and the
       linears; never recompiled inside a request; a single stream's decode step gets a graph of its own with
-      attention inside it, its int8 layers' weights frozen in for inductor's int8 kernel, and an int8 LM head
-      one, its kernel chosen by measurement at load). Compiling lengthens the load, with a progress message; a
-      compile that fails (no C++ compiler) serves eagerly and logs why. "off": eager. $ORCA_TORCH_COMPILE,
-      when set, is what "auto" means (the tests set off, so that their many engines load quickly).
+      attention inside it, its int8 layers' weights frozen in for inductor's int8 kernel, a decode step of 2-5
+      requests another (1.17-1.31x faster steps), and an int8 LM head one, its kernel chosen by measurement at
+      load). Compiling lengthens the load, with a progress message (SmolLM2 as shipped on 2 cores: about 190 s
+      with inductor's on-disk cache cold, 30 s warm); a compile that fails (no C++ compiler) serves eagerly
+      and logs why. "off": eager. $ORCA_TORCH_COMPILE, when set, is what "auto" means (the tests set off, so
+      that their many engines load quickly).
     - quantization: how the linear layers' weights are stored and multiplied (orca/models/quantization.py).
       "auto": the checkpoint's own format: a GGUF file's Q8_0 weights as int8, Q4_0/Q4_1 as int4 (groups of
       32, loaded as they are, no float detour), a Hugging Face AWQ or GPTQ checkpoint as int4, a
@@ -212,11 +214,13 @@ class EngineConfig:
       both: fewer blocks than without a draft (n_slots gives both pools that many slots). None: no draft.
     - speculative_disable_by_batch_size: an iteration of this many requests or more verifies no proposed
       tokens (its requests run as plain increments), as vLLM's option of that name: where the iteration's
-      rows are no longer bound by reading the weights, proposals cost more than they save. Default 4,
-      measured on a 2-core CPU with SmolLM2 (docs/BENCHMARKS.md, "Results: speculative decoding", "Where
-      speculation stops paying"): n-gram lookup gained at 2-3 streams (1.05-1.32x) and cost at 4 (0.88-0.93x
-      in 4 runs of 5) and 8 (0.76-0.97x); not measured on a GPU. A value above max_bs (or None from
-      Python) never disables.
+      rows are no longer bound by reading the weights, proposals cost more than they save. Default 2 (a lone
+      stream speculates), measured on a 2-core CPU with SmolLM2 (docs/BENCHMARKS.md, "Results: speculative
+      decoding", "Where speculation stops paying", "decode steps of a few requests in a graph of their
+      own"): since decode steps of 2-5 requests run a graph of their own (1.17-1.31x faster), n-gram lookup
+      costs at 2 streams (0.78-0.81x) and 3 (0.72x) on text it predicts well, as it did at 4 (0.88-0.93x)
+      and 8 (0.76-0.97x) before; a lone stream gains 1.28x. Not measured on a GPU. A value above max_bs (or
+      None from Python) never disables.
     - enable_lora: serve LoRA adapters (README.md "LoRA adapters"; orca/core/lora.py, orca/models/lora.py):
       requests name one (SamplingParams.lora_name, vllm_backend's `lora_name`; the OpenAI API's `model`)
       and one iteration mixes requests of several adapters and of none. true or false (the default: no
@@ -307,7 +311,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_model: str | None = None
-    speculative_disable_by_batch_size: int | None = 4
+    speculative_disable_by_batch_size: int | None = 2
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16

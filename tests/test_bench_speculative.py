@@ -120,8 +120,9 @@ def test_bad_options_are_errors_before_any_work(tmp_path: Path, capsys: pytest.C
 ], ids=["greedy", "seeded"])
 def test_ngram_against_off(tmp_path: Path, options: tuple[str, ...], workloads: tuple[str, ...]) -> None:
     """Both methods: speculation changes no token of any request (greedy and seeded), the counters add up,
-    and the repetitive workload, built to copy its prompt, gets proposals and accepts some of them."""
-    result = run_bench(tmp_path, *options, workloads=workloads)
+    and the repetitive workload, built to copy its prompt, gets proposals and accepts some of them (its 3
+    streams too: speculation never disabled by the batch here)."""
+    result = run_bench(tmp_path, *options, "--speculative-disable-by-batch-size", "1024", workloads=workloads)
     assert result["options"]["methods"] == ["off", "ngram"]
     assert result["options"]["sampling"] == ("seeded" if options else "greedy")
     for name, workload in result["workloads"].items():
@@ -166,6 +167,7 @@ def test_draft_of_the_models_first_layers_against_off(tmp_path: Path, capsys: py
 
     monkeypatch.setattr(decode, "build_layer_draft", recording_build)
     result = run_bench(tmp_path, "--methods", "off,draft", "--draft-layers", str(layers), "--dtype", "float32",
+                       "--speculative-disable-by-batch-size", "1024",
                        max_tokens=8, streams=2, single_prompts=1)
     assert len(built) == 1 and not built[0].parent.exists()  # the temporary directory is removed
     assert result["options"]["methods"] == ["off", "draft"] and result["options"]["draft_layers"] == layers

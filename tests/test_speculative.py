@@ -599,7 +599,7 @@ def test_speculative_disable_by_batch_size_is_checked_and_defaults_to_the_measur
         EngineConfig(speculative_disable_by_batch_size=0)
     # 4: n-gram lookup cost at 4 streams and more on the CPU measured (docs/BENCHMARKS.md); a config.pbtxt's
     # empty value is the default, and None (Python) never disables.
-    assert EngineConfig().speculative_disable_by_batch_size == 4
+    assert EngineConfig().speculative_disable_by_batch_size == 2
     shipped = EngineConfig.from_parameters({"speculative_disable_by_batch_size": ""})
-    assert shipped.speculative_disable_by_batch_size == 4
+    assert shipped.speculative_disable_by_batch_size == 2
     assert EngineConfig(speculative_disable_by_batch_size=None).speculative_disable_by_batch_size is None
