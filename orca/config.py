@@ -216,7 +216,7 @@ class EngineConfig:
       tokens (its requests run as plain increments), as vLLM's option of that name: where the iteration's
       rows are no longer bound by reading the weights, proposals cost more than they save. Default 2 (a lone
       stream speculates), measured on a 2-core CPU with SmolLM2 (docs/BENCHMARKS.md, "Results: speculative
-      decoding", "Where speculation stops paying", "decode steps of a few requests in a graph of their
+      decoding", "Where speculation stops paying", "Results: decode steps of a few requests in a graph of their
       own"): since decode steps of 2-5 requests run a graph of their own (1.17-1.31x faster), n-gram lookup
       costs at 2 streams (0.78-0.81x) and 3 (0.72x) on text it predicts well, as it did at 4 (0.88-0.93x)
       and 8 (0.76-0.97x) before; a lone stream gains 1.28x. Not measured on a GPU. A value above max_bs (or
