@@ -163,16 +163,8 @@ def test_a_few_step_attends_each_request_over_its_cached_blocks_and_its_own_key(
     block_size, dim, num_blocks = 4, 8, 64
     n = len(pasts)
     torch.manual_seed(n)
-    rng = random.Random(n)
-    free = rng.sample(range(num_blocks), num_blocks)
-    tables = [[free.pop() for _ in range(-(-(past + 1) // block_size))] for past in pasts]
-    pool = torch.full((3, 2, kv_heads, num_blocks * block_size, dim), float("nan"), dtype=dtype)
-    for past, table in zip(pasts, tables):
-        for b in table:  # (the worker zeroes each block it hands out: the batched backend reads whole blocks)
-            pool[:, :, :, b * block_size : (b + 1) * block_size] = 0
-        for p in range(past):
-            slot = table[p // block_size] * block_size + p % block_size
-            pool[:, :, :, slot] = torch.randn(3, 2, kv_heads, dim).to(dtype)
+    _, _, tables, pool = _nan_pool_outside([(1, past) for past in pasts], random.Random(n), block_size, num_blocks,
+                                           kv_heads, dim, dtype)
     before = pool.clone()
     meta = AttentionMetadata.build([1] * n, pasts, tables, block_size, pool.clone(), backend=backend)
     width = max(-(-past // block_size) for past in pasts)
@@ -180,7 +172,7 @@ def test_a_few_step_attends_each_request_over_its_cached_blocks_and_its_own_key(
                                         for t, p in zip(tables, pasts)]
     assert meta.few_past.tolist() == pasts
     few = FewDecode(pool.unflatten(3, (-1, block_size)), meta.few_tables, meta.few_past)
-    for layer in (0, 2):  # (out of order: `written` follows the calls)
+    for layer in (1, 0):  # (out of order: `written` follows the calls)
         q, kv = torch.randn(n, heads, dim).to(dtype), torch.randn(n, 2, kv_heads, dim).to(dtype)
         got = selective_attention(q, kv, few, layer, 0.3)
         want = selective_attention(q, kv, meta, layer, 0.3)

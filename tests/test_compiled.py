@@ -46,13 +46,18 @@ def _run(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, 
     return drain(engine), logits
 
 
+def _shipped(model: str, **options: Any) -> LLMEngine:
+    """An engine with torch_compile as shipped: the suite's $ORCA_TORCH_COMPILE=off lifted while it loads."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ORCA_TORCH_COMPILE")
+        return LLMEngine(EngineConfig(model=model, **options))
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def compiled_engine(request: pytest.FixtureRequest) -> LLMEngine:
     """An engine of the family with torch_compile auto as shipped (the suite's $ORCA_TORCH_COMPILE=off
     lifted while it loads); after load any compilation fails the test."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ORCA_TORCH_COMPILE")
-        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(request.param)), **OPTIONS))
+    engine = _shipped(str(tiny_checkpoint(request.param)), **OPTIONS)
     compiled = engine.executor.worker.compiled
     assert compiled is not None and compiled.ready and compiled.compile_seconds > 0
     assert engine.executor.worker.attention_backend == "batched"  # auto on a CPU: max_bs 5 batches increments
@@ -100,9 +105,7 @@ def test_single_stream_decode_runs_the_lone_step_graph(family: str) -> None:
     the pool (each step reads the previous steps'). The same prompt again (two whole blocks): its first
     block from the prefix cache, its others elsewhere in the pool (the cached blocks after the first are
     kept), it runs LoneStep at every increment too, through its block table."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ORCA_TORCH_COMPILE")
-        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 64}))
+    engine = _shipped(str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 64})
     compiled = engine.executor.worker.compiled
     assert compiled.lone is not None and compiled.lone.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
@@ -128,9 +131,7 @@ def test_decode_steps_of_a_few_requests_run_the_few_step_graph(family: str) -> N
     the later ones' prompts from the prefix cache, their other blocks elsewhere): their decode steps run
     FewStep's graph, compiled at load (the stance fails any compilation), at every row count and context,
     with transformers' greedy tokens each; a lone request's steps still run LoneStep's."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ORCA_TORCH_COMPILE")
-        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 96}))
+    engine = _shipped(str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 96})
     compiled = engine.executor.worker.compiled
     assert compiled.few is not None and compiled.few.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
@@ -153,10 +154,8 @@ def test_a_speculating_single_stream_verifies_in_the_lone_graph_of_several_rows(
     """A lone request speculating (n-gram proposals from its repetitive prompt): its verifications (the
     last drawn token and its proposals, after its cached tokens) run LoneStep's graph of several rows,
     compiled at load, at every row count and context; its tokens are transformers' greedy ones."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ORCA_TORCH_COMPILE")
-        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), speculative_method="ngram",
-                                        num_speculative_tokens=3, **{**OPTIONS, "n_slots": 64}))
+    engine = _shipped(str(tiny_checkpoint(family)), speculative_method="ngram", num_speculative_tokens=3,
+                      **{**OPTIONS, "n_slots": 64})
     compiled = engine.executor.worker.compiled
     assert compiled.lone_rows is not None and compiled.lone_rows.ready and compiled.lone.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
@@ -177,10 +176,7 @@ def test_int8_models_of_the_same_shapes_each_run_their_own_weights_in_their_froz
     from checkpoints import make_llama
 
     paths = [make_llama(tmp_path / f"seed{seed}", seed=seed) for seed in (0, 1)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ORCA_TORCH_COMPILE")
-        engines = [LLMEngine(EngineConfig(model=str(p), quantization="int8", **{**OPTIONS, "n_slots": 64}))
-                   for p in paths]
+    engines = [_shipped(str(p), quantization="int8", **{**OPTIONS, "n_slots": 64}) for p in paths]
     lone = [e.executor.worker.compiled.lone for e in engines]
     assert all(step is not None and step.ready and step.frozen for step in lone)
     prompt = [5, 17, 33, 2, 9]
@@ -203,10 +199,8 @@ def test_a_speculating_engine_with_float_copies_compiles_both_lone_graphs() -> N
     """A quantized model under linear_backend hybrid compiles the float copies' graph at load too (its
     own warm-up iterations): the verification's warm-up still runs after them, so LoneStep's graph of
     several rows is compiled as well (once, it was left out, and verifications ran the opaque op)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ORCA_TORCH_COMPILE")
-        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), quantization="int8",
-                                        linear_backend="hybrid", speculative_method="ngram", **OPTIONS))
+    engine = _shipped(str(tiny_checkpoint("llama")), quantization="int8", linear_backend="hybrid",
+                      speculative_method="ngram", **OPTIONS)
     compiled = engine.executor.worker.compiled
     assert compiled.float_rows is not None
     assert compiled.lone.ready and compiled.lone_rows is not None and compiled.lone_rows.ready
@@ -220,9 +214,7 @@ def test_lone_and_few_steps_are_left_to_the_graph_of_every_count_where_they_do_n
     token count. (Blocks that are not consecutive do not stop them: they read them through block tables.)"""
     from checkpoints import make_mistral
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("ORCA_TORCH_COMPILE")
-        windowed = LLMEngine(EngineConfig(model=str(make_mistral(tmp_path / "mistral")), **OPTIONS))
+    windowed = _shipped(str(make_mistral(tmp_path / "mistral")), **OPTIONS)
     assert windowed.executor.worker.compiled is not None and windowed.executor.worker.compiled.lone is None
     assert windowed.executor.worker.compiled.few is None
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), n_slots=64, block_size=4))

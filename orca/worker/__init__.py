@@ -307,7 +307,7 @@ class Worker:
                         for pr in plan.requests)) for plan in plans)
                 if self.compiled.few is not None:  # FewStep's graph: a decode step of two requests
                     with_few = plans + few_warm_up_plans(self.kv_layout.block_size, _next_block(plans))
-                    if self._pool_holds(with_few, _next_block(with_few)):  # (else such steps run the op)
+                    if self._pool_holds(with_few):  # (else such steps run the op)
                         plans = with_few
                 self.compiled.compile(lambda: self._warm_up(plans, "compiling the forward pass"), self.device)
             except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: serve eagerly, say why
@@ -352,12 +352,9 @@ class Worker:
         self._warm_up(plans, "warming up flex attention")
         logger.info("flex attention compiled in %.1f s", time.perf_counter() - t0)
 
-    def _pool_holds(self, plans: tuple[StepPlan, ...], needed: int | None = None) -> bool:
-        """Whether the K/V pool has the blocks warm-up `plans` write (warm_up_plans: taken in order; or
-        `needed` blocks)."""
-        if needed is None:
-            needed = sum(len(pr.new_block_ids) for plan in plans for pr in plan.requests)
-        return self.kv_pool is not None and needed * self.kv_layout.block_size <= self.kv_pool.shape[3]
+    def _pool_holds(self, plans: tuple[StepPlan, ...]) -> bool:
+        """Whether the K/V pool has every block warm-up `plans` write (the highest included)."""
+        return self.kv_pool is not None and _next_block(plans) * self.kv_layout.block_size <= self.kv_pool.shape[3]
 
     def _warm_up(self, plans: tuple[StepPlan, ...], what: str) -> None:
         """Executes load-time iterations (blocks no request owns yet) and forgets their requests."""

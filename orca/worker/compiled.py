@@ -345,18 +345,11 @@ class FewStep(LoneStep):
     calls attention as an opaque op, its per-request SDPA calls (2 rows) or the batched backend's gathers,
     two bmm and a softmax (3-5) cost 1.4x FewDecode's loops at 4 rows (docs/BENCHMARKS.md)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model, rows=True)
+    def __init__(self, model: nn.Module, rows: bool = True) -> None:
+        super().__init__(model, rows=True)  # (always several rows: `rows` is LoneStep.of's, whatever it says)
         # (not frozen for int8 layers, as LoneStep's graphs are: inductor's int8 template was measured at one
         # row only, and autotuning it for an unbacked row count at load is not)
         self.frozen = False
-
-    @classmethod
-    def of(cls, model: nn.Module, rows: bool = True) -> FewStep | None:  # type: ignore[override]
-        """FewStep of `model`, or None where a layer has a sliding window."""
-        if any(getattr(m, "window", None) is not None for m in model.modules()):
-            return None
-        return cls(model)
 
     @staticmethod
     def _module(model: nn.Module, rows: bool) -> nn.Module:
