@@ -365,11 +365,13 @@ def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     # 900 tokens (~2 s alone here), and a slow 2-core CI host saw a run where they never all ran together.
     with ThreadPoolExecutor(len(streams)) as pool:
         tokens = list(pool.map(lambda s: list(next(s).output_ids), streams))  # each admitted and running
-    seen: list[float | None] = []
+    seen: list[tuple[float | None, ...]] = []  # (running, waiting, preemptions): all three if it never holds
 
     def all_running() -> bool:
-        seen.append(metrics(orca_server, model).get("orca_running_requests"))
-        return seen[-1] == 8
+        m = metrics(orca_server, model)
+        seen.append(tuple(m.get(k) for k in ("orca_running_requests", "orca_waiting_requests",
+                                             "orca_preemptions_total")))
+        return seen[-1][0] == 8
 
     wait_for(all_running, "8 running requests", 20, seen)
     during = metrics(orca_server, model)

@@ -1,9 +1,11 @@
 """``orca-bench distributed``: the control plane of distributed execution (orca/executor/distributed.py), in this
 process: for each layout (--layouts, tp x pp) a fresh engine runs B requests (--batch) at each context
 length (--context-lens), decode iterations only measured. Per iteration: the plan's pickled size, the
-driver's submit-to-collect time, and the workers' own execute time (the ranks' earliest start to latest
-end, engine.profile on); overhead = the first minus the second, the control plane's share (pickling,
-socket writes and reads, the result's way back). Medians; n_workers 1 so iterations do not overlap.
+driver's submit-to-collect time, and the workers' own execute time (the ranks' earliest start to the end
+of the rank that answers, the last stage's first: the one the driver waits for; another may stamp its end
+after that answer is on its way; engine.profile on); overhead = the first minus the second, the control
+plane's share (pickling, socket writes and reads, the result's way back). Medians; n_workers 1 so
+iterations do not overlap.
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ def cmd_distributed(args: argparse.Namespace) -> int:
                     spans: dict[int, list[Any]] = {}
                     for t in engine.executor.stage_timings:
                         spans.setdefault(t.batch_id, []).append(t)
+                    answers = (pp - 1) * tp  # the last stage's first rank (orca.parallel.Layout.rank)
                     for batch_id, duration in decode.items():
                         if len(spans.get(batch_id, ())) == tp * pp:
-                            busy = max(t.end for t in spans[batch_id]) - min(t.start for t in spans[batch_id])
-                            overheads.append(duration - busy)
+                            end = next(t.end for t in spans[batch_id] if t.rank == answers)
+                            overheads.append(duration - (end - min(t.start for t in spans[batch_id])))
                 run = {
                     "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "context_len": ctx,
                     "tokens_held": args.batch * ctx, "iterations": len(durations),

@@ -290,7 +290,8 @@ def iteration_seconds(metrics_url: str, model: str) -> tuple[float, float]:
     """(sum, count) of the model's orca_iteration_seconds, from Triton's metrics."""
     from orca_client.bench.trace_cmd import fetch_metrics
 
-    samples = fetch_metrics(metrics_url, model, timeout=10)
+    samples = fetch_metrics(metrics_url, model, timeout=10,
+                            names=("orca_iteration_seconds_sum", "orca_iteration_seconds_count"))
     if samples is None:
         raise ConnectionError(f"Triton's metrics at {metrics_url} cannot be read")
     return samples.get("orca_iteration_seconds_sum", 0.0), samples.get("orca_iteration_seconds_count", 0.0)
