@@ -581,6 +581,8 @@ orca_kv_reserved_slots{{model="orca_gpt",version="1"}} {slots}
 orca_kv_total_blocks{{model="orca_gpt",version="1"}} 100
 orca_preemptions_total{{model="orca_gpt",version="1"}} {preemptions}
 nv_inference_count{{model="orca_gpt",version="1"}} 12
+orca_lora_requests_total{{model="other",version="1",adapter="model=\\"orca_gpt\\""}} 5
+orca_kv_used_tokens_extra{{model="orca_gpt",version="1"}} 7
 """
 
 
@@ -589,8 +591,14 @@ def test_parse_metrics_keeps_one_models_samples() -> None:
     assert orca_bench_trace.parse_metrics(text, "orca_gpt") == {
         "orca_kv_allocated_blocks": 3, "orca_kv_used_tokens": 40, "orca_kv_reserved_slots": 48,
         "orca_kv_total_blocks": 100, "orca_preemptions_total": 2, "nv_inference_count": 12,
+        "orca_kv_used_tokens_extra": 7,
     }
-    assert orca_bench_trace.parse_metrics(text, "other") == {"orca_kv_allocated_blocks": 99}
+    # Only the named metrics (not one whose name merely starts with a named one's).
+    assert orca_bench_trace.parse_metrics(text, "orca_gpt", ["orca_kv_used_tokens", "orca_kv_total_blocks"]) == {
+        "orca_kv_used_tokens": 40, "orca_kv_total_blocks": 100,
+    }
+    other = {"orca_kv_allocated_blocks": 99, "orca_lora_requests_total": 5}
+    assert orca_bench_trace.parse_metrics(text, "other") == other
     assert orca_bench_trace.parse_metrics(text, "request_level_gpt") == {}
 
 
