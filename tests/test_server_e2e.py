@@ -46,7 +46,10 @@ def generate_stream(server: Any, model: str, body: dict[str, Any]) -> list[dict[
 def metrics(server: Any, model: str) -> dict[str, float]:
     """orca_* samples of one model, keyed by name plus the labels other than model and version."""
     out: dict[str, float] = {}
+    tag = f'model="{model}"'
     for line in requests.get(server.metrics_url, timeout=30).text.splitlines():
+        if not line.startswith("orca_") or tag not in line:  # cheap screens first: the text is ~250 KB
+            continue
         m = re.match(r"^(orca_\w+)\{([^}]*)\} (\S+)$", line)
         if not m or f'model="{model}"' not in m.group(2):
             continue
