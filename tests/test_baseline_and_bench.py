@@ -510,10 +510,11 @@ def test_orca_bench_decode_sweeps_batch_sizes_against_transformers_and_the_roofl
     """The GPU benchmark (orca_client/bench/decode.py) at CPU size: a random tiny Llama built on the spot,
     orca's reference, batched and flex backends, transformers' continuous batching, three batch sizes."""
     out = tmp_path / "decode.json"
-    # Medians of 3: a 1-token run of this tiny model takes a few ms, and one host hiccup in a single repeat
-    # once made it longer than the 5-token run (no decode rate) in a full CI run.
+    # The rate is the difference between a 33-token and a 1-token run (medians of 3): with 5 tokens, 4 decode
+    # steps of this tiny model (~1 ms each) were within a busy host's noise, and the difference came out
+    # negative (no rate) under a competing process.
     argv = ["decode", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,3,4", "--prompt-len", "6",
-            "--new-tokens", "5", "--repeats", "3", "--systems", "orca-reference,orca-batched,orca-flex,transformers",
+            "--new-tokens", "33", "--repeats", "3", "--systems", "orca-reference,orca-batched,orca-flex,transformers",
             "--json", str(out)]
     assert orca_bench.main(argv) == 0
     result = json.loads(out.read_text())
@@ -540,7 +541,7 @@ def test_orca_bench_decode_over_a_quantized_kv_pool(tmp_path: Path) -> None:
     value and a float32 scale per token and K/V head."""
     out = tmp_path / "decode.json"
     argv = ["decode", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,3", "--prompt-len", "6",
-            "--new-tokens", "5", "--repeats", "2", "--systems", "orca-batched,orca-flex", "--kv-cache-dtype",
+            "--new-tokens", "33", "--repeats", "2", "--systems", "orca-batched,orca-flex", "--kv-cache-dtype",
             "int8", "--json", str(out)]
     assert orca_bench.main(argv) == 0
     result = json.loads(out.read_text())

@@ -7,8 +7,11 @@ where the test must wait for the server, it polls for a condition with a generou
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -355,6 +358,40 @@ def test_metrics_move_with_requests(orca_server: Any) -> None:
     assert_idle(after)  # published before the response went out
 
 
+# A scraper in a process of its own, as Prometheus scrapes: one line of JSON (a model's orca_* samples,
+# by name) per scrape, every argv[3] seconds, until terminated.
+_SCRAPER = r"""
+import json, sys, time, urllib.request
+url, tag, interval = sys.argv[1], 'model="%s"' % sys.argv[2], float(sys.argv[3])
+while True:
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("orca_") and tag in line]
+    print(json.dumps({line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines}), flush=True)
+    time.sleep(interval)
+"""
+
+
+class MetricsScraper:
+    """Scrapes a model's orca_* gauges from another process while the block runs; `samples` once it ends.
+    Not from this process: its gRPC streams parse thousands of responses a second, and a scrape made here
+    (waiting for the interpreter lock at every read) once took longer than a whole burst."""
+
+    def __init__(self, server: Any, model: str, interval: float = 0.02) -> None:
+        self.argv = [sys.executable, "-c", _SCRAPER, server.metrics_url, model, str(interval)]
+        self.samples: list[dict[str, float]] = []
+
+    def __enter__(self) -> MetricsScraper:
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        for line in out.splitlines():
+            with contextlib.suppress(ValueError):  # a line cut short by the termination
+                self.samples.append(json.loads(line))
+
+
 def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     model = "orca_tiny"
     wait_for(lambda: idle(orca_server, model), "idle")
@@ -366,26 +403,21 @@ def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     # A stream sends its request on its first next(): the 8 are sent at once, from 8 threads. Sent one after
     # another (each waiting for its first token) they overlapped only by what was left of the first one's
     # 900 tokens (~2 s alone here), and a slow 2-core CI host saw a run where they never all ran together.
-    with ThreadPoolExecutor(len(streams)) as pool:
-        tokens = list(pool.map(lambda s: list(next(s).output_ids), streams))  # each admitted and running
-    seen: list[tuple[float | None, ...]] = []  # (running, waiting, preemptions): all three if it never holds
-
-    def all_running() -> bool:
-        m = metrics(orca_server, model)
-        seen.append(tuple(m.get(k) for k in ("orca_running_requests", "orca_waiting_requests",
-                                             "orca_preemptions_total")))
-        return seen[-1][0] == 8
-
-    wait_for(all_running, "8 running requests", 20, seen)
-    during = metrics(orca_server, model)
-    assert during["orca_running_requests"] == 8 and during["orca_waiting_requests"] == 0
-    assert during["orca_kv_allocated_blocks"] >= 8  # a block each at least
-    assert during["orca_kv_used_tokens"] >= sum(len(p) for p in prompts)
-    assert during["orca_kv_reserved_slots"] >= 8 * 16
-    for i, stream in enumerate(streams):
-        for chunk in stream:
-            tokens[i] += chunk.output_ids
+    with MetricsScraper(orca_server, model) as scraper:
+        with ThreadPoolExecutor(len(streams)) as pool:
+            tokens = list(pool.map(lambda s: list(next(s).output_ids), streams))  # each admitted and running
+        for i, stream in enumerate(streams):
+            for chunk in stream:
+                tokens[i] += chunk.output_ids
     assert [len(t) for t in tokens] == [900] * 8
+    states = [(s.get("orca_running_requests"), s.get("orca_waiting_requests")) for s in scraper.samples]
+    during = [s for s in scraper.samples if s.get("orca_running_requests") == 8]
+    assert during, f"no scrape saw 8 running requests: (running, waiting) {sorted(set(states))}"
+    for sample in during:
+        assert sample["orca_waiting_requests"] == 0
+        assert sample["orca_kv_allocated_blocks"] >= 8  # a block each at least
+        assert sample["orca_kv_used_tokens"] >= sum(len(p) for p in prompts)
+        assert sample["orca_kv_reserved_slots"] >= 8 * 16
     after = metrics(orca_server, model)
     assert_idle(after)  # the last FINAL went out after the idle state was published
     assert after["orca_kv_total_blocks"] == before["orca_kv_total_blocks"] == 512
