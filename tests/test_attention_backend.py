@@ -110,6 +110,25 @@ def test_a_lone_increment_over_consecutive_blocks_reads_its_view(backend: str, h
     torch.testing.assert_close(outputs[1], expected, atol=1e-5, rtol=0)
 
 
+def _attends_as_the_backend(step: Any, meta: AttentionMetadata, layers: tuple[int, ...], rows: int, heads: int,
+                            kv_heads: int, dim: int, dtype: torch.dtype, pool: torch.Tensor,
+                            before: torch.Tensor) -> None:
+    """A compiled step's attention (LoneDecode, FewDecode) gives the backend's output for the same step at
+    each of `layers` (out of order: `written` follows the calls), each layer's new keys and values
+    returned in `written`, the pool (NaN where nothing is cached) left as `before`; a window is refused."""
+    for layer in layers:
+        q, kv = torch.randn(rows, heads, dim).to(dtype), torch.randn(rows, 2, kv_heads, dim).to(dtype)
+        got = selective_attention(q, kv, step, layer, 0.3)
+        want = selective_attention(q, kv, meta, layer, 0.3)
+        assert not want.isnan().any()
+        torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
+        assert got.dtype == dtype and got.shape == (rows, heads * dim)
+        assert torch.equal(step.written[-1], kv)
+    assert len(step.written) == len(layers) and torch.equal(pool.nan_to_num(), before.nan_to_num())  # no write
+    with pytest.raises(ValueError, match="sliding window"):
+        selective_attention(q, kv, step, 0, 0.3, window=5)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("past", [1, 4, 37])
@@ -135,17 +154,7 @@ def test_a_lone_step_attends_over_its_cached_blocks_and_its_own_keys(heads: int,
     meta = AttentionMetadata.build([new], [past], [table], block_size, pool.clone(), backend="reference")
     assert meta.lone_table.tolist() == table[: -(-past // block_size)] and meta.block_size == block_size
     lone = LoneDecode(pool.unflatten(3, (-1, block_size)), meta.lone_table, torch.tensor(past))
-    for layer in (0, 2):  # (out of order: `written` follows the calls)
-        q, kv = torch.randn(new, heads, dim).to(dtype), torch.randn(new, 2, kv_heads, dim).to(dtype)
-        got = selective_attention(q, kv, lone, layer, 0.3)
-        want = selective_attention(q, kv, meta, layer, 0.3)
-        assert not want.isnan().any()
-        torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
-        assert got.dtype == dtype and got.shape == (new, heads * dim)
-        assert torch.equal(lone.written[-1], kv)
-    assert len(lone.written) == 2 and torch.equal(pool.nan_to_num(), before.nan_to_num())  # nothing written
-    with pytest.raises(ValueError, match="sliding window"):
-        selective_attention(q, kv, lone, 0, 0.3, window=5)
+    _attends_as_the_backend(lone, meta, (0, 2), new, heads, kv_heads, dim, dtype, pool, before)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4)], ids=["gqa", "mha"])
@@ -172,17 +181,7 @@ def test_a_few_step_attends_each_request_over_its_cached_blocks_and_its_own_key(
                                         for t, p in zip(tables, pasts)]
     assert meta.few_past.tolist() == pasts
     few = FewDecode(pool.unflatten(3, (-1, block_size)), meta.few_tables, meta.few_past)
-    for layer in (1, 0):  # (out of order: `written` follows the calls)
-        q, kv = torch.randn(n, heads, dim).to(dtype), torch.randn(n, 2, kv_heads, dim).to(dtype)
-        got = selective_attention(q, kv, few, layer, 0.3)
-        want = selective_attention(q, kv, meta, layer, 0.3)
-        assert not want.isnan().any()
-        torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))
-        assert got.dtype == dtype and got.shape == (n, heads * dim)
-        assert torch.equal(few.written[-1], kv)
-    assert len(few.written) == 2 and torch.equal(pool.nan_to_num(), before.nan_to_num())  # nothing written
-    with pytest.raises(ValueError, match="sliding window"):
-        selective_attention(q, kv, few, 0, 0.3, window=5)
+    _attends_as_the_backend(few, meta, (1, 0), n, heads, kv_heads, dim, dtype, pool, before)
     for lengths, context in (([2] + [1] * (n - 1), pasts), ([1], pasts[:1]),
                              ([1] * (FEW_MAX_ROWS + 1), (pasts * FEW_MAX_ROWS)[: FEW_MAX_ROWS + 1])):
         tabs = [list(range(i * 16, i * 16 + 16)) for i in range(len(lengths))]
