@@ -54,7 +54,7 @@ def metrics(server: Any, model: str) -> dict[str, float]:
         if not line.startswith("orca_") or tag not in line:  # cheap screens first: the text is ~250 KB
             continue
         m = re.match(r"^(orca_\w+)\{([^}]*)\} (\S+)$", line)
-        if not m or f'model="{model}"' not in m.group(2):
+        if not m or tag not in m.group(2):
             continue
         labels = [kv for kv in m.group(2).split(",") if not kv.startswith(("model=", "version="))]
         out[m.group(1) + ("{" + ",".join(labels) + "}" if labels else "")] = float(m.group(3))
@@ -358,15 +358,14 @@ def test_metrics_move_with_requests(orca_server: Any) -> None:
     assert_idle(after)  # published before the response went out
 
 
-# A scraper in a process of its own, as Prometheus scrapes: one line of JSON (a model's orca_* samples,
-# by name) per scrape, every argv[3] seconds, until terminated.
+# A scraper in a process of its own, as Prometheus scrapes: one line of JSON (a model's samples by name,
+# orca-bench's parse) per scrape, every argv[3] seconds, until terminated.
 _SCRAPER = r"""
-import json, sys, time, urllib.request
-url, tag, interval = sys.argv[1], 'model="%s"' % sys.argv[2], float(sys.argv[3])
+import json, sys, time
+from orca_client.bench.trace_cmd import fetch_metrics
+url, model, interval = sys.argv[1], sys.argv[2], float(sys.argv[3])
 while True:
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
-    lines = [line for line in text.splitlines() if line.startswith("orca_") and tag in line]
-    print(json.dumps({line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines}), flush=True)
+    print(json.dumps(fetch_metrics(url, model, timeout=30)), flush=True)
     time.sleep(interval)
 """
 
@@ -389,7 +388,9 @@ class MetricsScraper:
         out, _ = self.proc.communicate(timeout=30)
         for line in out.splitlines():
             with contextlib.suppress(ValueError):  # a line cut short by the termination
-                self.samples.append(json.loads(line))
+                sample = json.loads(line)
+                if sample is not None:  # (an unreadable scrape)
+                    self.samples.append(sample)
 
 
 def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:

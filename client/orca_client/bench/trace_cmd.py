@@ -381,7 +381,7 @@ class KVSampler:
         if not self.url:
             self.note = "no metrics URL"
             return self
-        first = fetch_metrics(self.url, self.model, names=_KV_NAMES)
+        first = self._scrape()
         if first is None:
             self.note = f"metrics endpoint {self.url} not reachable"
         elif KV_GAUGES["allocated"] not in first:
@@ -393,9 +393,12 @@ class KVSampler:
             self._thread.start()
         return self
 
+    def _scrape(self) -> dict[str, float] | None:
+        return fetch_metrics(self.url or "", self.model, names=_KV_NAMES)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            sample = fetch_metrics(self.url or "", self.model, names=_KV_NAMES)
+            sample = self._scrape()
             if sample is not None:
                 self.samples.append(sample)
 
@@ -403,7 +406,7 @@ class KVSampler:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            last = fetch_metrics(self.url or "", self.model, names=_KV_NAMES)
+            last = self._scrape()
             if last is not None:
                 self.samples.append(last)
 
