@@ -380,13 +380,19 @@ class MetricsScraper:
         self.samples: list[dict[str, float]] = []
 
     def __enter__(self) -> MetricsScraper:
+        """Returns once the first scrape is in (the process's start-up, seconds on a busy host, is not
+        part of the block)."""
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, text=True)
+        first = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not first:
+            raise AssertionError(f"the metrics scraper exited ({self.proc.wait()}) before its first scrape")
+        self._first = first
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=30)
-        for line in out.splitlines():
+        for line in (self._first + out).splitlines():
             with contextlib.suppress(ValueError):  # a line cut short by the termination
                 sample = json.loads(line)
                 if sample is not None:  # (an unreadable scrape)
