@@ -135,7 +135,7 @@ class TritonServer:
     """Run ``tritonserver`` as a child process for tests and benchmarks.
 
     ``with TritonServer(repo) as server:`` starts Triton on the given ports (or
-    free ones), waits for ``/v2/health/ready`` and always stops it on exit:
+    free ones), waits for ``/v2/health/ready`` and ``/metrics`` and always stops it on exit:
     SIGINT for a graceful shutdown, then SIGKILL of the whole process group
     (which also holds the Python backend stubs) after ``stop_timeout``.
 
@@ -293,7 +293,8 @@ class TritonServer:
     def _wait_ready(self) -> None:
         assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout
-        url = f"{self.http_url}/v2/health/ready"
+        # Triton opens its metrics service just after HTTP: ready means both answer.
+        urls = [f"{self.http_url}/v2/health/ready", self.metrics_url]
         while True:
             code = self._proc.poll()
             if code is not None:
@@ -302,14 +303,18 @@ class TritonServer:
                     f"(log {self.log_path}):\n{_tail(self.log_path)}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+                while urls:
+                    with urllib.request.urlopen(urls[0], timeout=2) as resp:
+                        if resp.status != 200:
+                            break
+                    urls.pop(0)
+                else:
+                    return
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
                 raise TritonServerError(
-                    f"tritonserver not ready at {url} after {self.startup_timeout:.0f}s "
+                    f"tritonserver not ready at {urls[0]} after {self.startup_timeout:.0f}s "
                     f"(log {self.log_path}):\n{_tail(self.log_path)}"
                 )
             time.sleep(0.2)

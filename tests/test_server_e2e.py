@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ import requests
 import torch
 import tritonclient.grpc as grpcclient
 from orca_client import OrcaClient, OrcaError
-from orca_client.client import build_inputs
+from orca_client.client import build_inputs, parse_result
 
 from orca import LLM, SamplingParams
 from orca.checkpoint import default_model_path
@@ -365,15 +364,19 @@ import json, sys, time
 from orca_client.bench.trace_cmd import fetch_metrics
 url, model, interval = sys.argv[1], sys.argv[2], float(sys.argv[3])
 while True:
-    print(json.dumps(fetch_metrics(url, model, timeout=30)), flush=True)
+    sample = fetch_metrics(url, model, timeout=30)
+    if sample is not None:  # (an unreadable scrape)
+        sample["t"] = time.monotonic()  # when it was read (the same clock as the test's, on this host)
+    print(json.dumps(sample), flush=True)
     time.sleep(interval)
 """
 
 
 class MetricsScraper:
-    """Scrapes a model's orca_* gauges from another process while the block runs; `samples` once it ends.
-    Not from this process: its gRPC streams parse thousands of responses a second, and a scrape made here
-    (waiting for the interpreter lock at every read) once took longer than a whole burst."""
+    """Scrapes a model's orca_* gauges from another process while the block runs; `samples` once it ends,
+    each with "t", when it was read (time.monotonic()). Not from this process: its gRPC streams parse
+    thousands of responses a second, and a scrape made here (waiting for the interpreter lock at every
+    read) once took longer than a whole burst."""
 
     def __init__(self, server: Any, model: str, interval: float = 0.02) -> None:
         self.argv = [sys.executable, "-c", _SCRAPER, server.metrics_url, model, str(interval)]
@@ -395,31 +398,64 @@ class MetricsScraper:
         for line in (self._first + out).splitlines():
             with contextlib.suppress(ValueError):  # a line cut short by the termination
                 sample = json.loads(line)
-                if sample is not None:  # (an unreadable scrape)
+                if sample is not None:
                     self.samples.append(sample)
+
+
+def stream_together(server: Any, model: str, requests_: list[dict[str, Any]], timeout: float = 300) -> list[Any]:
+    """Sends the requests back to back on one gRPC stream (they reach Triton within milliseconds, where
+    one stream each, every one opening its own channel from its own thread, reached it up to seconds apart
+    on a busy 2-core host) and waits for every FINAL. Each request's (output ids, monotonic time of its
+    first response, of its FINAL)."""
+    got: list[list[Any]] = [[[], None, None] for _ in requests_]
+    errors: list[str] = []
+    finished = threading.Event()
+
+    def on_result(result: Any, error: Any) -> None:
+        if error is not None:
+            errors.append(error.message())
+            finished.set()
+            return
+        entry = got[int(result.get_response().id)]
+        chunk = parse_result(result)
+        entry[0] += chunk.output_ids
+        entry[1] = entry[1] or time.monotonic()
+        if chunk.final:
+            entry[2] = time.monotonic()
+            if all(e[2] is not None for e in got):
+                finished.set()
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=on_result)
+    try:
+        for i, request in enumerate(requests_):
+            client.async_stream_infer(model, build_inputs(**request), request_id=str(i))
+        assert finished.wait(timeout), f"not every request finished in {timeout} s"
+        assert not errors, errors
+    finally:
+        client.stop_stream(cancel_requests=not finished.is_set())
+        client.close()
+    return got
 
 
 def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     model = "orca_tiny"
     wait_for(lambda: idle(orca_server, model), "idle")
     before = metrics(orca_server, model)
-    client = OrcaClient(orca_server.grpc_url, model)
     prompts = [[i + 1] * (i + 2) for i in range(8)]  # 2..9 tokens; max_bs 8 runs all of them at once
-    # 8 x (9 + 900) tokens fit the 8192-slot pool: nobody is preempted.
-    streams = [client.generate(input_ids=p, max_tokens=900, temperature=0, ignore_eos=True) for p in prompts]
-    # A stream sends its request on its first next(): the 8 are sent at once, from 8 threads. Sent one after
-    # another (each waiting for its first token) they overlapped only by what was left of the first one's
-    # 900 tokens (~2 s alone here), and a slow 2-core CI host saw a run where they never all ran together.
+    # 8 x (9 + 900) tokens fit the 8192-slot pool: nobody is preempted. 900 tokens take ~2 s alone here,
+    # several times that with 8 together: a long window for the scraper.
     with MetricsScraper(orca_server, model) as scraper:
-        with ThreadPoolExecutor(len(streams)) as pool:
-            tokens = list(pool.map(lambda s: list(next(s).output_ids), streams))  # each admitted and running
-        for i, stream in enumerate(streams):
-            for chunk in stream:
-                tokens[i] += chunk.output_ids
-    assert [len(t) for t in tokens] == [900] * 8
-    states = [(s.get("orca_running_requests"), s.get("orca_waiting_requests")) for s in scraper.samples]
+        start = time.monotonic()
+        got = stream_together(orca_server, model, [
+            {"input_ids": p, "max_tokens": 900, "temperature": 0, "ignore_eos": True} for p in prompts])
+    assert [len(ids) for ids, _, _ in got] == [900] * 8
+    # When the 8 ran together, seen from here: after the last one's first token, before the first FINAL.
+    together = (max(first for _, first, _ in got) - start, min(final for _, _, final in got) - start)
+    seen = [(round(s["t"] - start, 3), s.get("orca_running_requests"), s.get("orca_waiting_requests"))
+            for s in scraper.samples]
     during = [s for s in scraper.samples if s.get("orca_running_requests") == 8]
-    assert during, f"no scrape saw 8 running requests: (running, waiting) {sorted(set(states))}"
+    assert during, f"no scrape saw 8 running; together in {together} s; (t s, running, waiting): {seen}"
     for sample in during:
         assert sample["orca_waiting_requests"] == 0
         assert sample["orca_kv_allocated_blocks"] >= 8  # a block each at least
