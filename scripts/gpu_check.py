@@ -259,8 +259,9 @@ def stage_decode(check: Check, checkpoint: Path, cuda: bool, budget: float, tmp:
     systems = systems or (DECODE_SYSTEMS_CUDA if cuda else DECODE_SYSTEMS_CPU)
     batches = "1,4,16,64,256" if cuda else "1,4"
     # (on a CPU a smoke run: 16 tokens, so that the n-token run outlasts the 1-token one it is differenced
-    # with even on a busy host; with 4, a quantized tiny model's once did not, and measured no rate)
-    new_tokens, repeats = ("32", "3") if cuda else ("16", "1")
+    # with even on a busy host; with 4, a quantized tiny model's once did not, and measured no rate. The
+    # medians of 3: one 1-token run that a busy host stalled for 0.16 s outlasted its 16-token run, 0.05 s)
+    new_tokens, repeats = ("32", "3") if cuda else ("16", "3")
     record: dict[str, Any] = {"systems": {}}
     merged: dict[str, Any] | None = None
     stop = time.monotonic() + budget
@@ -412,7 +413,7 @@ def _bench_runs(check: Check, stage: str, keys: tuple[str, ...], argv: Callable[
 def stage_quantized(check: Check, checkpoint: Path, cuda: bool, limit: float) -> dict[str, Any]:
     """Decode tokens/s with the weights quantized at load, flex with CUDA graphs (batched on the CPU)."""
     system = "orca-flex-graphs" if cuda else "orca-batched"
-    batches, new_tokens, repeats = ("1,16,64", "32", "2") if cuda else ("1,4", "16", "1")  # (16: as stage_decode's)
+    batches, new_tokens, repeats = ("1,16,64", "32", "2") if cuda else ("1,4", "16", "3")  # (as stage_decode's)
 
     def argv(kind: str) -> list[str]:
         weights, kv = ("none", kind.removeprefix("kv-")) if kind.startswith("kv-") else (kind, "auto")

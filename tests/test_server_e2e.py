@@ -22,7 +22,7 @@ import requests
 import torch
 import tritonclient.grpc as grpcclient
 from orca_client import OrcaClient, OrcaError
-from orca_client.client import build_inputs, parse_result
+from orca_client.client import ASKED_BY_DEFAULT, Chunk, build_inputs, parse_result
 
 from orca import LLM, SamplingParams
 from orca.checkpoint import default_model_path
@@ -85,20 +85,45 @@ def assert_idle(m: dict[str, float]) -> None:
     assert {gauge: m.get(gauge) for gauge in IDLE_GAUGES} == dict.fromkeys(IDLE_GAUGES, 0)
 
 
-def generate_concurrently(server: Any, model: str, requests_: list[dict[str, Any]]) -> list[list[Any]]:
-    """Sends each request on its own gRPC stream, all at once; returns each one's chunks."""
-    results: dict[int, list[Any]] = {}
+def generate_concurrently(server: Any, model: str, requests_: list[dict[str, Any]], timeout: float = 300,
+                          times: list[tuple[float, float]] | None = None) -> list[list[Chunk]]:
+    """Sends the requests back to back on one gRPC stream and waits for every FINAL; each request's chunks
+    (OrcaClient.generate's: return_finish_reason, return_num_input_tokens and return_num_output_tokens true
+    unless given). They reach Triton within milliseconds: sent on a stream each, every one opening its own
+    channel from its own thread, they reached a busy 2-core CI host up to seconds apart, and a burst of 8
+    never ran more than 3 at once. `times`, when given, gets each request's (first response, FINAL)
+    time.monotonic()."""
+    chunks: list[list[Chunk]] = [[] for _ in requests_]
+    stamps: list[list[float]] = [[] for _ in requests_]
+    errors: list[str] = []
+    finished = threading.Event()
 
-    def run(i: int) -> None:
-        results[i] = list(OrcaClient(server.grpc_url, model).generate(**requests_[i]))
+    def on_result(result: Any, error: Any) -> None:
+        if error is not None:  # (tritonclient does not say which request's)
+            errors.append(error.message())
+            finished.set()
+            return
+        i = int(result.get_response().id)
+        chunks[i].append(parse_result(result))
+        stamps[i].append(time.monotonic())
+        if all(c and c[-1].final for c in chunks):
+            finished.set()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests_))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-        assert not t.is_alive()
-    return [results[i] for i in range(len(requests_))]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=on_result)
+    try:
+        for i, request in enumerate(requests_):
+            inputs = build_inputs(**{**dict.fromkeys(ASKED_BY_DEFAULT, True), **request})
+            client.async_stream_infer(model, inputs, request_id=str(i))
+        assert finished.wait(timeout), f"not every request finished in {timeout} s"
+        if errors:
+            raise OrcaError("; ".join(errors))
+    finally:
+        client.stop_stream(cancel_requests=not finished.is_set() or bool(errors))
+        client.close()
+    if times is not None:
+        times += [(s[0], s[-1]) for s in stamps]
+    return chunks
 
 
 @pytest.fixture(scope="module")
@@ -402,42 +427,6 @@ class MetricsScraper:
                     self.samples.append(sample)
 
 
-def stream_together(server: Any, model: str, requests_: list[dict[str, Any]], timeout: float = 300) -> list[Any]:
-    """Sends the requests back to back on one gRPC stream (they reach Triton within milliseconds, where
-    one stream each, every one opening its own channel from its own thread, reached it up to seconds apart
-    on a busy 2-core host) and waits for every FINAL. Each request's (output ids, monotonic time of its
-    first response, of its FINAL)."""
-    got: list[list[Any]] = [[[], None, None] for _ in requests_]
-    errors: list[str] = []
-    finished = threading.Event()
-
-    def on_result(result: Any, error: Any) -> None:
-        if error is not None:
-            errors.append(error.message())
-            finished.set()
-            return
-        entry = got[int(result.get_response().id)]
-        chunk = parse_result(result)
-        entry[0] += chunk.output_ids
-        entry[1] = entry[1] or time.monotonic()
-        if chunk.final:
-            entry[2] = time.monotonic()
-            if all(e[2] is not None for e in got):
-                finished.set()
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    client.start_stream(callback=on_result)
-    try:
-        for i, request in enumerate(requests_):
-            client.async_stream_infer(model, build_inputs(**request), request_id=str(i))
-        assert finished.wait(timeout), f"not every request finished in {timeout} s"
-        assert not errors, errors
-    finally:
-        client.stop_stream(cancel_requests=not finished.is_set())
-        client.close()
-    return got
-
-
 def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     model = "orca_tiny"
     wait_for(lambda: idle(orca_server, model), "idle")
@@ -445,13 +434,14 @@ def test_kv_gauges_follow_a_burst_and_return_to_zero(orca_server: Any) -> None:
     prompts = [[i + 1] * (i + 2) for i in range(8)]  # 2..9 tokens; max_bs 8 runs all of them at once
     # 8 x (9 + 900) tokens fit the 8192-slot pool: nobody is preempted. 900 tokens take ~2 s alone here,
     # several times that with 8 together: a long window for the scraper.
+    times: list[tuple[float, float]] = []
     with MetricsScraper(orca_server, model) as scraper:
         start = time.monotonic()
-        got = stream_together(orca_server, model, [
-            {"input_ids": p, "max_tokens": 900, "temperature": 0, "ignore_eos": True} for p in prompts])
-    assert [len(ids) for ids, _, _ in got] == [900] * 8
+        results = generate_concurrently(orca_server, model, [
+            {"input_ids": p, "max_tokens": 900, "temperature": 0, "ignore_eos": True} for p in prompts], times=times)
+    assert [sum(len(c.output_ids) for c in chunks) for chunks in results] == [900] * 8
     # When the 8 ran together, seen from here: after the last one's first token, before the first FINAL.
-    together = (max(first for _, first, _ in got) - start, min(final for _, _, final in got) - start)
+    together = (max(first for first, _ in times) - start, min(final for _, final in times) - start)
     seen = [(round(s["t"] - start, 3), s.get("orca_running_requests"), s.get("orca_waiting_requests"))
             for s in scraper.samples]
     during = [s for s in scraper.samples if s.get("orca_running_requests") == 8]
