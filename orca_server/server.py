@@ -123,6 +123,15 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
     return False
 
 
+def _answers(url: str) -> bool:
+    """Whether a GET of `url` answers 200 within 2 s."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def _tail(path: Path, lines: int = 60) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -294,7 +303,7 @@ class TritonServer:
         assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout
         # Triton opens its metrics service just after HTTP: ready means both answer.
-        urls = [f"{self.http_url}/v2/health/ready", self.metrics_url]
+        urls = (f"{self.http_url}/v2/health/ready", self.metrics_url)
         while True:
             code = self._proc.poll()
             if code is not None:
@@ -302,19 +311,12 @@ class TritonServer:
                     f"tritonserver exited with code {code} during startup "
                     f"(log {self.log_path}):\n{_tail(self.log_path)}"
                 )
-            try:
-                while urls:
-                    with urllib.request.urlopen(urls[0], timeout=2) as resp:
-                        if resp.status != 200:
-                            break
-                    urls.pop(0)
-                else:
-                    return
-            except (urllib.error.URLError, OSError):
-                pass
+            unready = next((url for url in urls if not _answers(url)), None)
+            if unready is None:
+                return
             if time.monotonic() > deadline:
                 raise TritonServerError(
-                    f"tritonserver not ready at {urls[0]} after {self.startup_timeout:.0f}s "
+                    f"tritonserver not ready at {unready} after {self.startup_timeout:.0f}s "
                     f"(log {self.log_path}):\n{_tail(self.log_path)}"
                 )
             time.sleep(0.2)
