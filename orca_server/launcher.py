@@ -13,12 +13,22 @@ line :func:`openai_command` derives from the same flags
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from orca_server.server import build_command, run_beside
+from orca_client.admin import ADMIN_KEY_ENV, ADMIN_KEY_HEADER, admin_key
+
+from orca_server.server import (
+    LOOPBACK,
+    RESTRICTED_APIS,
+    build_command,
+    new_admin_key,
+    redact,
+    run_beside,
+)
 from orca_server.wheel import (
     TritonServerError,
     default_backend_dir,
@@ -48,7 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ),
         epilog=(
             "Environment: ORCA_HTTP_PORT, ORCA_GRPC_PORT, ORCA_METRICS_PORT and ORCA_OPENAI_PORT set the "
-            "default ports; ORCA_OPENAI_API_KEY makes the OpenAI API ask for that key. "
+            "default ports; ORCA_OPENAI_API_KEY makes the OpenAI API ask for that key; ORCA_ADMIN_KEY is the "
+            "key of Triton's administrative APIs. "
             "Example: python -m orca_server.launcher --model-repository "
             "model_repository --model orca_gpt -- --log-verbose=1"
         ),
@@ -98,8 +109,31 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--address",
+        default=LOOPBACK,
+        help="bind Triton's HTTP and gRPC ports and orca-openai to this address (default: %(default)s, this host "
+        "only; 0.0.0.0 is every interface, an explicit choice that logs a warning)",
+    )
+    parser.add_argument(
+        "--metrics-address",
         default=None,
-        help="bind HTTP, gRPC and metrics to this address (default: all interfaces)",
+        help="bind Triton's metrics port to this address (default: --address), e.g. the pod's address for "
+        "Prometheus while HTTP and gRPC stay on loopback",
+    )
+    parser.add_argument(
+        "--admin-key-file",
+        type=Path,
+        default=None,
+        help=f"where the admin key of Triton's administrative APIs ({', '.join(RESTRICTED_APIS)}; header "
+        f"'{ADMIN_KEY_HEADER}') is: read if the file exists, else a fresh key is written there (mode 0600). "
+        f"${ADMIN_KEY_ENV} wins over it; with neither, a fresh key only orca-openai is given. Never printed",
+    )
+    parser.add_argument(
+        "--tritonserver",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="run this installed tritonserver with its own backends (NVIDIA's container: "
+        "/opt/tritonserver/bin/tritonserver) instead of the nvidia-pytriton wheel's",
     )
     parser.add_argument(
         "--model",
@@ -140,13 +174,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: model repository {args.model_repository} not found", file=sys.stderr)
         return 2
     try:
-        paths = find_pytriton_paths()
-        backend_dir = prepare_backend_dir(
-            args.backend_dir or default_backend_dir(), copy=args.copy_backend, paths=paths
-        )
+        admin_key = read_admin_key(args.admin_key_file)
+        paths = backend_dir = None
+        if args.tritonserver is None:
+            paths = find_pytriton_paths()
+            backend_dir = prepare_backend_dir(
+                args.backend_dir or default_backend_dir(), copy=args.copy_backend, paths=paths
+            )
+        elif args.backend_dir is not None:
+            backend_dir = args.backend_dir
     except (TritonServerError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    for flag, address in (("--address", args.address), ("--metrics-address", args.metrics_address)):
+        if address is not None and not is_loopback(address):
+            print(f"warning: {flag} {address}: Triton listens beyond this host; its inference API has no "
+                  "authentication (put a gateway or a network policy in front of it)", file=sys.stderr)
     cmd = build_command(
         args.model_repository,
         args.http_port,
@@ -154,21 +197,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.metrics_port,
         backend_dir,
         args.tritonserver_args,
+        admin_key=admin_key,
         models=args.models,
         address=args.address,
+        metrics_address=args.metrics_address,
         paths=paths,
+        tritonserver=args.tritonserver,
     )
-    env = server_env(paths=paths)
-    host = args.address if args.address not in (None, "0.0.0.0") else "localhost"
+    env = server_env(paths=paths) if paths is not None else dict(os.environ)
+    host = LOOPBACK if args.address == "0.0.0.0" else args.address
     openai = None if args.no_openai or not args.openai_port else openai_command(args)
+    shown = redact(cmd, admin_key)
     if args.dry_run:
         if openai:  # first: the last line stays tritonserver's command
             print(" ".join(openai))
         for key in ("PATH", "LD_LIBRARY_PATH"):
-            print(f"{key}={env[key]}")
-        print(" ".join(cmd))
+            if key in env:
+                print(f"{key}={env[key]}")
+        print(shown)
         return 0
-    print(" ".join(cmd), flush=True)
+    print(shown, flush=True)
     print(
         f"Starting Triton. Once it is up:\n"
         f"  curl -sf http://{host}:{args.http_port}/v2/health/ready && echo ready\n"
@@ -180,18 +228,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1  # pragma: no cover - execve does not return
     print(" ".join(openai), flush=True)
     print(f"  curl -s http://{host}:{args.openai_port}/v1/models   (the OpenAI-compatible API)", flush=True)
-    return run_beside(cmd, env, openai)
+    return run_beside(cmd, env, openai, {**os.environ, ADMIN_KEY_ENV: admin_key})
+
+
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an IP or a host name) is this host only: 127.0.0.0/8 (IPv4-mapped too), ::1 or
+    localhost."""
+    if address.strip().lower() == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(address.strip().strip("[]"))
+    except ValueError:
+        return False
+    return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
+
+
+def read_admin_key(path: Path | None) -> str:
+    """The admin key: $ORCA_ADMIN_KEY, else the file at `path` (written with a fresh key, mode 0600, when it
+    does not exist yet), else a fresh key."""
+    key = admin_key(path)
+    if key:
+        return key
+    key = new_admin_key()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise TritonServerError(f"the admin key file {path} is empty") from None
+        with os.fdopen(fd, "w") as out:
+            out.write(key + "\n")
+    return key
 
 
 def openai_command(args: argparse.Namespace) -> list[str]:
     """The argv of orca-openai (orca_openai/) fronting the Triton that :func:`main` starts."""
-    triton_host = args.address if args.address not in (None, "0.0.0.0") else "127.0.0.1"
+    triton_host = LOOPBACK if args.address == "0.0.0.0" else args.address
+    metrics_host = args.metrics_address or args.address
+    metrics_host = LOOPBACK if metrics_host == "0.0.0.0" else metrics_host
     return [
         sys.executable, "-m", "orca_openai",
-        "--host", args.address or "0.0.0.0",
+        "--host", args.address,
         "--port", str(args.openai_port),
         "--triton-url", f"{triton_host}:{args.grpc_port}",
-        "--metrics-url", f"http://{triton_host}:{args.metrics_port}/metrics",
+        "--metrics-url", f"http://{metrics_host}:{args.metrics_port}/metrics",
         "--tool-call-parser", args.tool_call_parser,
     ]
 

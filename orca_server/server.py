@@ -1,7 +1,8 @@
 """The ``tritonserver`` process: its command line, its ports, starting it, waiting for it, stopping it.
 
-* :func:`build_command`: the argv of the wheel's binary (located by
-  :mod:`orca_server.wheel`): ports, addresses, model control, the CPU-only flags.
+* :func:`build_command`: tritonserver's argv, the wheel's binary (located by
+  :mod:`orca_server.wheel`) or an installed one: ports, addresses (loopback by default),
+  Triton's administrative APIs behind the admin key, model control, the CPU-only flags.
 * :class:`TritonServer`: Triton as a child process for tests and benchmarks, on
   given or free ports (:func:`free_ports`): start, wait for ready, stop the whole
   process group and remove the /dev/shm regions its stubs left behind.
@@ -15,7 +16,10 @@ Ports are always parameters: defaults live in the CLI (:mod:`orca_server.launche
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,6 +31,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+
+from orca_client.admin import ADMIN_KEY_HEADER, GRPC_ADMIN_KEY_HEADER
 
 from orca_server.wheel import PyTritonPaths, TritonServerError, find_pytriton_paths, prepare_backend_dir, server_env
 
@@ -40,47 +46,107 @@ def has_nvidia_gpu() -> bool:
     return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
 
 
+LOOPBACK = "127.0.0.1"
+"""Where Triton listens unless told otherwise: nothing beyond this host reaches it by default."""
+
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace", "statistics")
+"""Triton's administrative APIs, answered on HTTP and gRPC only to a request carrying the admin key: loading a
+model with a config and a `file:` override is code execution, the rest reconfigure or inspect the server."""
+
+
+GRPC_RESPONSE_POOL_SIZE = 4096
+"""--grpc-max-response-pool-size where the binary has it (newer releases; the wheel's 2.51 has not): a bound
+on the responses Triton holds for gRPC streams whose clients stop reading."""
+
+
+def new_admin_key() -> str:
+    """A fresh admin key: 256 random bits, URL-safe (Triton compares it as a plain header value)."""
+    return secrets.token_urlsafe(32)
+
+
+def redact(cmd: Sequence[str], admin_key: str) -> str:
+    """`cmd` as one line for a log or a terminal, the admin key replaced by ***."""
+    return " ".join(cmd).replace(admin_key, "***") if admin_key else " ".join(cmd)
+
+
+@functools.lru_cache(maxsize=8)
+def _help_text(binary: str, env_key: tuple[tuple[str, str], ...]) -> str:
+    try:
+        done = subprocess.run([binary, "--help"], env=dict(env_key), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout + done.stderr
+
+
+def has_flag(binary: str | os.PathLike[str], flag: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether this tritonserver binary knows `flag` (read once from its --help)."""
+    env_key = tuple(sorted((env if env is not None else os.environ).items()))
+    return re.search(rf"^\s*{re.escape(flag)}\b", _help_text(str(binary), env_key), re.M) is not None
+
+
 def build_command(
     model_repository: str | os.PathLike[str],
     http_port: int,
     grpc_port: int,
     metrics_port: int,
-    backend_dir: str | os.PathLike[str],
+    backend_dir: str | os.PathLike[str] | None,
     extra_args: Sequence[str] = (),
     *,
+    admin_key: str,
     models: Sequence[str] = (),
-    address: str | None = None,
+    address: str = LOOPBACK,
+    metrics_address: str | None = None,
     gpu: bool | None = None,
     paths: PyTritonPaths | None = None,
+    tritonserver: str | os.PathLike[str] | None = None,
+    response_pool: bool | None = None,
 ) -> list[str]:
-    """The ``tritonserver`` argv.
+    """The ``tritonserver`` argv, for every way this project starts Triton (the launcher, tests, the
+    container, the manifests).
 
-    The server uses explicit model control (so a failed model can unload itself
-    and report not ready) and loads ``models`` (a repository may hold more models
-    than one test wants), or every model at startup (``--load-model=*``).  ``address`` binds
-    HTTP, gRPC and metrics to one interface (tests use 127.0.0.1).  Without a
-    GPU (``gpu=None`` detects one), GPU metrics and the pinned-memory pool are
-    turned off: both need CUDA and only log errors otherwise.  ``extra_args``
-    come last so they can override anything.
+    HTTP and gRPC bind to ``address``, metrics to ``metrics_address`` (default ``address``): loopback
+    unless the caller names another interface. Triton's administrative APIs (:data:`RESTRICTED_APIS`) answer
+    only requests whose ``admin-key`` header is ``admin_key``. The server uses explicit model control (so a
+    failed model can unload itself, in-process, and report not ready) and loads ``models``, or every model at
+    startup (``--load-model=*``). ``tritonserver`` is an installed binary with its own backends (NVIDIA's
+    container); otherwise the nvidia-pytriton wheel's, with ``backend_dir`` assembled for it. Without a GPU
+    (``gpu=None`` detects one), GPU metrics and the pinned-memory pool are turned off: both need CUDA and only
+    log errors otherwise. ``response_pool`` (None: when the binary has the flag) bounds the gRPC response
+    pool. ``extra_args`` come last so they can override anything.
     """
-    paths = paths or find_pytriton_paths()
-    cmd = [
-        str(paths.tritonserver),
-        f"--model-repository={Path(model_repository).resolve()}",
-        f"--backend-directory={Path(backend_dir).resolve()}",
-        f"--cache-directory={paths.caches_dir}",
-        f"--http-port={int(http_port)}",
-        f"--grpc-port={int(grpc_port)}",
-        f"--metrics-port={int(metrics_port)}",
-    ]
+    if not admin_key:
+        raise ValueError("build_command needs an admin key: Triton's administrative APIs are never left open")
+    if tritonserver is not None:
+        binary = str(tritonserver)
+        cmd = [binary, f"--model-repository={Path(model_repository).resolve()}"]
+        if backend_dir is not None:
+            cmd.append(f"--backend-directory={Path(backend_dir).resolve()}")
+    else:
+        paths = paths or find_pytriton_paths()
+        binary = str(paths.tritonserver)
+        if backend_dir is None:
+            raise ValueError("the nvidia-pytriton wheel's tritonserver needs its assembled backend directory")
+        cmd = [
+            binary,
+            f"--model-repository={Path(model_repository).resolve()}",
+            f"--backend-directory={Path(backend_dir).resolve()}",
+            f"--cache-directory={paths.caches_dir}",
+        ]
+    cmd += [f"--http-port={int(http_port)}", f"--grpc-port={int(grpc_port)}", f"--metrics-port={int(metrics_port)}"]
     if not (has_nvidia_gpu() if gpu is None else gpu):
         cmd += ["--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0"]
-    if address is not None:
-        cmd += [
-            f"--http-address={address}",
-            f"--grpc-address={address}",
-            f"--metrics-address={address}",
-        ]
+    cmd += [
+        f"--http-address={address}",
+        f"--grpc-address={address}",
+        f"--metrics-address={metrics_address or address}",
+    ]
+    restricted = f"{','.join(RESTRICTED_APIS)}:{ADMIN_KEY_HEADER}={admin_key}"
+    cmd += [f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}"]
+    if response_pool is None:
+        response_pool = has_flag(binary, "--grpc-max-response-pool-size",
+                                 server_env(paths=paths) if tritonserver is None else None)
+    if response_pool:
+        cmd.append(f"--grpc-max-response-pool-size={GRPC_RESPONSE_POOL_SIZE}")
     # Explicit model control in both cases: a model whose engine failed unloads itself, so Triton reports
     # it not ready (orca_gpt's model.py); --load-model=* loads every model at startup.
     cmd.append("--model-control-mode=explicit")
@@ -151,7 +217,8 @@ class TritonServer:
     Attributes available once constructed: ``http_url`` (``http://host:port``),
     ``http_address`` and ``grpc_url`` (``host:port``, what ``tritonclient.http``
     and ``tritonclient.grpc`` take), ``metrics_url`` (full ``.../metrics`` URL)
-    and ``log_path``.
+    and ``log_path``; ``admin_key`` (given, or a fresh one) opens Triton's administrative APIs, which
+    :attr:`admin_headers` carry.
     """
 
     _PORT_RETRIES = 3
@@ -172,7 +239,9 @@ class TritonServer:
         log_verbose: int = 0,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        admin_key: str | None = None,
     ) -> None:
+        self.admin_key = admin_key or new_admin_key()
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
             raise TritonServerError(f"model repository {self.model_repository} is not a directory")
@@ -219,6 +288,16 @@ class TritonServer:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """The header an HTTP request to Triton's administrative APIs needs (tritonclient.http's ``headers=``)."""
+        return {ADMIN_KEY_HEADER: self.admin_key}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        """The metadata a gRPC call to them needs (tritonclient.grpc's ``headers=``)."""
+        return {GRPC_ADMIN_KEY_HEADER: self.admin_key}
+
+    @property
     def pid(self) -> int | None:
         """Process id of tritonserver (also its process group id) while started."""
         return self._proc.pid if self._proc else None
@@ -248,6 +327,7 @@ class TritonServer:
             self.metrics_port,
             self._backend_dir,
             args,
+            admin_key=self.admin_key,
             models=self.models,
             address=self.host,
             paths=self._paths,
@@ -285,7 +365,7 @@ class TritonServer:
     def _spawn(self) -> None:
         cmd = self.command()
         with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.write(f"$ {redact(cmd, self.admin_key)}\n".encode())
             log.flush()
             # A new session makes Triton and its stubs one process group that
             # stop() can kill as a whole, and keeps Ctrl-C in a terminal
@@ -396,12 +476,15 @@ class TritonServer:
         return f"TritonServer({self.model_repository}, http={self.http_url}, {state})"
 
 
-def run_beside(triton_cmd: list[str], env: Mapping[str, str], openai_cmd: list[str]) -> int:
-    """Runs tritonserver and orca-openai as children until Triton exits; SIGINT/SIGTERM go to both, and
-    orca-openai is stopped when Triton is gone. Returns Triton's exit status."""
+def run_beside(
+    triton_cmd: list[str], env: Mapping[str, str], openai_cmd: list[str], openai_env: Mapping[str, str] | None = None
+) -> int:
+    """Runs tritonserver and orca-openai (in ``openai_env``: the admin key, say) as children until Triton
+    exits; SIGINT/SIGTERM go to both, and orca-openai is stopped when Triton is gone. Returns Triton's exit
+    status."""
     triton = subprocess.Popen(triton_cmd, env=dict(env))
     try:
-        openai = subprocess.Popen(openai_cmd)
+        openai = subprocess.Popen(openai_cmd, env=dict(openai_env) if openai_env is not None else None)
     except OSError:
         triton.send_signal(signal.SIGINT)
         triton.wait()

@@ -33,7 +33,8 @@ import tritonclient.grpc as grpcclient
 from test_server_e2e import wait_for
 from tritonclient.utils import InferenceServerException
 
-from orca_server.server import TritonServer, build_command
+from orca_server.launcher import is_loopback
+from orca_server.server import GRPC_RESPONSE_POOL_SIZE, TritonServer, build_command, redact
 from orca_server.wheel import TritonServerError, find_pytriton_paths, prepare_backend_dir, server_env
 
 SMOKE_MODEL = Path(__file__).resolve().parent / "smoke_model"
@@ -157,7 +158,8 @@ def test_server_env_puts_our_interpreter_and_libs_first_without_touching_os_envi
 
 
 def test_build_command_modes_and_ports(tmp_path: Path) -> None:
-    cmd = build_command(tmp_path, 1, 2, 3, tmp_path / "b", ["--log-verbose=1"], models=["a", "b"], address="127.0.0.1")
+    cmd = build_command(tmp_path, 1, 2, 3, tmp_path / "b", ["--log-verbose=1"], admin_key="k3y", models=["a", "b"],
+                        address="10.0.0.5", metrics_address="0.0.0.0", response_pool=True)
     assert cmd[0].endswith("/tritonserver")
     for arg in (
         "--http-port=1",
@@ -166,18 +168,32 @@ def test_build_command_modes_and_ports(tmp_path: Path) -> None:
         "--model-control-mode=explicit",
         "--load-model=a",
         "--load-model=b",
-        "--http-address=127.0.0.1",
-        "--grpc-address=127.0.0.1",
-        "--metrics-address=127.0.0.1",
+        "--http-address=10.0.0.5",
+        "--grpc-address=10.0.0.5",
+        "--metrics-address=0.0.0.0",
+        "--http-restricted-api=model-repository,shared-memory,logging,trace,statistics:admin-key=k3y",
+        "--grpc-restricted-protocol=model-repository,shared-memory,logging,trace,statistics:admin-key=k3y",
+        f"--grpc-max-response-pool-size={GRPC_RESPONSE_POOL_SIZE}",
         f"--backend-directory={(tmp_path / 'b').resolve()}",
         f"--model-repository={tmp_path.resolve()}",
     ):
         assert arg in cmd
     assert cmd[-1] == "--log-verbose=1", "extra args must come last so they override"
-    plain = build_command(tmp_path, 1, 2, 3, tmp_path, gpu=False)
+    plain = build_command(tmp_path, 1, 2, 3, tmp_path, admin_key="k", gpu=False)
     assert "--model-control-mode=explicit" in plain and "--pinned-memory-pool-byte-size=0" in plain
-    assert "--pinned-memory-pool-byte-size=0" not in build_command(tmp_path, 1, 2, 3, tmp_path, gpu=True)
-    assert [a for a in plain if a.startswith(("--load-model", "--http-address"))] == ["--load-model=*"]
+    assert "--pinned-memory-pool-byte-size=0" not in build_command(tmp_path, 1, 2, 3, tmp_path, admin_key="k", gpu=True)
+    assert [a for a in plain if a.startswith("--load-model")] == ["--load-model=*"]
+    # Loopback unless told otherwise; the wheel's 2.51 has no response-pool flag (read off its --help).
+    assert {a for a in plain if "-address=" in a} == {f"--{k}-address=127.0.0.1" for k in ("http", "grpc", "metrics")}
+    assert not any(a.startswith("--grpc-max-response-pool-size") for a in plain)
+    with pytest.raises(ValueError, match="admin key"):
+        build_command(tmp_path, 1, 2, 3, tmp_path, admin_key="")
+    # An installed Triton (NVIDIA's container) keeps its own backends and caches.
+    system = build_command(tmp_path, 1, 2, 3, None, admin_key="k", tritonserver="/opt/tritonserver/bin/tritonserver",
+                           response_pool=False)
+    assert system[0] == "/opt/tritonserver/bin/tritonserver"
+    assert not any(a.startswith(("--backend-directory", "--cache-directory")) for a in system)
+    assert redact(system, "k3y") == " ".join(system) and "k3y" not in redact(cmd, "k3y")
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -217,6 +233,34 @@ def test_cli_help_and_dry_run_with_ports_from_env(tmp_path: Path) -> None:
     assert (tmp_path / "b" / "python" / "triton_python_backend_stub").exists()
     missing = run_cli("--model-repository", str(tmp_path / "nope"), "--dry-run")
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_the_admin_key_is_never_printed_and_binding_beyond_loopback_warns(tmp_path: Path) -> None:
+    """The dry run shows tritonserver's command with the key as ***, from $ORCA_ADMIN_KEY or --admin-key-file
+    (created with mode 0600 when missing, then reused); --address 0.0.0.0 is allowed, with a warning."""
+    repo = str(make_smoke_repository(tmp_path))
+    env = {k: v for k, v in os.environ.items() if k != "ORCA_ADMIN_KEY"}
+    common = ("--model-repository", repo, "--backend-dir", str(tmp_path / "b"), "--dry-run")
+    from_env = run_cli(*common, env={**env, "ORCA_ADMIN_KEY": "s3cret-from-env"})
+    assert from_env.returncode == 0, from_env.stderr
+    assert "s3cret-from-env" not in from_env.stdout + from_env.stderr and "admin-key=***" in from_env.stdout
+    assert "warning" not in from_env.stderr and "--http-address=127.0.0.1" in from_env.stdout
+    assert "--host 127.0.0.1" in from_env.stdout  # orca-openai's
+    key_file = tmp_path / "run" / "admin-key"
+    first = run_cli(*common, "--admin-key-file", str(key_file), "--address", "0.0.0.0", env=env)
+    assert first.returncode == 0, first.stderr
+    key = key_file.read_text().strip()
+    assert len(key) >= 32 and key_file.stat().st_mode & 0o777 == 0o600
+    assert key not in first.stdout + first.stderr and "warning: --address 0.0.0.0" in first.stderr
+    assert "--metrics-address=0.0.0.0" in first.stdout
+    again = run_cli(*common, "--admin-key-file", str(key_file), "--metrics-address", "10.1.2.3", env=env)
+    assert key_file.read_text().strip() == key and key not in again.stdout
+    assert "warning: --metrics-address 10.1.2.3" in again.stderr and "--http-address=127.0.0.1" in again.stdout
+
+
+def test_is_loopback() -> None:
+    assert all(is_loopback(a) for a in ("127.0.0.1", "127.9.9.9", "::1", "[::1]", "localhost", "::ffff:127.0.0.1"))
+    assert not any(is_loopback(a) for a in ("0.0.0.0", "::", "10.0.0.1", "::ffff:10.0.0.1", "example.com", ""))
 
 
 def test_make_serve_takes_ports_from_the_environment(tmp_path: Path) -> None:
@@ -456,7 +500,9 @@ def test_stop_kills_a_server_that_will_not_exit_and_cleans_up(tmp_path: Path) ->
 def test_model_repository_serves_every_model(triton_server: TritonServer) -> None:
     """`make serve` works: each model in model_repository/ loads and reports ready."""
     names = sorted(p.parent.name for p in (REPO_ROOT / "model_repository").glob("*/config.pbtxt"))
-    with urllib.request.urlopen(f"{triton_server.http_url}/v2/repository/index", data=b"{}", timeout=30) as response:
+    index_request = urllib.request.Request(f"{triton_server.http_url}/v2/repository/index", data=b"{}",
+                                           headers=triton_server.admin_headers)
+    with urllib.request.urlopen(index_request, timeout=30) as response:
         index = {m["name"]: m.get("state") for m in json.load(response)}
     # The session server's repository holds every shipped model as is, beside the tests' tiny ones.
     assert {name: index.get(name) for name in names} == dict.fromkeys(names, "READY")
