@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 
 import requests
 from checkpoints import make_gpt2, make_lora_adapter
+from orca_client.admin import ADMIN_KEY_ENV
 
 from orca_server.server import free_ports
 
@@ -152,7 +154,8 @@ def orca_openai(server: Any, log: Path, api_key: str, *options: str) -> Iterator
     cmd = [sys.executable, "-m", "orca_openai", "--host", "127.0.0.1", "--port", str(port),
            "--triton-url", server.grpc_url, "--metrics-url", server.metrics_url, "--api-key", api_key, *options]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                env={**os.environ, ADMIN_KEY_ENV: server.admin_key})  # for Triton's model index
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

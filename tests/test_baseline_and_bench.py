@@ -215,10 +215,12 @@ def triton_inputs(request: dict[str, Any], batched: bool) -> list[grpcclient.Inf
     return inputs
 
 
-def model_stats(url: str, model: str) -> dict[str, Any]:
-    client = grpcclient.InferenceServerClient(url)
+def model_stats(server: Any, model: str) -> dict[str, Any]:
+    """Triton's statistics of `model` (an administrative API: the server's admin key)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+        stats = client.get_inference_statistics(model, as_json=True, headers=server.grpc_admin_headers)
+        stats = stats["model_stats"][0]
     finally:
         client.close()
     full = [b for b in stats.get("batch_stats", []) if int(b["batch_size"]) == REQUEST_LEVEL_TINY_BATCH]
@@ -232,9 +234,9 @@ def model_stats(url: str, model: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def baseline_batch(orca_server: Any) -> dict[str, Any]:
     """BATCH through request_level_tiny (one Triton batch) and through orca_tiny, each on one stream."""
-    before = model_stats(orca_server.grpc_url, REQUEST_LEVEL_TINY)
+    before = model_stats(orca_server, REQUEST_LEVEL_TINY)
     baseline = stream_batch(orca_server.grpc_url, REQUEST_LEVEL_TINY, BATCH, batched=True)
-    after = model_stats(orca_server.grpc_url, REQUEST_LEVEL_TINY)
+    after = model_stats(orca_server, REQUEST_LEVEL_TINY)
     orca = stream_batch(orca_server.grpc_url, "orca_tiny", BATCH, batched=False)
     return {"baseline": baseline, "orca": orca, "before": before, "after": after}
 

@@ -359,7 +359,8 @@ def test_a_model_that_fails_to_load_lists_no_metric_families(orca_server: Any) -
                     'key: "model" value: { string_value: "/nonexistent/checkpoint" }', config)
     (repo / name / "config.pbtxt").write_text(config)
     try:
-        r = requests.post(f"{orca_server.http_url}/v2/repository/models/{name}/load", timeout=300)
+        r = requests.post(f"{orca_server.http_url}/v2/repository/models/{name}/load", timeout=300,
+                          headers=orca_server.admin_headers)
         assert r.status_code != 200 and "nonexistent" in r.text, r.text
         ours = [line for line in requests.get(orca_server.metrics_url, timeout=30).text.splitlines()
                 if line.startswith(("orca_", "vllm:"))]  # (Triton's own nv_* series list every model)

@@ -329,7 +329,7 @@ def test_orca_bench_trace_records_a_timeline_for_each_model(orca_server: Any, tm
     argv = ["trace", "--url", orca_server.grpc_url, "--models", ",".join(models), "--rates", "50",
             "--num-requests", "8", "--unloaded-requests", "0", "--prompt-len", "2:40", "--max-new-tokens", "1:12",
             "--token-ids", "1:200", "--seed", "3", "--metrics-url", "", "--no-progress",
-            "--timeline", str(directory), "--json", str(tmp_path / "trace.json")]
+            "--timeline", str(directory), "--json", str(tmp_path / "trace.json"), "--admin-key", orca_server.admin_key]
     assert orca_bench.main(argv) == 0
     result = json.loads((tmp_path / "trace.json").read_text())
     sent = {}

@@ -40,6 +40,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tqdm import tqdm
 
+from orca_client.admin import ADMIN_KEY_ENV, admin_key, grpc_headers
 from orca_client.bench.common import machine_info, write_json
 from orca_client.bench.options import (
     add_workload_options,
@@ -508,7 +509,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             for model in models:
                 if model in timelines:
                     bar.set_postfix_str(f"{model}: reloading with its timeline on")
-                    reload_model(args.url, model, str(timelines[model]))
+                    reload_model(args.url, model, str(timelines[model]), args.admin_key)
                     traced.append(model)
                 if unloaded_trace:
                     bar.set_postfix_str(f"{model} unloaded")
@@ -529,12 +530,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
                         notes[model] = sampler.note
                 if model in timelines:
                     bar.set_postfix_str(f"{model}: reloading with its own trace parameter")
-                    reload_model(args.url, model, own_trace[model])
+                    reload_model(args.url, model, own_trace[model], args.admin_key)
                     traced.remove(model)
     finally:
         for model in traced:  # a run that failed half-way: the model must not keep tracing
             with contextlib.suppress(Exception):
-                reload_model(args.url, model, own_trace[model])
+                reload_model(args.url, model, own_trace[model], args.admin_key)
         for driver in drivers.values():
             driver.close()
     result["kv_notes"] = notes
@@ -553,11 +554,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-def reload_model(url: str, model: str, trace: str) -> None:
+def reload_model(url: str, model: str, trace: str, key: str | None = None) -> None:
     """Reloads a served model with its trace parameter set to `trace` ("" = off): Triton's load_model with
     a config override, the model's current config with that one parameter changed (a plain load_model
     would keep the loaded config: Triton reloads only what changed). Needs Triton's explicit model
-    control, as make serve starts it."""
+    control, as make serve starts it, and the admin key `key` (README "Security")."""
     client = grpcclient.InferenceServerClient(url)
     try:
         config = client.get_model_config(model, as_json=True)["config"]
@@ -565,7 +566,7 @@ def reload_model(url: str, model: str, trace: str) -> None:
         if "trace" not in parameters:
             raise ValueError(f"{model} has no trace parameter in its config.pbtxt: it cannot record a timeline")
         parameters["trace"] = {"string_value": trace}
-        client.load_model(model, config=json.dumps(config))
+        client.load_model(model, config=json.dumps(config), headers=grpc_headers(key))
     finally:
         client.close()
 
@@ -692,6 +693,8 @@ def add_parser(sub: Any) -> None:
     t = sub.add_parser("trace", help="the Orca workload against a running Triton server, at a sweep of rates",
                        description=doc_description(__doc__))
     t.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default: %(default)s)")
+    t.add_argument("--admin-key", default=admin_key(), help="the admin key --timeline's reloads need (default: "
+                   f"${ADMIN_KEY_ENV})")
     t.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated (default: %(default)s)")
     t.add_argument("--rates", help="arrival rates in req/s, comma-separated (default: "
                    + "; with --paper: ".join(",".join(f"{r:g}" for r in DEFAULT_RATES[p]) for p in ("default", "paper"))
