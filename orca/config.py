@@ -3,6 +3,7 @@ orca/checkpoint.py's ModelConfig."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -24,6 +25,7 @@ _INT_OPTIONS = (
     "max_num_batched_tokens", "tensor_parallel_size", "pipeline_parallel_size", "local_workers",
     "trace_max_bytes", "trace_backups", "quantization_group_size", "num_speculative_tokens", "prompt_lookup_min",
     "prompt_lookup_max", "speculative_disable_by_batch_size", "max_loras", "max_lora_rank",
+    "max_consecutive_failures",
 )
 _FLOAT_OPTIONS = ("gpu_memory_utilization", "worker_timeout")
 _BOOL_OPTIONS = ("enable_prefix_caching", "enable_lora", "allow_runtime_lora_updating")
@@ -265,6 +267,14 @@ class EngineConfig:
       hung, fails every request and stops (in Triton the model then unloads itself). Worker processes get 10x
       that to start (connect, load the weights, size the pool), and the data plane's collectives time out
       after it; in orca_gpt a watchdog thread also times the in-process worker's iterations.
+    - max_consecutive_failures: iterations in a row that may fail (an exception inside the worker fails that
+      iteration's requests only) before the engine counts its device as broken: it then fails every request
+      it holds, running and waiting, refuses new ones and stops (in Triton the model unloads itself and
+      reports not ready). An iteration that succeeds starts the count afresh. An error that is fatal by its
+      kind fails the engine at once, whatever the count: a CUDA error (a device-side assert, an illegal
+      memory access, torch's AcceleratorError; orca.core.engine.FATAL_ERROR_MARKERS), which leaves the
+      device's context unusable for every later iteration. At least 1; default 3: one failed iteration (a
+      transient error) leaves the engine serving, a sticky error stops it within three.
     - control_address: host:port where the driver listens for its worker processes; port 0 (the default)
       picks a free one, enough for workers on this host only. For ranks on other nodes set a fixed port they
       can reach (e.g. 0.0.0.0:29600).
@@ -323,6 +333,7 @@ class EngineConfig:
     n_workers: int | None = None
     distributed_backend: str = "auto"
     worker_timeout: float = 120.0
+    max_consecutive_failures: int = 3
     control_address: str = "127.0.0.1:0"
     local_workers: int | None = None
     max_model_len: int | None = None
@@ -365,7 +376,7 @@ class EngineConfig:
                     f"device {self.device!r} is not a torch device (e.g. auto, cpu, cuda, cuda:1)"
                 ) from None
         for name, low in (("max_bs", 1), ("max_queue", 1), ("block_size", 1), ("tensor_parallel_size", 1),
-                          ("pipeline_parallel_size", 1)):
+                          ("pipeline_parallel_size", 1), ("max_consecutive_failures", 1)):
             _check_int(name, getattr(self, name), low)
         for name in ("n_slots", "max_model_len", "kv_cache_bytes", "max_num_batched_tokens", "n_workers"):
             if getattr(self, name) is not None:
@@ -539,6 +550,23 @@ class EngineConfig:
         if forced not in TORCH_COMPILE_CHOICES:
             raise ValueError(f"$ORCA_TORCH_COMPILE must be one of {', '.join(TORCH_COMPILE_CHOICES)}, got {forced!r}")
         return forced
+
+
+FAULT_INJECTION_ENV = "ORCA_ENABLE_FAULT_INJECTION"
+"""The test switch of the fault hooks ($ORCA_ENGINE_FAULT, $ORCA_WORKER_FAULT): they are read only when it
+is "1", so a production environment that happens to hold one cannot make the engine fail."""
+
+
+def fault_spec(variable: str) -> str:
+    """The value of fault-injection variable `variable` when $ORCA_ENABLE_FAULT_INJECTION is 1, else "" (a
+    value set without the switch is ignored, with a warning)."""
+    spec = os.environ.get(variable, "").strip()
+    if spec and os.environ.get(FAULT_INJECTION_ENV, "").strip() != "1":
+        logging.getLogger(__name__).warning(
+            "$%s is set but ignored: fault injection is for the tests and needs $%s=1", variable, FAULT_INJECTION_ENV
+        )
+        return ""
+    return spec
 
 
 def parse_lora_modules(text: str | None) -> dict[str, str]:

@@ -50,13 +50,29 @@ MAX_CACHE_SALT_CHARS = 1024
 """The longest cache_salt a request may give."""
 
 
+FATAL_ERROR_MARKERS = (
+    "CUDA error", "AcceleratorError", "device-side assert", "illegal memory access", "unspecified launch failure",
+    "CUBLAS_STATUS_", "CUDNN_STATUS_", "NCCL error", "misaligned address", "illegal instruction",
+)
+"""Words of an iteration's error (the worker's "ExceptionType: message") that say the device itself is
+broken: after a CUDA error the context is unusable (every later kernel launch fails with it), so the engine
+fails at once rather than after max_consecutive_failures iterations. An out-of-memory error is not among
+them: a smaller batch may fit."""
+
+
+def fatal_error(error: str) -> bool:
+    """Whether an iteration's error is fatal by its kind (FATAL_ERROR_MARKERS)."""
+    return any(marker in error for marker in FATAL_ERROR_MARKERS)
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound (EngineConfig.max_queue): retry later."""
 
 
 class EngineFailedError(RuntimeError):
-    """The engine's workers failed (died, hung, or an iteration raised in a worker process): it serves no
-    more requests. Its message says what happened."""
+    """The engine's workers failed (died, hung, an iteration raised in a worker process, a device error,
+    or max_consecutive_failures iterations in a row failed): it serves no more requests. Its message says
+    what happened."""
 
 
 @dataclass(slots=True)
@@ -177,6 +193,7 @@ class EngineCore:
             config.speculative_disable_by_batch_size, self.lora_slots,
         )
         self.failed: str | None = None  # why the workers failed (EngineFailedError), once they have
+        self.consecutive_failures = 0  # iterations in a row whose worker raised (max_consecutive_failures)
         # The model's EOS ids: a request that names none (add_request's eos_token_ids) stops at these.
         self.eos_token_ids: frozenset[int] = frozenset(mc.eos_token_ids)
         self.last_iteration = IterationStats()
@@ -392,7 +409,9 @@ class EngineCore:
     # -- the iteration ---------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Runs one iteration. Returns an output for every request in it, and for requests cancelled
-        since the last step. A failed iteration fails its own requests only."""
+        since the last step. A failed iteration fails its own requests only, unless it is the
+        max_consecutive_failures-th in a row or its error is fatal by kind (fatal_error): then the engine
+        fails (`failed`), every request it holds ends with an error and later ones are refused."""
         outputs, self._pending = self._pending, []
         if self.failed is not None:
             return outputs
@@ -418,6 +437,16 @@ class EngineCore:
         if result.batch_id != batch.batch_id:
             raise RuntimeError(f"the executor returned batch {result.batch_id}, expected {batch.batch_id}")
         outputs.extend(self._complete(batch, result, start))
+        if result.error is None:
+            self.consecutive_failures = 0
+            return outputs
+        self.consecutive_failures += 1
+        limit = self.config.max_consecutive_failures
+        if fatal_error(result.error):
+            outputs += self._fail(f"a device error in iteration {batch.batch_id}: {result.error}")
+        elif self.consecutive_failures >= limit:
+            outputs += self._fail(f"{self.consecutive_failures} iterations in a row failed "
+                                  f"(max_consecutive_failures {limit}); the last: {result.error}")
         return outputs
 
     def _fail(self, message: str) -> list[EngineCoreOutput]:

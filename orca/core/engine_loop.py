@@ -14,16 +14,16 @@ RequestOutputs on its own thread. When there is nothing to run it sleeps on the 
 Client cancellation is the caller's to notice (the Triton model asks each request's sender on its
 response thread, the one thread that sends): it calls ``abort``.
 
-The loop fails loudly: when the engine's workers fail, when the loop thread dies, or when one iteration
-runs longer than worker_timeout (a hung device: a watchdog thread notices; worker processes have their own
-deadline), ``failed`` says why, ``submit`` refuses new requests (EngineFailedError) and ``on_failure``
-is called once; the caller answers what the engine can no longer answer.
+The loop fails loudly: when the engine's workers fail, when the core counts its device as broken (an
+error fatal by kind, or max_consecutive_failures failed iterations in a row: EngineCore.step), when the
+loop thread dies, or when one iteration runs longer than worker_timeout (a hung device: a watchdog thread
+notices; worker processes have their own deadline), ``failed`` says why, ``submit`` refuses new requests
+(EngineFailedError) and ``on_failure`` is called once; the caller answers what the engine can no longer answer.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+from orca.config import fault_spec
 from orca.core.constraint import TokenConstraint
 from orca.core.engine import (
     EngineCore,
@@ -96,8 +97,8 @@ class EngineLoop:
         final output follows the snapshot without it). on_failure gets the reason, once, when the engine
         fails: its workers died or hung (every request it held has its error output by then), the loop
         thread died or an iteration hung (then on the watchdog's thread; outputs may never come: the
-        caller must answer its requests itself). `fault` = (iteration, "hang" | "crash" | "raise")
-        injects a failure for the tests (see fault_from_env)."""
+        caller must answer its requests itself). `fault` = (iteration, "hang" | "crash" | "raise" |
+        "raise-always") injects a failure for the tests (see fault_from_env)."""
         if fault is not None and fault[1] not in _FAULT_KINDS:
             raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {fault[1]!r} ({', '.join(_FAULT_KINDS)})")
         self._on_output = on_output
@@ -129,9 +130,9 @@ class EngineLoop:
         self._watchdog = None if core.config.distributed else threading.Thread(
             target=self._watch, name="orca-watchdog", daemon=True
         )
-        if fault is not None and fault[1] == "raise" and not hasattr(core.executor, "inject_fault"):
+        if fault is not None and fault[1] in _RAISE_KINDS and not hasattr(core.executor, "inject_fault"):
             self.shutdown()
-            raise ValueError("$ORCA_ENGINE_FAULT kind raise needs the in-process worker (no parallelism)")
+            raise ValueError(f"$ORCA_ENGINE_FAULT kind {fault[1]} needs the in-process worker (no parallelism)")
 
     @property
     def failed(self) -> str | None:
@@ -252,8 +253,9 @@ class EngineLoop:
             last = self.core.last_iteration
             self._iterations += 1
             self._busy_since = time.monotonic()
-            if self._fault is not None and self._iterations == self._fault[0]:
-                if self._fault[1] == "raise":  # inside the worker's next iteration: it fails, the loop goes on
+            if self._fault is not None and (self._iterations == self._fault[0] or (
+                    self._fault[1] == "raise-always" and self._iterations > self._fault[0])):
+                if self._fault[1] in _RAISE_KINDS:  # inside the worker's next iteration: it fails, the loop goes on
                     self.core.executor.inject_fault(
                         f"fault injected by $ORCA_ENGINE_FAULT in iteration {self._iterations}")
                 else:
@@ -381,15 +383,19 @@ class EngineLoop:
         return outputs
 
 
-_FAULT_KINDS = ("hang", "crash", "raise")
+_RAISE_KINDS = ("raise", "raise-always")
+_FAULT_KINDS = ("hang", "crash", *_RAISE_KINDS)
 
 
 def fault_from_env(model_name: str) -> tuple[int, str] | None:
-    """Fault injection for the failure tests: $ORCA_ENGINE_FAULT = "MODEL:ITERATION:KIND" (comma-separated
-    for several models) makes that model's loop hang inside (KIND hang) or die before (crash) that
-    iteration of the loop, or (raise) makes the in-process worker raise inside the next plan it executes
-    from that iteration on: that iteration's requests fail (finish_reason error), the engine goes on."""
-    spec = os.environ.get("ORCA_ENGINE_FAULT", "")
+    """Fault injection for the failure tests, read only with $ORCA_ENABLE_FAULT_INJECTION=1
+    (orca.config.fault_spec): $ORCA_ENGINE_FAULT = "MODEL:ITERATION:KIND" (comma-separated for several
+    models) makes that model's loop hang inside (KIND hang) or die before (crash) that iteration of the
+    loop, or (raise) makes the in-process worker raise inside the next plan it executes from that iteration
+    on: that iteration's requests fail (finish_reason error), the engine goes on; raise-always makes it
+    raise in that plan and in every later one, a sticky device error: after max_consecutive_failures
+    iterations the engine fails."""
+    spec = fault_spec("ORCA_ENGINE_FAULT")
     for item in filter(None, spec.split(",")):
         name, iteration, kind = item.split(":")
         if name == model_name:
