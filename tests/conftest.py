@@ -41,6 +41,7 @@ def orca_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServ
     repo, tiny = build_test_repository(root)
     env = {k: v for k, v in os.environ.items() if k != "ORCA_TORCH_COMPILE"}  # shipped models: as shipped
     env["ORCA_ENGINE_FAULT"] = ENGINE_FAULTS
+    env["ORCA_ENABLE_FAULT_INJECTION"] = "1"  # the fault hooks' test switch (orca.config.fault_spec)
     with TritonServer(repo, log_path=root / "tritonserver.log", startup_timeout=_startup_timeout(),
                       env=env) as server:
         server.tiny_checkpoint = tiny

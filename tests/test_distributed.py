@@ -243,6 +243,7 @@ def test_hung_worker_misses_its_deadline() -> None:
 
 def test_exception_in_a_worker_fails_the_engine(monkeypatch) -> None:
     monkeypatch.setenv("ORCA_WORKER_FAULT", "1:5:raise")  # rank 1 raises in iteration 5
+    monkeypatch.setenv("ORCA_ENABLE_FAULT_INJECTION", "1")  # the fault hooks' test switch (local workers inherit it)
     e, pids = _start_failing_engine()
     final, _ = _finish_with_errors(e, bound_s=20)
     assert len(final) == 12

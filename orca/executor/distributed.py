@@ -40,7 +40,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener, wait
 
 from orca.checkpoint import read_model_config, resolve_checkpoint
-from orca.config import EngineConfig
+from orca.config import EngineConfig, fault_spec
 from orca.core.plan import StepPlan, StepResult
 from orca.executor import WorkerFailure
 from orca.parallel import ParallelLayout
@@ -332,9 +332,10 @@ def _no_delay(conn: Connection) -> None:
 
 
 def _injected_fault(rank: int) -> tuple[int, str] | None:
-    """Fault injection for the failure tests: $ORCA_WORKER_FAULT = "RANK:ITERATION:KIND" makes that rank
-    raise (KIND raise), exit at once (exit) or stop answering (hang) when it gets that iteration's plan."""
-    spec = os.environ.get(FAULT_ENV, "")
+    """Fault injection for the failure tests, read only with $ORCA_ENABLE_FAULT_INJECTION=1 (local workers
+    inherit the driver's environment): $ORCA_WORKER_FAULT = "RANK:ITERATION:KIND" makes that rank raise
+    (KIND raise), exit at once (exit) or stop answering (hang) when it gets that iteration's plan."""
+    spec = fault_spec(FAULT_ENV)
     if not spec:
         return None
     r, batch_id, kind = spec.split(":")
