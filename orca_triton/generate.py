@@ -24,6 +24,11 @@ num_cached_tokens UINT32 [1] (on the final response only: the prompt tokens whos
 from the prefix cache when the request was first admitted, so were not computed for it; 0 with
 EngineConfig.enable_prefix_caching off).
 
+Bounds (ValueError naming the field and the bound, INVALID_ARG in Triton): at most MAX_STOP_STRINGS (16)
+stop strings of MAX_STOP_CHARS (1,000) characters, MAX_STOP_TOKEN_IDS (64) stop_token_ids, n at most MAX_N
+(16); a text prompt (text_input, or messages and tools) of more than PROMPT_BYTES_PER_TOKEN (64) bytes per
+token of max_model_len is refused before it is decoded or tokenized.
+
 The flags, as vllm_backend's: an additional output comes only when its flag is true, and then on every
 response (finish_reason "None" until the last; num_output_tokens this response's count; logprobs this
 response's tokens'; cumulative_logprob the sum so far); left out or false, it does not come.
@@ -66,6 +71,61 @@ STREAM_WITH_INPUT_ERROR = (
 exclude_input_in_output false: a stream carries the completion only."""
 
 
+MAX_STOP_STRINGS = 16
+"""The most stop strings a request may give (OpenAI allows 4, vLLM sets no bound): each is searched for in
+every new piece of text, on the response thread every request shares."""
+MAX_STOP_CHARS = 1000
+"""The longest stop string, in characters."""
+MAX_STOP_TOKEN_IDS = 64
+"""The most stop_token_ids a request may give."""
+MAX_N = 16
+"""The most sequences (n) one request may ask for here: each is an engine request of its own, so n is a
+multiplier on the work one client can ask for (orca.sampling_params.MAX_N, 128, is OpenAI's bound)."""
+PROMPT_BYTES_PER_TOKEN = 64
+"""A text prompt (text_input; messages and tools together) longer than this many UTF-8 bytes per token of
+max_model_len cannot fit the context, whatever the tokenizer makes of it: it is refused before tokenizing
+(a 1 MiB prompt would otherwise hold a thread for most of a second)."""
+
+
+def check_prompt_size(inputs: dict[str, np.ndarray], max_model_len: int | None) -> int:
+    """The size of the request's text prompt in bytes (0 for input_ids), checked against
+    PROMPT_BYTES_PER_TOKEN x max_model_len (None: unchecked) before it is decoded or tokenized: ValueError
+    naming the input, its size and the bound."""
+    names = [name for name in ("text_input", "messages", "tools") if name in inputs]
+    size = sum(_raw_size(inputs[name]) for name in names)
+    if max_model_len is not None and size > PROMPT_BYTES_PER_TOKEN * max_model_len:
+        raise ValueError(
+            f"{' and '.join(names)} is {size} bytes long; at most {PROMPT_BYTES_PER_TOKEN * max_model_len} bytes "
+            f"are allowed ({PROMPT_BYTES_PER_TOKEN} per token of max_model_len {max_model_len}): a longer text "
+            "cannot fit the context"
+        )
+    return size
+
+
+def _raw_size(tensor: np.ndarray) -> int:
+    """The bytes of a string input's elements (characters for a str), without decoding them."""
+    arr = np.asarray(tensor)
+    if arr.dtype.kind in "SU":
+        return int(arr.nbytes)
+    return sum(len(v) if isinstance(v, (bytes, str)) else 0 for v in arr.reshape(-1).tolist())
+
+
+def check_request_bounds(params: SamplingParams) -> None:
+    """The Triton path's caps on what one request may ask for (MAX_STOP_STRINGS, MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS, MAX_N): ValueError naming the field and the bound."""
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(params.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for i, stop in enumerate(params.stop):
+        if len(stop) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{i}] is {len(stop)} characters long; at most {MAX_STOP_CHARS} are allowed")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids holds {len(params.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                         "are allowed")
+    if params.n > MAX_N:
+        raise ValueError(f"n must be >= 1 and <= {MAX_N} (sequences generated for the prompt, each an engine "
+                         f"request of its own), got {params.n}")
+
+
 class TextCodec(Protocol):
     """What parsing needs: the model's tokenizer behind the front end's checks (orca.frontend.tokenizer.Tokenizer)."""
 
@@ -98,12 +158,13 @@ class GenerateRequest:
 
 def parse_generate_request(
     inputs: dict[str, np.ndarray], parameters: dict[str, Any], codec: TextCodec, has_tokenizer: bool,
-    sampling_defaults: Mapping[str, Any] | None = None,
+    sampling_defaults: Mapping[str, Any] | None = None, max_model_len: int | None = None,
 ) -> GenerateRequest:
     """Raises ValueError with a message saying what is wrong and what is allowed (the prompt's ids are
     checked against the model by the engine when the request is submitted). `sampling_defaults`: the
     model's (orca.frontend.generation_config.read_sampling_defaults), for the sampling keys the request
-    leaves out."""
+    leaves out. `max_model_len`: the engine's; a text prompt that cannot fit it is refused before it is
+    tokenized (check_prompt_size; None: not checked)."""
     given = [name for name in PROMPT_INPUTS if name in inputs]
     if not given:
         raise ValueError("the request has no prompt: give input_ids, text_input or messages")
@@ -111,6 +172,7 @@ def parse_generate_request(
         raise ValueError(f"give exactly one prompt input, got {', '.join(given)}")
     if "tools" in inputs and "messages" not in inputs:
         raise ValueError("tools is only allowed with the messages input (the chat template renders them)")
+    check_prompt_size(inputs, max_model_len)
     prompt_text: str | None = None
     if "input_ids" in inputs:
         arr = np.asarray(inputs["input_ids"])
@@ -137,6 +199,7 @@ def parse_generate_request(
     cache_salt = _cache_salt(inputs, parameters.pop("cache_salt", None))
     params = _sampling_params(inputs, parameters, sampling_defaults)
     check_stop_strings(params, has_tokenizer)
+    check_request_bounds(params)
     flags = {name: _bool_input(inputs, name) for name in RETURN_FLAGS}
     logprobs_asked = params.logprobs is not None
     if flags["return_cumulative_logprob"] and not logprobs_asked:

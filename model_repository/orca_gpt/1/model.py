@@ -5,7 +5,8 @@ Triton tensors in, engine calls, Triton responses out. The scheduling is the eng
 orca_triton.generate's; text is the front end's (orca.frontend: Tokenizer in, OutputProcessor out);
 metrics and tritonserver's shutdown and death are orca_triton.metrics' and orca_triton.lifecycle's.
 
-Threads: Triton calls execute(), which parses and tokenizes, submits token ids and returns at once. The
+Threads: Triton calls execute(), which parses and tokenizes, submits token ids and returns at once (a text
+prompt too long for the context is refused unread; a long one is tokenized on a small pool instead). The
 scheduler thread loads the engine core (in initialize, which waits for it) and then runs its iterations,
 queues their deltas and publishes the engine's gauges: every torch op of the engine runs on that one
 thread, and no text. The response thread turns deltas into RequestOutputs (detokenizing, stop strings,
@@ -31,6 +32,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,7 @@ from orca.frontend.tokenizer import Tokenizer
 from orca_triton.generate import (
     INPUT_NAMES,
     GenerateRequest,
+    check_prompt_size,
     parent_response_tensors,
     parse_generate_request,
     response_tensors,
@@ -75,6 +78,8 @@ from orca_triton.metrics import Metrics
 logger = logging.getLogger("orca_gpt")
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_INLINE_PROMPT_BYTES = 16 << 10  # text prompts up to this size are tokenized on execute's thread (a few ms)
+_PROMPT_THREADS = 2  # the pool that tokenizes longer ones
 _CANCEL_POLL_S = 0.1  # how often the response thread asks every active request's sender about cancellation
 _NO_OUTPUT = object()
 _WATCH_S = 0.5  # how often the watcher asks whether tritonserver still runs and is ready
@@ -147,6 +152,10 @@ class TritonPythonModel:
             self.text.hf, self.core.model_config.vocab_size, self.eos_token_ids
         )
         self.structured_outputs.warm_up()
+        # Long text prompts are tokenized here, off execute's thread (_submit); at most max_queue wait.
+        self._prompt_pool = ThreadPoolExecutor(_PROMPT_THREADS, thread_name_prefix="orca-prompt")
+        self._prompts_lock = threading.Lock()
+        self._prompts_pending = 0
         # The metric families last, once the model has loaded: one that fails to load registers none (the
         # loop's callbacks, which read them, run from loop.start() on).
         self.metrics = Metrics({"model": args["model_name"], "version": args["model_version"]},
@@ -178,6 +187,7 @@ class TritonPythonModel:
         # everything already, and its thread may be hung for good (an iteration that never returns): do not
         # hold up Triton's unload (and exit) waiting for it.
         self.structured_outputs.shutdown()
+        self._prompt_pool.shutdown(wait=True)  # those being tokenized are submitted (then cancelled below)
         self.loop.shutdown(timeout=30.0 if self.loop.failed is None else 1.0)
         self._responses.put(None)
         self._response_thread.join(timeout=30)
@@ -260,16 +270,43 @@ class TritonPythonModel:
 
     # -- execute's side --------------------------------------------------------------------------
     def _submit(self, request: Any) -> None:
+        """Reads the request's inputs; a text prompt too long for the context is refused here, before it is
+        decoded or tokenized (check_prompt_size). One of more than _INLINE_PROMPT_BYTES is tokenized on a
+        pool thread (the tokenizer releases the GIL), so that it never holds up the requests behind it on
+        this thread, Triton's one execute thread; smaller ones are parsed here, in their order of arrival."""
         sender = request.get_response_sender()
         try:
             inputs = {}
             for name in INPUT_NAMES:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
+                    inputs[name] = tensor.as_numpy()  # BYTES elements are Python bytes: no view of the request
             parameters = json.loads(request.parameters() or "{}")
+            if check_prompt_size(inputs, self.core.max_model_len) <= _INLINE_PROMPT_BYTES:
+                self._parse_and_submit(sender, inputs, parameters)
+                return
+            with self._prompts_lock:
+                if self._prompts_pending >= self.core.config.max_queue:
+                    raise QueueFullError(f"{self._prompts_pending} long prompts wait to be tokenized (max_queue "
+                                         f"{self.core.config.max_queue}): retry later")
+                self._prompts_pending += 1
+            self._prompt_pool.submit(self._tokenize_off_execute, sender, inputs, parameters)
+        except Exception as exc:  # noqa: BLE001 - answer the request whatever went wrong
+            _answer_failure(sender, exc)
+
+    def _tokenize_off_execute(self, sender: Any, inputs: dict[str, Any], parameters: dict[str, Any]) -> None:
+        """A long prompt, on a pool thread: parsed (tokenized) and submitted as on execute's thread."""
+        try:
+            self._parse_and_submit(sender, inputs, parameters)
+        finally:
+            with self._prompts_lock:
+                self._prompts_pending -= 1
+
+    def _parse_and_submit(self, sender: Any, inputs: dict[str, Any], parameters: dict[str, Any]) -> None:
+        try:
             parsed = parse_generate_request(
-                inputs, parameters, self.text, self.has_tokenizer, sampling_defaults=self.sampling_defaults
+                inputs, parameters, self.text, self.has_tokenizer, sampling_defaults=self.sampling_defaults,
+                max_model_len=self.core.max_model_len,
             )
             so = parsed.params.structured_outputs
             if parsed.params.n > 1 and not self.has_tokenizer:
