@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -266,7 +267,28 @@ STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 """What a structured output constrains to: a JSON schema, any JSON object, a regex, one of several strings,
 or a context-free grammar (EBNF, llama.cpp's GBNF spelling: `root ::= ...`)."""
 MAX_STRUCTURED_OUTPUT_CHARS = 200_000
-"""The longest schema, regex or grammar (and all choices together) a request may give, in characters."""
+"""The longest JSON schema (and all choices together) a request may give, in characters (OpenAI's structured
+outputs allow 120,000 characters of property names, enum and const values in one schema)."""
+MAX_REGEX_CHARS = 16_384
+"""The longest regex a request may give, in characters."""
+MAX_GRAMMAR_CHARS = 65_536
+"""The longest EBNF grammar a request may give, in characters (a whole SQL or JSON grammar is 2-10k)."""
+MAX_SCHEMA_NODES = 25_000
+"""The most JSON values (objects, lists, strings, numbers...) a schema may hold: OpenAI's structured outputs
+allow 5,000 properties, each a few values. Bounds the meta-schema check's work with the character cap."""
+MAX_SCHEMA_DEPTH = 64
+"""The deepest a schema's JSON may nest (OpenAI's structured outputs allow 10 levels of schemas, about 30 of
+JSON)."""
+MAX_REPETITION = 100_000
+"""The largest count a structured output may give: minLength, maxLength, minItems, maxItems, minProperties,
+maxProperties, a regex's or grammar's {n,m}, and the product of nested {n,m} in one regex. vLLM and xgrammar
+bound none of them (xgrammar 0.2.8 compiles a count as a repeat, not unrolled: [a-z]{0,100000} costs what
+{0,1000} does); llama.cpp refuses counts past 2,000 and now reads a larger maximum as unbounded, because
+tool schemas in the wild give maxLength 65536 as "long". 100,000 passes those and refuses what no output within
+a context window could fill (maxLength 1e9: 5.8 s to compile)."""
+_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_VALUE_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas: a count there is data
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 @dataclass(frozen=True)
@@ -336,8 +358,13 @@ class StructuredOutputs:
                 raise ValueError(f"{name} must be a non-empty string, got {_show(raw)}")
             _check_unicode(name, raw)
             spec = raw
-        if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
-            raise ValueError(f"{name} is {len(spec)} characters long; at most {MAX_STRUCTURED_OUTPUT_CHARS} allowed")
+        limit = {"regex": MAX_REGEX_CHARS, "grammar": MAX_GRAMMAR_CHARS}.get(kind, MAX_STRUCTURED_OUTPUT_CHARS)
+        if len(spec) > limit:
+            raise ValueError(f"{name} is {len(spec)} characters long; at most {limit} allowed")
+        if kind == "json":
+            check_schema_bounds(schema, name)
+        elif kind in ("regex", "grammar"):
+            check_repetitions(spec, name, grammar=kind == "grammar")
         return cls(kind, spec, any_whitespace=not flag)
 
     @property
@@ -352,6 +379,97 @@ class StructuredOutputs:
         if not self.any_whitespace:
             out["disable_any_whitespace"] = True
         return out
+
+
+def check_schema_bounds(schema: Any, what: str) -> None:
+    """ValueError unless a JSON schema is within MAX_SCHEMA_NODES values, MAX_SCHEMA_DEPTH levels and
+    MAX_REPETITION for each count (its keywords and its patterns' {n,m}): one pass over the parsed JSON,
+    stopping at the first bound crossed, so it costs at most what the character cap allows and runs before
+    the meta-schema check or any compile."""
+    nodes = 0
+    stack: list[tuple[Any, str, int, bool]] = [(schema, "", 1, False)]  # (value, path, depth, is data)
+    while stack:
+        value, path, depth, data = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise ValueError(f"{what} holds more than {MAX_SCHEMA_NODES} JSON values; at most {MAX_SCHEMA_NODES} "
+                             f"allowed")
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels (at {_clipped(path, 80)}); at most "
+                             f"{MAX_SCHEMA_DEPTH} allowed")
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                where = f"{path}/{key}"
+                if not data:
+                    if key in _COUNT_KEYWORDS and isinstance(sub, (int, float)) and not isinstance(sub, bool):
+                        _check_count(sub, f"{what}: {key} (at {where})")
+                    elif key == "pattern" and isinstance(sub, str):
+                        check_repetitions(sub, f"{what}: the pattern at {where}")
+                    elif key == "patternProperties" and isinstance(sub, dict):
+                        for pattern in sub:
+                            check_repetitions(pattern, f"{what}: the pattern {_clipped(pattern)} at {where}")
+                stack.append((sub, where, depth + 1, data or key in _VALUE_KEYWORDS))
+        elif isinstance(value, list):
+            stack.extend((sub, f"{path}/{i}", depth + 1, data) for i, sub in enumerate(value))
+
+
+def check_repetitions(text: str, what: str, grammar: bool = False) -> None:
+    """ValueError when a regex's (or an EBNF grammar's) {n}, {n,} or {n,m} counts past MAX_REPETITION, alone
+    or multiplied by the counts inside the group it repeats ("(a{1000}){1000}" asks for a million). Character
+    classes, escapes and (in a grammar) quoted strings and comments hold no count; a grammar's rule
+    references are not followed. One pass over the text."""
+    i, n = 0, len(text)
+    inside = [1]  # for each open group (the whole text first): the largest repetition within it so far
+    closed = 0  # the largest repetition within the group that just closed, when a count may follow it
+    while i < n:
+        ch = text[i]
+        after_group, closed = closed, 0
+        if ch == "\\":
+            i += 2
+        elif ch == "[":  # a character class, to its closing ] (which may come first, or escaped)
+            i += 2 if text[i + 1:i + 2] == "^" else 1
+            i += 1 if text[i:i + 1] == "]" else 0
+            while i < n and text[i] != "]":
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+        elif grammar and ch in "\"'":
+            i += 1
+            while i < n and text[i] != ch:
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+        elif grammar and ch == "#":  # a comment, to the line's end
+            while i < n and text[i] != "\n":
+                i += 1
+        elif ch == "(":
+            inside.append(1)
+            i += 1
+        elif ch == ")" and len(inside) > 1:
+            closed = inside.pop()
+            inside[-1] = max(inside[-1], closed)
+            i += 1
+        elif ch == "{" and (m := _REPEAT.match(text, i)):
+            count = max(int(m.group(1)), int(m.group(2) or 0))
+            total = count * max(after_group, 1)
+            if count > MAX_REPETITION:
+                raise ValueError(f"{what} repeats {count} times ({_clipped(m.group(0))}); counts from 0 to "
+                                 f"{MAX_REPETITION} are allowed")
+            if total > MAX_REPETITION:
+                raise ValueError(f"{what} repeats {total} times ({_clipped(m.group(0))} around a group that repeats "
+                                 f"{after_group} times); at most {MAX_REPETITION} repetitions are allowed, nested "
+                                 f"counts multiplied")
+            inside[-1] = max(inside[-1], total)
+            i = m.end()
+        else:
+            i += 1
+
+
+def _check_count(value: float, what: str) -> None:
+    if value > MAX_REPETITION:
+        raise ValueError(f"{what} is {value}; from 0 to {MAX_REPETITION} allowed")
+
+
+def _clipped(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def json_object(text: str, what: str) -> dict[str, Any]:
