@@ -33,6 +33,7 @@ KUBERNETES_ROOTS = (
     "io.k8s.api.core.v1.PersistentVolumeClaim",
     "io.k8s.api.core.v1.Secret",
     "io.k8s.api.core.v1.Service",
+    "io.k8s.api.networking.v1.NetworkPolicy",
 )
 
 
