@@ -4,38 +4,95 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
+import logging
+import secrets
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from orca_client import admin
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orca_openai import protocol, tools
 from orca_openai.triton import APIError, Chunk, Triton, build_inputs
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_CONCURRENT_REQUESTS = 512
+DEFAULT_STREAM_WRITE_TIMEOUT = 30.0
+API_KEY_SCOPE = "orca_openai.api_key"
+"""The ASGI scope's key under which Guard leaves the caller's API key (for the salt derived from it)."""
+
+log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: its format, its --log-level
 
 
 @dataclass
 class Settings:
     triton_url: str = "localhost:8001"
     metrics_url: str = "http://localhost:8002/metrics"
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # /v1/ wants one of them (a tenant each); none: open
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # /v1/ requests served at once; more are answered 503 at once (not queued)
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    # a response whose socket takes longer than this to drain is cut off, its Triton request cancelled (None: never)
+    stream_write_timeout: float | None = DEFAULT_STREAM_WRITE_TIMEOUT
+    # usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details): off, since a caller's
+    # cached_tokens says whether any earlier prompt began as theirs, another tenant's included
+    enable_prompt_tokens_details: bool = False
+    # each request's prefix-cache salt derived from its caller's API key (tenant_salt): tenants share no K/V
+    cache_salt_from_key: bool = False
+    cache_salt_secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    # Triton's admin key, sent with the repository index call: this one, else $ORCA_ADMIN_KEY, else the file's
+    # (read at each lookup: it may appear after orca-openai starts), else none
+    triton_admin_key: str | None = field(default=None, repr=False)
+    triton_admin_key_file: str | None = None
     required_models: tuple[str, ...] = ()  # /health is 503 unless these are ready (always: Triton, one orca model)
     tool_call_parser: str = "auto"  # how tool_choice "auto" finds calls in the text (orca_openai.tools.PARSERS)
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind the same switch: its
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they answer 404
     allow_runtime_lora_updating: bool = False
+
+    def admin_key(self) -> str | None:
+        """Triton's admin key: triton_admin_key, else $ORCA_ADMIN_KEY, else the file's (None while the launcher
+        has not written it yet, or it cannot be read: Triton's refusal then says what is missing)."""
+        if self.triton_admin_key:
+            return self.triton_admin_key
+        try:
+            return admin.admin_key(self.triton_admin_key_file)
+        except OSError:
+            return None
+
+
+def tenant_salt(secret: bytes, api_key: str, salt: str | None = None) -> str:
+    """The prefix-cache salt of the caller holding `api_key`: HMAC-SHA256 of the key under `secret`, in hex.
+    A salt the caller sent partitions its own cache further: it is combined under the tenant's (an HMAC of
+    it keyed by the tenant's), so no salt a client sends can name another tenant's cache."""
+    tenant = hmac.new(secret, api_key.encode(), hashlib.sha256).digest()
+    if salt is None:
+        return tenant.hex()
+    return hmac.new(tenant, salt.encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass
+class Stats:
+    """Guard's counts, on ``app.state.stats``."""
+
+    in_flight: int = 0  # /v1/ requests being served
+    refused_busy: int = 0  # answered 503 at max_concurrent_requests
+    stalled: int = 0  # responses cut off at the write timeout: their clients stopped reading
+
+
+class StalledClient(Exception):
+    """A response's bytes did not drain within the write timeout: its client stopped reading."""
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -43,25 +100,77 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 class Guard:
-    """Pure ASGI middleware (it leaves streaming and disconnects alone): with an API key, /v1/ wants
-    ``Authorization: Bearer KEY`` (401 otherwise); a request body over ``limit`` bytes is answered 413
-    before the app reads it."""
+    """Pure ASGI middleware (it leaves streaming and disconnects alone), before the app reads a byte of the
+    body: with API keys, /v1/ wants ``Authorization: Bearer KEY`` with one of them (401 otherwise; the
+    caller's key is left in the scope under API_KEY_SCOPE); a POST whose Content-Type is not
+    application/json is answered 415 (a web page can POST text/plain across sites without a preflight); past
+    ``max_concurrent`` /v1/ requests in flight, 503; a request body over ``limit`` bytes, 413. A response
+    whose send does not complete within ``write_timeout`` (uvicorn's send waits while the socket's buffer is
+    full: the client stopped reading) is cut off, which cancels its Triton request."""
 
-    def __init__(self, app: Any, limit: int, api_key: str | None = None) -> None:
-        self.app, self.limit, self.api_key = app, limit, api_key
+    def __init__(self, app: Any, limit: int, api_keys: tuple[str, ...] = (),
+                 max_concurrent: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+                 write_timeout: float | None = DEFAULT_STREAM_WRITE_TIMEOUT, stats: Stats | None = None) -> None:
+        self.app, self.limit, self.max_concurrent, self.write_timeout = app, limit, max_concurrent, write_timeout
+        self.api_keys = [key.encode() for key in api_keys]
+        self.stats = stats if stats is not None else Stats()
+
+    def _caller(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The API key the request holds, if it is one of ours (each compared in constant time)."""
+        value = next((v for k, v in headers if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        token = token.strip()
+        if scheme.lower() != b"bearer":
+            return None
+        found = None
+        for key in self.api_keys:  # every key compared: the time taken does not tell which matched
+            if hmac.compare_digest(token, key):
+                found = key
+        return None if found is None else found.decode()
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
-        if self.api_key and scope.get("path", "").startswith("/v1/"):
-            scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        headers = scope.get("headers") or []
+        v1 = scope.get("path", "").startswith("/v1/")
+        if self.api_keys and v1:
+            caller = self._caller(headers)
+            if caller is None:
                 unauthorized = APIError(401, "Incorrect API key provided", "invalid_request_error",
                                         code="invalid_api_key")
                 await error_response(unauthorized)(scope, receive, send)
                 return
+            scope[API_KEY_SCOPE] = caller
+        if scope.get("method") == "POST":
+            types = [v for k, v in headers if k == b"content-type"]
+            media = types[0].decode("latin-1").partition(";")[0].strip().lower() if len(types) == 1 else ""
+            if media != "application/json":
+                got = (f"{len(types)} Content-Type headers" if types[1:] else
+                       json.dumps(types[0][:100].decode("latin-1")) if types else "none")
+                unsupported = APIError(415, f"the request body's Content-Type must be application/json, got {got}",
+                                       "invalid_request_error", code="unsupported_media_type")
+                await error_response(unsupported)(scope, receive, send)
+                return
+        if v1 and self.stats.in_flight >= self.max_concurrent:
+            self.stats.refused_busy += 1
+            busy = APIError(503, f"orca-openai is serving its limit of {self.max_concurrent} requests at once "
+                            "(--max-concurrent-requests): retry later", "service_unavailable", code="server_busy")
+            await error_response(busy)(scope, receive, send)
+            return
+        if v1:
+            self.stats.in_flight += 1
+        try:
+            await self._serve(scope, receive, send, dict(headers))
+        except StalledClient as exc:  # uvicorn closes the connection (the response never completed)
+            self.stats.stalled += 1
+            log.warning("%s %s: %s; its request is cancelled", scope.get("method"), scope.get("path"), exc)
+        finally:
+            if v1:
+                self.stats.in_flight -= 1
+
+    async def _serve(self, scope: dict[str, Any], receive: Callable[[], Awaitable[Any]], send: Any,
+                     headers: dict[bytes, bytes]) -> None:
         too_large = APIError(413, f"the request body is larger than {self.limit} bytes", "invalid_request_error",
                              code="request_too_large")
         length = headers.get(b"content-length")
@@ -84,19 +193,39 @@ class Guard:
         async def replay() -> Any:
             return messages.pop(0) if messages else await receive()
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, self._timed(send))
+
+    def _timed(self, send: Any) -> Any:
+        if not self.write_timeout:
+            return send
+        timeout = self.write_timeout
+
+        async def timed(message: dict[str, Any]) -> None:
+            if message["type"] != "http.response.body":
+                await send(message)
+                return
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise StalledClient(f"the client read nothing for {timeout:g} s (--stream-write-timeout)") from None
+
+        return timed
 
 
 def create_app(settings: Settings) -> FastAPI:
+    if settings.cache_salt_from_key and not settings.api_keys:
+        raise ValueError("cache_salt_from_key needs API keys: the salt is derived from the caller's key")
     state: dict[str, Triton] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["triton"] = Triton(settings.triton_url)  # its gRPC channel belongs to this event loop
+        # its gRPC channel belongs to this event loop
+        state["triton"] = Triton(settings.triton_url, admin_key=settings.admin_key)
         yield
         await state["triton"].close()
 
     app = FastAPI(title="orca-openai", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.stats = stats = Stats()
 
     def triton() -> Triton:
         return state["triton"]
@@ -202,15 +331,22 @@ def create_app(settings: Settings) -> FastAPI:
                 raise APIError(400, f"logprobs are not supported by this model ({info.name} has no logprobs output)",
                                "invalid_request_error", "logprobs", "logprobs_not_supported")
             req.sampling["logprobs"] = req.logprobs
-        if req.cache_salt is not None and not info.has_cache_salt:
+        salt, caller = req.cache_salt, request.scope.get(API_KEY_SCOPE)
+        if settings.cache_salt_from_key and caller is not None:
+            if not info.has_cache_salt:  # the deployment's mistake: its tenants would share the prefix cache
+                raise APIError(500, f"orca-openai derives each caller's cache_salt from its API key, and {info.name} "
+                               "has no cache_salt input", "server_error", code="cache_salt_not_supported")
+            salt = tenant_salt(settings.cache_salt_secret, caller, salt)
+        elif salt is not None and not info.has_cache_salt:
             raise APIError(400, f"cache_salt is not supported by this model ({info.name} has no cache_salt input)",
                            "invalid_request_error", "cache_salt", "cache_salt_not_supported")
         if req.tools and not info.has_tools:
             raise APIError(400, f"tools are not supported by this model ({info.name} has no tools input)",
                            "invalid_request_error", "tools", "tools_not_supported")
         inputs = build_inputs(req.prompt, req.sampling, return_logprobs=req.logprobs is not None,
-                              cache_salt=req.cache_salt, tools=req.tools)
+                              cache_salt=salt, tools=req.tools)
         parser = req.tool_parser(settings.tool_call_parser) if chat else None
+        details = settings.enable_prompt_tokens_details
         kind = "chatcmpl" if chat else "cmpl"
         ident = f"{kind}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -220,7 +356,7 @@ def create_app(settings: Settings) -> FastAPI:
                 chunks = await _collect_unless_disconnected(request, gen)
             finally:
                 await gen.aclose()
-            return JSONResponse(_full_response(req, chat, ident, created, chunks, parser))
+            return JSONResponse(_full_response(req, chat, ident, created, chunks, parser, details))
         try:
             first = await gen.__anext__()  # an error before the first token is an HTTP status, not an event
         except StopAsyncIteration:
@@ -228,11 +364,25 @@ def create_app(settings: Settings) -> FastAPI:
         except BaseException:
             await gen.aclose()
             raise
-        return StreamingResponse(_events(req, chat, ident, created, first, gen, parser), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _EventStream(_events(req, chat, ident, created, first, gen, parser, details),
+                            media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    app.add_middleware(Guard, limit=settings.max_body_bytes, api_key=settings.api_key)
+    app.add_middleware(Guard, limit=settings.max_body_bytes, api_keys=settings.api_keys,
+                       max_concurrent=settings.max_concurrent_requests, write_timeout=settings.stream_write_timeout,
+                       stats=stats)
     return app
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that closes its events however it ends (done, the client gone, or stalled past the
+    write timeout), so the Triton request is cancelled then, not whenever the generator is collected."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
 def _model_card(name: str, created: int, root: str | None = None, parent: str | None = None) -> dict[str, Any]:
@@ -279,7 +429,8 @@ def _finish_reason(reason: str | None, calls: bool) -> str | None:
 
 
 def _full_response(
-    req: protocol.Request, chat: bool, ident: str, created: int, chunks: list[Chunk], parser: Any = None
+    req: protocol.Request, chat: bool, ident: str, created: int, chunks: list[Chunk], parser: Any = None,
+    details: bool = False,
 ) -> dict[str, Any]:
     text, parts, offset = req.echo, [], len(req.echo)
     for chunk in chunks:
@@ -306,15 +457,17 @@ def _full_response(
     return {
         "id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
         "model": req.model, "choices": [choice], "system_fingerprint": None,
-        "usage": protocol.chunk_usage(chunks),
+        "usage": protocol.chunk_usage(chunks, details),
     }
 
 
 async def _events(
-    req: protocol.Request, chat: bool, ident: str, created: int, first: Chunk | None, gen: Any, parser: Any = None
+    req: protocol.Request, chat: bool, ident: str, created: int, first: Chunk | None, gen: Any, parser: Any = None,
+    details: bool = False,
 ) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format; leaving early (the client hung up) cancels the request.
-    With a tool call parser, chat deltas are its content and tool_calls entries (one entry an event)."""
+    With a tool call parser, chat deltas are its content and tool_calls entries (one entry an event); with
+    ``details``, the usage's prompt_tokens_details."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     base = {"id": ident, "object": obj, "created": created, "model": req.model, "system_fingerprint": None}
 
@@ -381,7 +534,8 @@ async def _events(
             for data in parsed(Chunk([], None, True), None):
                 yield data
         if req.include_usage and last is not None:
-            yield event([], usage=protocol.usage(last.num_input_tokens or 0, generated, last.num_cached_tokens))
+            cached = last.num_cached_tokens if details else None
+            yield event([], usage=protocol.usage(last.num_input_tokens or 0, generated, cached))
     except APIError as err:  # after the 200: OpenAI's clients raise on an event with an "error" key
         yield f"data: {json.dumps(err.body())}\n\n".encode()
     finally:

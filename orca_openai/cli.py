@@ -3,11 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import sys
 from collections.abc import Sequence
 
-from orca_openai.app import DEFAULT_MAX_BODY_BYTES, Settings, create_app
+from orca_openai.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_STREAM_WRITE_TIMEOUT,
+    Settings,
+    create_app,
+)
 from orca_openai.tools import PARSERS
+
+MAX_HEADER_BYTES = 16 * 1024
+"""The request line and headers of one request (h11's incomplete-event bound): past it, a 400 and the
+connection closed."""
+KEEP_ALIVE_SECONDS = 5
+"""An idle keep-alive connection is closed after this long (uvicorn's default, set here on purpose)."""
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: only this host's processes can connect."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def _positive(kind: type) -> object:
+    def parse(text: str) -> object:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -15,10 +50,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="orca-openai",
         description="An OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions, /health, "
         "/metrics) in front of a Triton serving orca models.",
-        epilog="Environment: ORCA_OPENAI_API_KEY sets --api-key. Example: orca-openai --port 9000 "
-        "--triton-url localhost:8001",
+        epilog="Environment: ORCA_OPENAI_API_KEY (comma-separated) sets --api-key; ORCA_ADMIN_KEY is Triton's "
+        "admin key (before --triton-admin-key-file); ORCA_CACHE_SALT_SECRET keys --cache-salt-from-key's salts "
+        "(default: a random secret per process). Example: orca-openai --port 9000 --triton-url localhost:8001",
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: %(default)s, this host only). Any other address needs --api-key, or "
+        "--allow-no-api-key",
+    )
     parser.add_argument("--port", type=int, default=9000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC host:port (default: %(default)s)")
     parser.add_argument(
@@ -28,14 +69,66 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("ORCA_OPENAI_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' on /v1/ (default: $ORCA_OPENAI_API_KEY; none: open)",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/; repeatable, a key per tenant (default: "
+        "$ORCA_OPENAI_API_KEY, comma-separated; none: open)",
+    )
+    parser.add_argument(
+        "--allow-no-api-key",
+        action="store_true",
+        help="listen beyond loopback (--host) without an API key: anyone who reaches the port may generate "
+        "(a warning; without this flag orca-openai refuses to start)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (vLLM's flag; default: absent, since a caller's "
+        "cached_tokens tells whether anyone's earlier prompt began as theirs)",
+    )
+    parser.add_argument(
+        "--cache-salt-from-key",
+        action="store_true",
+        help="salt each request's prefix cache with its caller's API key (HMAC-SHA256 under "
+        "$ORCA_CACHE_SALT_SECRET): tenants share no cached keys and values; a client's cache_salt is combined "
+        "with it, never replaces it. Needs --api-key",
+    )
+    parser.add_argument(
+        "--triton-admin-key-file",
+        default=None,
+        metavar="PATH",
+        help="the file holding Triton's admin key (the launcher's --admin-key-file), sent with the repository "
+        "index call that lists the models; read at each lookup, so it may appear later "
+        "(default: none; $ORCA_ADMIN_KEY wins)",
     )
     parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are answered 413 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=_positive(int),
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="/v1/ requests served at once; more are answered 503 at once, not queued (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stream-write-timeout",
+        type=_positive(float),
+        default=DEFAULT_STREAM_WRITE_TIMEOUT,
+        metavar="SECONDS",
+        help="a response (a stream's events) whose client reads nothing for this long is cut off and its "
+        "request cancelled (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--graceful-shutdown-timeout",
+        type=_positive(float),
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long running requests may finish before they are cut off (default: "
+        "%(default)s, Triton's --exit-timeout-secs)",
     )
     parser.add_argument(
         "--require-model",
@@ -63,7 +156,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "adapters of a model with enable_lora true (default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING; off: 404)",
     )
     parser.add_argument("--log-level", default="info", help="uvicorn's log level (default: %(default)s)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = [k.strip() for k in os.environ.get("ORCA_OPENAI_API_KEY", "").split(",") if k.strip()]
+    if any(not key.strip() for key in args.api_key):
+        parser.error("--api-key must not be empty")
+    if args.cache_salt_from_key and not args.api_key:
+        parser.error("--cache-salt-from-key needs --api-key (or $ORCA_OPENAI_API_KEY): the salt is derived from "
+                     "the caller's key")
+    if not args.api_key and not is_loopback(args.host):
+        if not args.allow_no_api_key:
+            parser.error(f"--host {args.host} listens beyond this host without an API key: anyone who reaches the "
+                         "port could generate. Give --api-key (or $ORCA_OPENAI_API_KEY), or --allow-no-api-key")
+        print(f"orca-openai: warning: listening on {args.host} without an API key (--allow-no-api-key): anyone "
+              "who reaches the port can generate", file=sys.stderr, flush=True)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,12 +200,25 @@ def _serve(args: argparse.Namespace) -> int:
     if metrics_url is None:
         host = args.triton_url.rsplit(":", 1)[0] or "localhost"
         metrics_url = f"http://{host}:8002/metrics"
-    settings = Settings(triton_url=args.triton_url, metrics_url=metrics_url, api_key=args.api_key,
+    settings = Settings(triton_url=args.triton_url, metrics_url=metrics_url, api_keys=tuple(args.api_key),
                         max_body_bytes=args.max_body_bytes, required_models=tuple(args.require_model),
                         tool_call_parser=args.tool_call_parser,
-                        allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                        max_concurrent_requests=args.max_concurrent_requests,
+                        stream_write_timeout=args.stream_write_timeout,
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        cache_salt_from_key=args.cache_salt_from_key,
+                        triton_admin_key_file=args.triton_admin_key_file)
+    secret = os.environ.get("ORCA_CACHE_SALT_SECRET")
+    if secret:  # replicas behind one Triton (or a restart) then derive the same salts: their caches are shared
+        settings.cache_salt_secret = secret.encode()
+    # uvicorn's own bounds: connections and tasks (beside the app's bound of /v1/ requests: room for /health,
+    # /metrics and idle keep-alive connections, past which uvicorn answers 503), the header block's size, and
+    # idle keep-alive connections' lifetime
     config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout,
+                            limit_concurrency=2 * args.max_concurrent_requests + 64,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES, timeout_keep_alive=KEEP_ALIVE_SECONDS)
     server = QuietServer(config)
     server.run()
     return 0 if server.started else 3  # uvicorn.run's STARTUP_FAILURE (the port taken, say)

@@ -16,6 +16,9 @@ MAX_COMPLETIONS_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 """cache_salt's bound, the engine's (orca.core.engine.MAX_CACHE_SALT_CHARS; orca_gpt checks it again)."""
+MAX_TOKEN_ID = 2**31 - 1
+"""A prompt's token ids are int32 on their way to the engine (which checks them against its vocabulary):
+a larger one would wrap around (4294967301 became token 5) or fail to convert (2**70: a 500)."""
 
 # Parameters accepted and passed to orca_gpt's sampling parameters unchanged (the last three are vLLM-style
 # extensions, sent with the openai client's extra_body).
@@ -346,7 +349,7 @@ def completion_request(body: Any) -> Request:
     if isinstance(prompt, str):
         pass
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        pass
+        _check_token_ids(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise bad("one prompt per request: orca-openai does not batch prompts; send one request each", "prompt")
     else:
@@ -367,6 +370,13 @@ def completion_request(body: Any) -> Request:
         stream=body.get("stream") or False, include_usage=_include_usage(body), logprobs=logprobs,
         echo=prompt if echo else "", cache_salt=_cache_salt(body),
     )
+
+
+def _check_token_ids(ids: list[int]) -> None:
+    for i, token in enumerate(ids):
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise bad(f"prompt's token ids must be integers in [0, {MAX_TOKEN_ID}], got {_short(token, 40)} at "
+                      f"prompt[{i}]", "prompt")
 
 
 def _content(i: int, content: Any) -> str:
@@ -487,7 +497,8 @@ def chat_request(body: Any) -> Request:
 # -- responses -------------------------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage object; with `cached_tokens` (orca_gpt's num_cached_tokens: prompt tokens found in
-    the prefix cache) also prompt_tokens_details.cached_tokens, as OpenAI reports its prompt caching."""
+    the prefix cache) also prompt_tokens_details.cached_tokens, as OpenAI reports its prompt caching (only
+    with --enable-prompt-tokens-details: it tells a caller whether any earlier prompt began as theirs)."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
@@ -495,13 +506,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return out
 
 
-def chunk_usage(chunks: list[Chunk]) -> dict[str, Any]:
-    """The usage of a request from its responses: the prompt's tokens and the cached ones from the final
-    one, the completion's the sum of every response's num_output_tokens (vllm_backend's: each response
-    counts its own tokens)."""
+def chunk_usage(chunks: list[Chunk], details: bool = False) -> dict[str, Any]:
+    """The usage of a request from its responses: the prompt's tokens from the final one, the completion's
+    the sum of every response's num_output_tokens (vllm_backend's: each response counts its own tokens); with
+    ``details`` (--enable-prompt-tokens-details) the cached ones too."""
     last = chunks[-1] if chunks else Chunk([], None, True)
     generated = sum(c.num_output_tokens or 0 for c in chunks)
-    return usage(last.num_input_tokens or 0, generated, last.num_cached_tokens)
+    return usage(last.num_input_tokens or 0, generated, last.num_cached_tokens if details else None)
 
 
 def _token_entries(chunk: Chunk, n: int) -> list[tuple[str, float, list[tuple[str, float]]]]:

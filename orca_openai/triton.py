@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
+from orca_client import admin
 from orca_client import client as orca_client
 from orca_client.client import Chunk, parse_result
 from tritonclient.utils import InferenceServerException
@@ -119,31 +120,47 @@ def _channel_args() -> list[tuple[str, Any]]:
 
 
 class Triton:
-    """Talks to one Triton server; the models it serves are looked up at most every ``ttl`` seconds."""
+    """Talks to one Triton server; the models it serves are looked up at most every ``ttl`` seconds.
 
-    def __init__(self, url: str, ttl: float = 2.0) -> None:
-        self.url, self.ttl = url, ttl
+    Triton's repository index is an admin call (its model-repository API is restricted behind the admin key,
+    orca_client.admin): ``admin_key`` returns the key to send, asked at each lookup (a key file may appear after
+    orca-openai starts), or None to send none."""
+
+    def __init__(self, url: str, ttl: float = 2.0, admin_key: Callable[[], str | None] | None = None) -> None:
+        self.url, self.ttl, self.admin_key = url, ttl, admin_key
         self.client = aiogrpc.InferenceServerClient(url, channel_args=_channel_args())
         self._models: dict[str, ModelInfo] = {}
         self._models_at = -1e9
         self._lock = asyncio.Lock()
+        self.index_calls = 0  # repository lookups made (each an index call and a config call per model)
 
     async def close(self) -> None:
         await self.client.close()
 
     async def models(self, refresh: bool = False) -> dict[str, ModelInfo]:
-        """Every orca model in the repository (ready or not): decoupled, with orca_gpt's inputs."""
+        """Every orca model in the repository (ready or not): decoupled, with orca_gpt's inputs. Looked up
+        again when the last lookup is older than ``ttl``, or with ``refresh`` when none began after this call
+        did: callers queued behind one lookup share it rather than each making their own under the lock."""
+        asked = time.monotonic()
         async with self._lock:
-            if refresh or time.monotonic() - self._models_at > self.ttl:
+            if time.monotonic() - self._models_at > self.ttl or (refresh and self._models_at < asked):
+                self.index_calls += 1
+                started = time.monotonic()
                 self._models = await self._load_models()
-                self._models_at = time.monotonic()
+                self._models_at = started
             return self._models
 
     async def _load_models(self) -> dict[str, ModelInfo]:
+        key = self.admin_key() if self.admin_key is not None else None
         try:
-            index = await self.client.get_model_repository_index(as_json=True, client_timeout=10)
+            index = await self.client.get_model_repository_index(
+                headers=admin.grpc_headers(key), as_json=True, client_timeout=10)
         except (InferenceServerException, grpc.RpcError, OSError) as exc:  # Triton down or still starting
             message = exc.message() if isinstance(exc, InferenceServerException) else str(exc)
+            if "restricted" in (message or "").lower():  # Triton's words for a missing or wrong admin-key
+                raise APIError(503, f"Triton at {self.url} refused to list its models (its model-repository API "
+                               "is restricted): give orca-openai Triton's admin key (--triton-admin-key-file or "
+                               "$ORCA_ADMIN_KEY)", "service_unavailable", code="model_unavailable") from None
             raise APIError(503, f"Triton at {self.url} is unreachable: {message}", "service_unavailable",
                            code="model_unavailable") from None
         found: dict[str, ModelInfo] = {}
@@ -173,14 +190,15 @@ class Triton:
 
     async def resolve(self, name: str) -> tuple[ModelInfo, str | None]:
         """The model a request's `model` names and its LoRA adapter: a model by its name (adapter None), or an
-        adapter (as vLLM lists them) by its name, with the model serving it; 404 for neither."""
-        for refresh in (False, True):
-            models = await self.models(refresh=refresh)
-            if name in models:
-                return models[name], None
-            for info in models.values():
-                if name in info.adapters:
-                    return info, name
+        adapter (as vLLM lists them) by its name, with the model serving it; 404 for neither. An unknown name
+        forces no lookup (a flood of made-up names would queue every request behind index calls): a model
+        loaded into Triton directly is found within ``ttl``."""
+        models = await self.models()
+        if name in models:
+            return models[name], None
+        for info in models.values():
+            if name in info.adapters:
+                return info, name
         raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
                        "model_not_found")
 
@@ -255,21 +273,13 @@ class Triton:
         value = result.as_numpy("text_output").reshape(-1)[0]
         return json.loads(value.decode() if isinstance(value, bytes) else str(value))
 
-    async def model(self, name: str) -> ModelInfo:
-        models = await self.models()
-        if name not in models:
-            models = await self.models(refresh=True)
-        if name not in models:
-            raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
-                           "model_not_found")
-        return models[name]
-
     async def ready(self, required: tuple[str, ...] = ()) -> tuple[bool, str]:
-        """Ready when Triton is, with at least one orca model loaded and every ``required`` one ready."""
+        """Ready when Triton is, with at least one orca model loaded and every ``required`` one ready (the
+        models as last looked up, within ``ttl``: a probe every second makes no index call of its own)."""
         try:
             if not await self.client.is_server_ready(client_timeout=5):
                 return False, "Triton is not ready"
-            models = await self.models(refresh=True)
+            models = await self.models()
             if not models:
                 return False, "no orca model is loaded"
             for name in required or tuple(models):
@@ -278,6 +288,8 @@ class Triton:
             return True, "ready"
         except (InferenceServerException, grpc.RpcError, OSError) as exc:
             return False, f"Triton at {self.url} is unreachable: {exc}"
+        except APIError as exc:  # the lookup's own (Triton unreachable, or the admin key missing)
+            return False, exc.message
 
     async def generate(self, model: str, inputs: list[grpcclient.InferInput]) -> AsyncIterator[Chunk]:
         """orca_gpt's responses to one request, on a stream of its own. Leaving early (an exception, a

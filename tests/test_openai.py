@@ -46,9 +46,9 @@ def _health_status(url: str) -> int | None:
 
 @pytest.fixture(scope="module")
 def api(orca_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """orca-openai's base URL (http://127.0.0.1:PORT)."""
+    """orca-openai's base URL (http://127.0.0.1:PORT), reporting cached_tokens (the prefix caching tests')."""
     log = tmp_path_factory.mktemp("openai") / "orca-openai.log"
-    with orca_openai(orca_server, log, API_KEY, "--max-body-bytes", "100000") as url:
+    with orca_openai(orca_server, log, API_KEY, "--max-body-bytes", "100000", "--enable-prompt-tokens-details") as url:
         yield url
 
 
@@ -144,12 +144,16 @@ def test_bad_bodies_are_400s_before_triton_is_asked() -> None:
     for body, message in [(b"{not json", "not valid JSON"), (b"[" * 100_000, "nested too deeply"),
                           (b'{"prompt": ' + b"1" * 5000 + b"}", "could not be parsed as JSON"),
                           (b"\xff", "not valid JSON")]:
-        r = app.post("/v1/completions", content=body)
+        r = app.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body[:20], r.text)
     r = app.post("/v1/completions", json={"model": MODEL, "prompt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     r = app.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": ""}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    for prompt in ([1, 4294967301], [2**70], [-1]):  # int32 on the way: 4294967301 would wrap to 5, 2**70 a 500
+        r = app.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "token ids must be integers in [0, 2147483647]" in r.json()["error"]["message"]
 
 
 def test_orca_gpts_logprobs_output_maps_to_openais_layouts() -> None:
@@ -197,11 +201,14 @@ def test_usage_reports_cached_prompt_tokens_as_openai_does() -> None:
     first = Chunk([7], None, False, num_input_tokens=40, num_output_tokens=1)
     final = Chunk([8], None, True, num_input_tokens=40, num_output_tokens=1, num_cached_tokens=32)
     # num_output_tokens is each response's own count (vllm_backend's): the completion is their sum
-    assert protocol.chunk_usage([first, final]) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
-                                                    "prompt_tokens_details": {"cached_tokens": 32}}
+    assert protocol.chunk_usage([first, final], details=True) == {
+        "prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42, "prompt_tokens_details": {"cached_tokens": 32}}
+    # without --enable-prompt-tokens-details: no cached_tokens (a caller would learn of others' prompts)
+    assert protocol.chunk_usage([first, final]) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
     # a model without the num_cached_tokens output: no details rather than a made-up 0
     older = Chunk([7, 8], None, True, num_input_tokens=40, num_output_tokens=2)
-    assert protocol.chunk_usage([older]) == {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+    assert protocol.chunk_usage([older], details=True) == {"prompt_tokens": 40, "completion_tokens": 2,
+                                                           "total_tokens": 42}
 
 
 def test_error_messages_map_to_http_statuses() -> None:
@@ -246,7 +253,8 @@ def test_a_body_over_the_limit_is_refused(api: str) -> None:
     r = requests.post(f"{api}/v1/completions", headers=headers, timeout=10,
                       json={"model": MODEL, "prompt": "x" * 200_000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    bad_json = requests.post(f"{api}/v1/completions", headers=headers, data=b"{not json", timeout=10)
+    bad_json = requests.post(f"{api}/v1/completions", headers={**headers, "Content-Type": "application/json"},
+                             data=b"{not json", timeout=10)
     assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
 
 
