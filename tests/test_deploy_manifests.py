@@ -6,13 +6,19 @@ else fails the test) and, where kubectl is installed, compared with `kubectl kus
 resource, and every other manifest under deploy/, is validated against the real schemas vendored in
 tests/schemas/ (README.md there: Kubernetes 1.36's OpenAPI definitions, HorizontalPodAutoscaler v2 included,
 the LeaderWorkerSet v0.10.0 and prometheus-operator v0.93.0 ServiceMonitor CRDs), with unknown fields refused
-as `kubectl apply`'s strict field validation refuses them. Then what the schemas cannot see: the ports the
-Services expose are the ones tritonserver and orca-openai are started with, the probes hit Triton's health
-endpoints, orca-openai talks to Triton's gRPC port, tensor_parallel_size x pipeline_parallel_size is the
-number of GPUs the pods hold (none for device cpu), the followers reach the driver's control port with the
-leader's secret, the ServiceMonitor scrapes Triton's metrics port, the HPA scales the Deployment on metrics
-that prometheus-adapter's shipped rules make of the engine's own gauges, and the config.pbtxt in each
-ConfigMap is the shipped orca_gpt model with engine parameters that orca.EngineConfig accepts.
+as `kubectl apply`'s strict field validation refuses them. Then what the schemas cannot see: Triton is started
+by the launcher (its flags read by the launcher's own parser) with HTTP and gRPC on the pod's loopback, the one
+port of the public Service is orca-openai's, the probes hit Triton's health endpoints from inside its
+container, orca-openai talks to Triton's gRPC port with the admin key file the pod makes first and an API key
+from a required Secret, every pod and container runs unprivileged (non-root uid, no privilege escalation,
+read-only root filesystem, no capabilities, RuntimeDefault seccomp, no service-account token) with memory
+limits and size-limited emptyDirs, a NetworkPolicy admits only the OpenAI port, metrics from the monitoring
+namespace and (multi-node) the group's own pods, the pods drain before they stop, tensor_parallel_size x
+pipeline_parallel_size is the number of GPUs the pods hold (none for device cpu), the followers reach the
+driver's control port with the leader's secret, the ServiceMonitor scrapes Triton's metrics port through a
+Service of its own, the HPA scales the Deployment on metrics that prometheus-adapter's shipped rules make of
+the engine's own gauges, and the config.pbtxt in each ConfigMap is the shipped orca_gpt model with engine
+parameters that orca.EngineConfig accepts.
 
 The overlays are the kustomizations no other one lists (cpu/, gpu/, single-host/, multi-node/); base/ and
 monitoring/ are parts of them, rendered and validated but not deployed on their own.
@@ -22,14 +28,19 @@ from __future__ import annotations
 
 import copy
 import functools
+import ipaddress
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import jsonschema
 import pytest
@@ -43,7 +54,12 @@ METRICS_PY = ROOT / "orca_triton" / "metrics.py"  # orca_gpt's metrics
 ADAPTER_CONFIG = DEPLOY / "kubernetes" / "prometheus-adapter" / "adapter-config.yaml"
 KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
 MODEL = "orca_gpt"
-TRITON_PORT_FLAGS = {"http": "--http-port", "grpc": "--grpc-port", "metrics": "--metrics-port"}
+LAUNCHER = ["python3", "-m", "orca_server.launcher"]  # what starts Triton, in the manifests as in `make serve`
+TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # NVIDIA's image's binary, with its own backends
+TRITON_EXIT_TIMEOUT = 30  # tritonserver --exit-timeout-secs's default
+UID = 1000  # NVIDIA's image's user triton-server (Dockerfile: USER 1000:1000)
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # the LWS controller puts it on every pod of a LeaderWorkerSet
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}  # the namespace Prometheus scrapes from
 DNS_LABEL = r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?"  # RFC 1035: Service names
 DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"  # RFC 1123: the other names
 DISTRIBUTED_PARAMETERS = (
@@ -266,22 +282,55 @@ def argv(container: dict[str, Any]) -> list[str]:
     return container.get("command", []) + container.get("args", [])
 
 
-def started(template: dict[str, Any], program: str) -> list[dict[str, Any]]:
-    """The containers of a pod template that run program."""
-    return [c for c in template["spec"]["containers"] if argv(c)[:1] == [program]]
+def started(template: dict[str, Any], program: str | list[str]) -> list[dict[str, Any]]:
+    """The containers of a pod template that run program (a command, or the first words of one)."""
+    words = [program] if isinstance(program, str) else program
+    return [c for c in template["spec"]["containers"] if argv(c)[: len(words)] == words]
 
 
 def triton(template: dict[str, Any]) -> dict[str, Any]:
-    """The container that runs tritonserver (the leader's; one per pod)."""
-    containers = started(template, "tritonserver")
-    assert len(containers) == 1, f"{len(containers)} containers start tritonserver, not one"
+    """The container that runs Triton through the launcher (the leader's; one per pod)."""
+    containers = started(template, LAUNCHER)
+    assert len(containers) == 1, f"{len(containers)} containers run {' '.join(LAUNCHER)}, not one"
     return containers[0]
 
 
-def triton_flags(container: dict[str, Any]) -> dict[str, str]:
-    args = argv(container)
-    assert args and args[0] == "tritonserver", f"the leader's container must start tritonserver, not {args[:1]}"
-    return dict(arg.split("=", 1) for arg in args[1:] if arg.startswith("--") and "=" in arg)
+def launcher_args(container: dict[str, Any] | list[str]) -> Any:
+    """The launcher's arguments as its own parser reads them (refusing unknown flags), from a container or an
+    argv."""
+    from orca_server.launcher import parse_args
+
+    args = argv(container) if isinstance(container, dict) else container
+    assert args[: len(LAUNCHER)] == LAUNCHER, f"Triton must be started by {' '.join(LAUNCHER)}, not {args[:3]}"
+    try:
+        return parse_args(args[len(LAUNCHER):])
+    except SystemExit as exit_:
+        raise AssertionError(f"the launcher refuses {args[len(LAUNCHER):]}") from exit_
+
+
+def exit_timeout(args: Any) -> int:
+    """Triton's --exit-timeout-secs among the flags the launcher passes on (after `--`)."""
+    given = [a.split("=", 1)[1] for a in args.tritonserver_args if a.startswith("--exit-timeout-secs=")]
+    return int(given[-1]) if given else TRITON_EXIT_TIMEOUT
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def probe_url(probe: dict[str, Any]) -> urllib.parse.SplitResult:
+    """The URL an exec probe fetches with curl (the only exec probe the manifests use)."""
+    command = probe["exec"]["command"]
+    # --fail: an HTTP error status (503: not ready) fails the probe, not only a refused connection
+    fails = any(re.fullmatch(r"-[a-zA-Z]*f[a-zA-Z]*|--fail", a) for a in command)
+    assert command[0] == "curl" and fails, command
+    (url,) = [a for a in command if a.startswith("http://")]
+    return urllib.parse.urlsplit(url)
 
 
 def gpus(container: dict[str, Any]) -> int:
@@ -326,7 +375,7 @@ def model_config(kdir: Path) -> str:
     docs = rendered(kdir)
     leader = triton(pod_templates(workload(docs))["leader"])
     volumes = {v["name"]: v for v in pod_templates(workload(docs))["leader"]["spec"]["volumes"]}
-    target = f"{triton_flags(leader)['--model-repository']}/{MODEL}/config.pbtxt"
+    target = f"{launcher_args(leader).model_repository}/{MODEL}/config.pbtxt"
     (mount,) = [m for m in leader["volumeMounts"] if m["mountPath"] == target]
     config_map = volumes[mount["name"]]["configMap"]["name"]
     (cm,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == config_map]
@@ -453,44 +502,62 @@ def test_every_manifest_of_a_kustomization_exists_and_standalone_ones_are_valida
     assert DEPLOY / "kubernetes" / "checkpoints-pvc.yaml" in standalone_manifests()
 
 
+def public_service(docs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """The Service clients reach (not the headless one of the metrics, which only Prometheus uses)."""
+    (service,) = [d for d in by_kind(docs, "Service") if d["spec"].get("clusterIP") != "None"]
+    return service
+
+
 @pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
-def test_triton_is_started_on_the_ports_the_service_exposes(kdir: Path) -> None:
+def test_the_launcher_starts_triton_and_the_service_exposes_only_the_openai_port(kdir: Path) -> None:
     docs = rendered(kdir)
     templates = pod_templates(workload(docs))
     leader = triton(templates["leader"])
-    flags = triton_flags(leader)
-    assert flags["--model-repository"] == "/models"  # where the Dockerfile copies model_repository/
+    args = launcher_args(leader)
+    assert args.model_repository == Path("/models")  # where the Dockerfile copies model_repository/
     assert re.search(r"^COPY model_repository /models$", (ROOT / "Dockerfile").read_text(), re.M)
-    # orca_gpt unloads itself when its engine fails (so that it reports not ready): explicit model control
-    assert flags["--model-control-mode"] == "explicit" and flags["--load-model"] in (MODEL, "*")
-    for name, flag in TRITON_PORT_FLAGS.items():
-        assert named_port(leader, name) == int(flags[flag]), f"containerPort {name} is not tritonserver's {flag}"
-    (service,) = by_kind(docs, "Service")
+    # NVIDIA's tritonserver with its own backends; orca-openai is a container of its own
+    assert args.tritonserver == Path(TRITONSERVER) and args.no_openai
+    # orca_gpt alone (explicit model control, which the launcher always sets: orca_gpt unloads itself when its
+    # engine fails, so that it reports not ready)
+    assert args.models == [MODEL]
+    assert args.admin_key_file is not None
+    # Triton's HTTP and gRPC stay on the pod's loopback; only metrics listen on the pod's address
+    assert is_loopback(args.address), f"Triton's HTTP and gRPC listen on {args.address}"
+    assert args.metrics_address == "0.0.0.0"
+    # the flags the launcher owns are not overridden after `--`
+    owned = ("--http-address", "--grpc-address", "--http-port", "--grpc-port", "--http-restricted-api",
+             "--grpc-restricted-protocol", "--model-control-mode", "--load-model", "--model-repository")
+    assert not [a for a in args.tritonserver_args if a.split("=", 1)[0] in owned], args.tritonserver_args
+    assert named_port(leader, "metrics") == args.metrics_port
+    declared = {p["containerPort"] for p in leader.get("ports", [])}
+    assert not declared & {args.http_port, args.grpc_port}, "HTTP and gRPC are on the loopback: no containerPort"
+    service = public_service(docs)
     selector = service["spec"]["selector"]
     labels = templates["leader"]["metadata"]["labels"]
     assert selector.items() <= labels.items(), f"the Service selects {selector}, the Triton pods are {labels}"
     if "worker" in templates and templates["worker"] is not templates["leader"]:
         worker_labels = templates["worker"]["metadata"]["labels"]
         assert not selector.items() <= worker_labels.items(), "the Service also selects the followers"
-    containers = {p["name"]: c for c in templates["leader"]["spec"]["containers"] for p in c.get("ports", [])}
-    exposed = {p["name"]: named_port(containers[p["name"]], p["targetPort"]) for p in service["spec"]["ports"]}
-    expected = {name: int(flags[flag]) for name, flag in TRITON_PORT_FLAGS.items()}
-    for openai in started(templates["leader"], "orca-openai"):
-        expected["openai"] = openai_args(openai).port
-    assert exposed == expected
+    (openai,) = started(templates["leader"], "orca-openai")
+    (port,) = service["spec"]["ports"]
+    assert port["name"] == "openai" and named_port(openai, port["targetPort"]) == openai_args(openai).port
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP", "expose it through an ingress or gateway (TLS)"
     names = {d["metadata"]["name"] for d in docs if d["kind"] == "LeaderWorkerSet"}
     assert service["metadata"]["name"] not in names, "LWS creates a headless Service of the LeaderWorkerSet's name"
 
 
 @pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
 def test_probes_ask_triton_whether_orca_gpt_is_ready(kdir: Path) -> None:
+    """Exec probes inside the Triton container: its HTTP port is on the pod's loopback."""
     leader = triton(pod_templates(workload(rendered(kdir)))["leader"])
-    http = int(triton_flags(leader)["--http-port"])
+    http = launcher_args(leader).http_port
     paths = {}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        get = leader[probe]["httpGet"]
-        assert named_port(leader, get["port"]) == http, f"{probe} is not on Triton's HTTP port"
-        paths[probe] = get["path"]
+        url = probe_url(leader[probe])
+        assert is_loopback(url.hostname) and url.port == http, f"{probe} is not on Triton's HTTP port: {url}"
+        assert leader[probe].get("timeoutSeconds", 1) >= 2, f"{probe}: curl's --max-time needs a timeout above 1 s"
+        paths[probe] = url.path
     assert paths == {
         "startupProbe": "/v2/health/ready",  # Triton is up: it opens HTTP once the models are loaded
         "readinessProbe": f"/v2/models/{MODEL}/ready",
@@ -499,6 +566,198 @@ def test_probes_ask_triton_whether_orca_gpt_is_ready(kdir: Path) -> None:
     # the start-up probe must allow for loading a checkpoint (and, multi-node, for the followers to join)
     startup = leader["startupProbe"]
     assert startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3) >= 600
+
+
+# -- secure by default -----------------------------------------------------------------------------------------------
+_QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?")
+_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(value: str | int) -> float:
+    match = _QUANTITY.fullmatch(str(value))
+    assert match, f"{value!r}: not a memory quantity the test reads"
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def every_container(template: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = template["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
+def test_every_pod_and_container_runs_unprivileged(kdir: Path) -> None:
+    """Non-root with a fixed uid/gid, no privilege escalation, a read-only root filesystem, no capabilities, the
+    runtime's default seccomp profile, no service-account token: in every pod and container of the overlay."""
+    for role, template in pod_templates(workload(rendered(kdir))).items():
+        spec = template["spec"]
+        assert spec.get("automountServiceAccountToken") is False, f"{role}: the service-account token is mounted"
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC"), role
+        pod = spec.get("securityContext", {})
+        assert pod.get("runAsNonRoot") is True and pod.get("runAsUser") == UID and pod.get("runAsGroup") == UID, (
+            f"{role}: pod securityContext {pod}"
+        )
+        assert pod.get("fsGroup") == UID, f"{role}: without fsGroup {UID} the emptyDirs are not the user's"
+        assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}, f"{role}: {pod.get('seccompProfile')}"
+        for container in every_container(template):
+            where, sc = f"{role} {container['name']}", container.get("securityContext", {})
+            assert sc.get("runAsNonRoot") is True and sc.get("runAsUser") == UID and sc.get("runAsGroup") == UID, (
+                f"{where}: {sc}"
+            )
+            assert sc.get("allowPrivilegeEscalation") is False, f"{where}: privilege escalation allowed"
+            assert sc.get("readOnlyRootFilesystem") is True, f"{where}: the root filesystem is writable"
+            assert sc.get("capabilities") == {"drop": ["ALL"]}, f"{where}: capabilities {sc.get('capabilities')}"
+            assert sc.get("seccompProfile") == {"type": "RuntimeDefault"}, f"{where}: {sc.get('seccompProfile')}"
+            assert not sc.get("privileged"), f"{where}: privileged"
+            # a read-only root: what writes has an emptyDir (/tmp: HOME in the image)
+            mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+            if container in spec["containers"]:
+                assert "/tmp" in mounts, f"{where}: no writable /tmp"
+
+
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
+def test_every_container_has_memory_requests_and_limits_and_every_empty_dir_a_size_limit(kdir: Path) -> None:
+    for role, template in pod_templates(workload(rendered(kdir))).items():
+        for container in every_container(template):
+            resources, where = container.get("resources", {}), f"{role} {container['name']}"
+            request, limit = (resources.get(k, {}).get("memory") for k in ("requests", "limits"))
+            assert request and limit, f"{where}: memory request {request}, limit {limit}"
+            assert quantity_bytes(request) <= quantity_bytes(limit), f"{where}: request {request} > limit {limit}"
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        for name, volume in volumes.items():
+            if "emptyDir" in volume:
+                assert volume["emptyDir"].get("sizeLimit"), f"{role}: emptyDir {name} has no sizeLimit"
+        # a memory-backed emptyDir counts against the limit of the container that fills it
+        for container in template["spec"]["containers"]:
+            in_memory = sum(quantity_bytes(volumes[m["name"]]["emptyDir"]["sizeLimit"])
+                            for m in container.get("volumeMounts", [])
+                            if volumes[m["name"]].get("emptyDir", {}).get("medium") == "Memory")
+            limit = quantity_bytes(container["resources"]["limits"]["memory"])
+            assert in_memory < limit, f"{role} {container['name']}: {in_memory} B of memory emptyDirs, limit {limit} B"
+
+
+def network_policies(docs: tuple[dict[str, Any], ...], template: dict[str, Any]) -> list[dict[str, Any]]:
+    """The NetworkPolicies that select the pods of a template (in their namespace: the overlay's)."""
+    labels = template["metadata"]["labels"]
+    out = []
+    for policy in by_kind(docs, "NetworkPolicy"):
+        selector = policy["spec"]["podSelector"]
+        assert set(selector) <= {"matchLabels"}, f"{policy['metadata']['name']}: the test reads matchLabels only"
+        if selector.get("matchLabels", {}).items() <= labels.items():
+            out.append(policy)
+    return out
+
+
+def policy_port(templates: dict[str, dict[str, Any]], port: int | str) -> int:
+    """A NetworkPolicy port (a number, or a container port's name in one of the pods) as a number."""
+    if isinstance(port, int):
+        return port
+    numbers = {p["containerPort"] for t in templates.values() for c in t["spec"]["containers"]
+               for p in c.get("ports", []) if p.get("name") == port}
+    assert len(numbers) == 1, f"port name {port!r} names {sorted(numbers)}"
+    return numbers.pop()
+
+
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
+def test_a_network_policy_admits_only_the_openai_port_metrics_from_monitoring_and_the_groups_own_pods(
+    kdir: Path,
+) -> None:
+    """Every pod is selected by a NetworkPolicy with ingress rules: the OpenAI port from anywhere, Triton's metrics
+    port only from the monitoring namespace, and (a LeaderWorkerSet) every TCP port only from the pods of the same
+    LeaderWorkerSet; nothing else (Triton's HTTP and gRPC above all)."""
+    docs = rendered(kdir)
+    lws = workload(docs)
+    templates = pod_templates(lws)
+    leader = templates["leader"]
+    openai = openai_args(started(leader, "orca-openai")[0]).port
+    metrics = launcher_args(triton(leader)).metrics_port
+    for role, template in templates.items():
+        policies = network_policies(docs, template)
+        assert policies, f"{role}: no NetworkPolicy selects the pods"
+        rules = []
+        for policy in policies:
+            assert "Ingress" in policy["spec"].get("policyTypes", ["Ingress"]), policy["metadata"]["name"]
+            rules += policy["spec"].get("ingress", [])
+        assert rules, f"{role}: the NetworkPolicy admits nothing"
+        admitted: dict[str, set[int | str]] = {}
+        for rule in rules:
+            ports = rule.get("ports")
+            assert ports, f"{role}: a rule without ports admits every port: {rule}"
+            for port in ports:
+                assert port.get("protocol", "TCP") == "TCP" and "endPort" not in port, port
+            numbers = {policy_port(templates, p["port"]) if "port" in p else "every TCP port" for p in ports}
+            peers = rule.get("from")
+            if not peers:
+                admitted.setdefault("anywhere", set()).update(numbers)
+                continue
+            for peer in peers:
+                assert "ipBlock" not in peer, f"{role}: an ipBlock peer {peer}"
+                if peer.get("namespaceSelector") == {"matchLabels": MONITORING} and "podSelector" not in peer:
+                    admitted.setdefault("monitoring", set()).update(numbers)
+                elif set(peer) == {"podSelector"}:
+                    assert lws["kind"] == "LeaderWorkerSet", f"{role}: a pod peer {peer} in a one-pod overlay"
+                    # the LWS controller's label of this LeaderWorkerSet's pods
+                    assert peer["podSelector"] == {"matchLabels": {LWS_NAME_LABEL: lws["metadata"]["name"]}}, peer
+                    admitted.setdefault("the LeaderWorkerSet's pods", set()).update(numbers)
+                else:
+                    raise AssertionError(f"{role}: a peer the test does not know: {peer}")
+        assert admitted.get("anywhere") == {openai}, f"{role}: from anywhere: {admitted.get('anywhere')}"
+        assert admitted.get("monitoring") == {metrics}, f"{role}: from monitoring: {admitted.get('monitoring')}"
+        if lws["kind"] == "LeaderWorkerSet":
+            # the control port, the torch.distributed store and NCCL's sockets: ports the engine picks
+            assert admitted.get("the LeaderWorkerSet's pods") == {"every TCP port"}, admitted
+            control = named_port(triton(leader), "orca-control")
+            assert control not in admitted["anywhere"] | admitted["monitoring"]
+        assert set(admitted) <= {"anywhere", "monitoring", "the LeaderWorkerSet's pods"}, admitted
+
+
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
+def test_pods_drain_before_they_stop(kdir: Path) -> None:
+    """A preStop pause (the endpoints drop the pod first), then a grace period longer than the pause plus Triton's
+    exit timeout plus orca-openai's graceful shutdown (so neither is killed while streams finish)."""
+    templates = pod_templates(workload(rendered(kdir)))
+    leader = templates["leader"]
+    triton_args = launcher_args(triton(leader))
+    (openai,) = started(leader, "orca-openai")
+    graceful = openai_args(openai).graceful_shutdown_timeout
+    assert graceful >= exit_timeout(triton_args), "orca-openai would cut streams Triton would have finished"
+    pauses = []
+    for container in (triton(leader), openai):
+        command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        assert command[:1] == ["sleep"] and int(command[1]) >= 5, f"{container['name']}: preStop {command}"
+        pauses.append(int(command[1]))
+    needed = max(pauses) + exit_timeout(triton_args) + graceful
+    for role, template in templates.items():
+        grace = template["spec"].get("terminationGracePeriodSeconds", 30)
+        assert grace > needed, f"{role}: terminationGracePeriodSeconds {grace} <= {needed}"
+
+
+@pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
+def test_the_admin_key_file_is_made_before_the_containers_start(kdir: Path, tmp_path: Path) -> None:
+    """The init container writes the admin key (with the launcher's own function: a fresh key, mode 0600) on a
+    memory emptyDir that Triton's launcher (--admin-key-file) and orca-openai (--triton-admin-key-file) read; run
+    here against a temporary file, twice (a pod restart keeps the key)."""
+    leader = pod_templates(workload(rendered(kdir)))["leader"]
+    path = launcher_args(triton(leader)).admin_key_file
+    volumes = {v["name"]: v for v in leader["spec"]["volumes"]}
+    (init,) = leader["spec"]["initContainers"]
+    for container in (init, triton(leader), started(leader, "orca-openai")[0]):
+        (mount,) = [m for m in container["volumeMounts"] if path.is_relative_to(m["mountPath"])]
+        assert volumes[mount["name"]]["emptyDir"].get("medium") == "Memory", "the admin key is kept in memory only"
+        assert mount.get("readOnly", False) == (container is not init), f"{container['name']} {mount}"
+    command = argv(init)
+    assert command[:2] == ["python3", "-c"] and str(path) in command[2], command
+    target = tmp_path / "run" / "admin-key"
+    code = command[2].replace(str(path), str(target))
+    environ = {k: v for k, v in os.environ.items() if k != "ORCA_ADMIN_KEY"}
+    keys = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        keys.append(target.read_text().strip())
+        assert target.stat().st_mode & 0o777 == 0o600
+        assert keys[-1] not in done.stdout + done.stderr, "the admin key is printed"
+    assert len(keys[0]) >= 32 and keys[0] == keys[1]
 
 
 @pytest.mark.parametrize("kdir", OVERLAYS, ids=lambda p: p.name)
@@ -653,10 +912,13 @@ def openai_args(container: dict[str, Any]) -> Any:
     cli = pytest.importorskip("orca_openai.cli", reason="orca_openai is not in this checkout")
     args = argv(container)
     assert args[0] == "orca-openai", args
+    # in the container's environment: its values, and a stand-in for each value from a Secret (the API key)
+    environ = {e["name"]: e.get("value", "from-a-secret") for e in container.get("env", [])}
     try:
-        return cli.parse_args(args[1:])
+        with mock.patch.dict(os.environ, environ):
+            return cli.parse_args(args[1:])
     except SystemExit as exit_:
-        raise AssertionError(f"orca-openai refuses {args[1:]}") from exit_
+        raise AssertionError(f"orca-openai refuses {args[1:]} with the environment {sorted(environ)}") from exit_
 
 
 def gauges() -> set[str]:
@@ -677,33 +939,42 @@ def test_the_openai_server_talks_to_tritons_grpc_port_in_its_pod(kdir: Path) -> 
     servers = started(leader, "orca-openai")
     assert len(servers) == 1, "no (or several) orca-openai containers beside Triton"
     (openai,) = servers
-    flags, args = triton_flags(triton(leader)), openai_args(openai)
+    triton_args, args = launcher_args(triton(leader)), openai_args(openai)
     host, _, port = args.triton_url.rpartition(":")
-    assert host in ("localhost", "127.0.0.1") and int(port) == int(flags["--grpc-port"]), args.triton_url
-    assert args.metrics_url == f"http://{host}:{flags['--metrics-port']}/metrics", args.metrics_url
+    assert is_loopback(host) and int(port) == triton_args.grpc_port, args.triton_url
+    assert args.metrics_url == f"http://{host}:{triton_args.metrics_port}/metrics", args.metrics_url
     assert named_port(openai, "openai") == args.port
     assert openai["image"] == triton(leader)["image"], "orca-openai comes with the engine's image"
     probe = openai["readinessProbe"]["httpGet"]  # /health: 503 until Triton and orca_gpt are ready
     assert probe["path"] == "/health" and named_port(openai, probe["port"]) == args.port
+    # on the pod's address (the Service's port), so with an API key, from a Secret that must exist
+    assert args.host == "0.0.0.0"
+    key = env(openai)["ORCA_OPENAI_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert not key.get("optional", False), "without the Secret orca-openai would serve without an API key"
+    # the admin key Triton was started with (orca-openai lists the models through the repository index)
+    assert Path(args.triton_admin_key_file) == triton_args.admin_key_file
 
 
 @pytest.mark.parametrize("kdir", deployment_dirs(), ids=lambda p: p.name)
 def test_the_service_monitor_scrapes_tritons_metrics_port(kdir: Path) -> None:
     docs = rendered(kdir)
     (monitor,) = by_kind(docs, "ServiceMonitor")
-    (service,) = by_kind(docs, "Service")
-    labels = service["metadata"].get("labels", {})
     selector = monitor["spec"]["selector"]
-    assert set(selector) == {"matchLabels"} and selector["matchLabels"].items() <= labels.items(), (
-        f"the ServiceMonitor selects {selector}, the Service is labelled {labels}"
-    )
+    assert set(selector) == {"matchLabels"}, selector
+    selected = [d for d in by_kind(docs, "Service")
+                if selector["matchLabels"].items() <= d["metadata"].get("labels", {}).items()]
+    assert len(selected) == 1, f"the ServiceMonitor selects {len(selected)} Services, not the metrics one alone"
+    (service,) = selected
+    assert service is not public_service(docs), "the OpenAI API's Service carries no metrics port"
     assert "namespaceSelector" not in monitor["spec"], "the Service is in the ServiceMonitor's namespace"
-    leader = triton(pod_templates(workload(docs))["leader"])
+    template = pod_templates(workload(docs))["leader"]
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    leader = triton(template)
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] in ports, f"the Service has no port named {endpoint['port']!r}"
+    assert list(ports) == [endpoint["port"]], f"the metrics Service has ports {list(ports)}"
     target = named_port(leader, ports[endpoint["port"]]["targetPort"])
-    assert target == int(triton_flags(leader)["--metrics-port"]), "the ServiceMonitor scrapes no metrics port"
+    assert target == launcher_args(leader).metrics_port, "the ServiceMonitor scrapes no metrics port"
     assert endpoint.get("path", "/metrics") == "/metrics" and endpoint.get("scheme", "http") == "http"
 
 
