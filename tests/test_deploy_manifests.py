@@ -896,6 +896,15 @@ def test_readme_says_how_to_create_the_secret_and_what_has_been_run() -> None:
         assert not schema_errors(secret) and re.fullmatch(r"[-._a-zA-Z0-9]+", ref["key"])
     for kdir in OVERLAYS:
         assert f"kubectl apply -k {kdir.relative_to(ROOT)}" in readme
+        # the OpenAI API's key: a required Secret, so the README must say how to make it
+        openai = started(pod_templates(workload(rendered(kdir)))["leader"], "orca-openai")[0]
+        ref = env(openai)["ORCA_OPENAI_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert f"kubectl create secret generic {ref['name']} --from-literal={ref['key']}=" in readme
+    # the Security section: what the operator must still do, and the Triton release the image is built on
+    security = readme[readme.index("## Security"):readme.index("## What has been run")]
+    (release,) = re.findall(r"^FROM nvcr\.io/nvidia/(tritonserver:\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    for needed in ("TLS", "NetworkPolicy", "admin-key", release):
+        assert needed in security, f"deploy/README.md's Security section does not mention {needed}"
     assert "## What has been run" in readme
     assert "Nothing here has been applied to a Kubernetes cluster" in readme
     # the autoscaling rule is explained, with the file it ships in and every metric the HPAs use
