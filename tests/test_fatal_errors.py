@@ -182,8 +182,7 @@ def test_a_sticky_error_makes_the_model_not_ready_and_answers_every_request_once
     tiny = make_gpt2(tmp_path / "tiny-gpt2", n_positions=2048)
     (repo / STICKY / "1").mkdir(parents=True)
     shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / STICKY / "1" / "model.py")
-    params = {"model": str(tiny), "torch_compile": "off", "max_bs": "2", "n_slots": "2048",
-              "max_consecutive_failures": "3"}
+    params = {"model": str(tiny), "torch_compile": "off", "max_bs": "2", "n_slots": "2048"}  # 3 failures: the default
     (repo / STICKY / "config.pbtxt").write_text(
         _with_parameters((SHIPPED_MODEL / "config.pbtxt").read_text(), STICKY, params))
     env = {"ORCA_ENGINE_FAULT": f"{STICKY}:3:raise-always", FAULT_INJECTION_ENV: "1"}
