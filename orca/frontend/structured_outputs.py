@@ -680,8 +680,8 @@ def compile_process_main(fd: int, memory_limit: int) -> None:
                 threading.Event().wait()
             elif fault == "exit":  # tests: a compile that crashes its process
                 os._exit(3)
-            elif fault == "oom":  # tests: a compile that allocates without bound
-                hog = [bytearray(64 << 20) for _ in range(1 << 20)]
+            elif fault == "oom":  # tests: a compile that allocates twice its cap (which, uncapped, would succeed)
+                hog = bytearray(2 * memory_limit)
                 del hog
             text = compile_grammar(compiler, so).serialize_json()
             conn.send(("ok", text, time.perf_counter() - start))
