@@ -276,8 +276,11 @@ class EngineConfig:
       device's context unusable for every later iteration. At least 1; default 3: one failed iteration (a
       transient error) leaves the engine serving, a sticky error stops it within three.
     - control_address: host:port where the driver listens for its worker processes; port 0 (the default)
-      picks a free one, enough for workers on this host only. For ranks on other nodes set a fixed port they
-      can reach (e.g. 0.0.0.0:29600).
+      picks a free one, enough for workers on this host only. For ranks on other nodes set the address they
+      reach the driver at and a fixed port (e.g. the pod's IP:29600; 0.0.0.0 listens on every interface).
+      The data plane's rendezvous (a TCPStore on a free port) binds the same host. Each connection must
+      authenticate ($ORCA_WORKER_AUTHKEY) within 20 s, on a thread of its own, so a silent one holds up no
+      worker; the port closes once every rank has joined.
     - local_workers: ranks the driver starts on its own host (None: all); at most tensor_parallel_size x
       pipeline_parallel_size. The others connect from other nodes (python -m orca.worker, deploy/README.md),
       ranked by (node index, local index), with the secret in $ORCA_WORKER_AUTHKEY that driver and workers

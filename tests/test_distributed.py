@@ -341,3 +341,65 @@ def test_a_rank_on_another_node_joins_with_the_leaderworkerset_environment(monke
         assert remote.wait(timeout=30) == 0  # the remote rank exits when the driver stops the engine
     finally:
         remote.kill()
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses listening on `port` (/proc/net/tcp and tcp6, hex as the kernel writes them)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_a_silent_connection_to_the_control_port_blocks_no_worker(monkeypatch) -> None:
+    """A connection that opens the control port and never answers the challenge, held open while a real
+    remote rank joins after it: the rank joins (each connection authenticates on a thread of its own; the
+    handshake deadline is set far beyond the test's, so only that can let it in), the silent one is
+    dropped at its deadline, and the TCPStore of the rendezvous listens on the control host only."""
+    import orca.executor.distributed as distributed
+
+    monkeypatch.setattr(distributed, "HANDSHAKE_TIMEOUT_S", 600.0)
+    (port,) = free_ports(1)
+    secret = "test-secret-" + os.urandom(8).hex()
+    monkeypatch.setenv("ORCA_WORKER_AUTHKEY", secret)
+    built: list[LLMEngine | BaseException] = []
+
+    def build() -> None:
+        try:
+            built.append(engine("llama", tensor_parallel_size=2, local_workers=1, control_address=f"127.0.0.1:{port}"))
+        except BaseException as exc:  # noqa: BLE001 - the test thread reports it
+            built.append(exc)
+
+    builder = threading.Thread(target=build, daemon=True)
+    builder.start()
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            silent = socket.create_connection(("127.0.0.1", port), timeout=1)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "the driver never listened"
+            time.sleep(0.1)
+    env = {**os.environ, "ORCA_WORKER_AUTHKEY": secret}
+    remote = subprocess.Popen([sys.executable, "-m", "orca.worker", "--driver", f"127.0.0.1:{port}", "--node-index",
+                               "1", "--num-ranks", "1"], env=env)
+    try:
+        builder.join(timeout=180)
+        assert built and not isinstance(built[0], BaseException), built
+        e = built[0]
+        try:
+            assert silent.recv(1024)  # it got the challenge and is still open: it never answered
+            store_port = e.executor._store.port
+            assert _listening(store_port) == ["0100007F"], _listening(store_port)  # 127.0.0.1, not 0.0.0.0 or ::
+            assert _listening(port) == []  # every rank joined: the control port is closed
+            outputs = run(e, workload(e.model_config.vocab_size))
+            assert all(o.finish_reason == "length" for o in outputs.values())
+        finally:
+            e.shutdown()
+        assert remote.wait(timeout=30) == 0
+    finally:
+        silent.close()
+        remote.kill()

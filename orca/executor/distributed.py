@@ -12,9 +12,9 @@ before its activations arrive; the last stage's first tensor-parallel rank answe
 A worker's exception is reported on the same connection; a dead worker closes it.
 
 Data plane: torch.distributed among the workers only (NCCL on GPUs, gloo on CPUs), rendezvous through a
-TCPStore the driver hosts on a port it picks: all-reduces and all-gathers inside each stage's tensor-
-parallel group, [tokens, hidden] activations from each rank to the same tensor-parallel rank of the next
-stage.
+TCPStore the driver hosts on a port it picks, bound to control_address's host like the control port:
+all-reduces and all-gathers inside each stage's tensor-parallel group, [tokens, hidden] activations from
+each rank to the same tensor-parallel rank of the next stage.
 
 Failures end in errors, never hangs: a worker that dies, reports an exception, or gives no result within
 worker_timeout makes the executor raise WorkerFailure (the engine fails every request and refuses new
@@ -37,7 +37,8 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, replace
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener, wait
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge, wait
+from typing import Any
 
 from orca.checkpoint import read_model_config, resolve_checkpoint
 from orca.config import EngineConfig, fault_spec
@@ -49,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 AUTHKEY_ENV = "ORCA_WORKER_AUTHKEY"
 FAULT_ENV = "ORCA_WORKER_FAULT"
+HANDSHAKE_TIMEOUT_S = 20.0  # a connection to the control port must authenticate within this
 START_TIMEOUT_FACTOR = 10  # start-up (connect, load weights, size the pool) may take this x worker_timeout
 _KILL_GRACE_S = 5.0
 
@@ -105,7 +107,7 @@ class DistributedExecutor:
         self._failed: str | None = None
         self._conns: list[Connection] = []  # by rank
         self._procs: list[subprocess.Popen] = []
-        self._listener: Listener | None = None
+        self._listener: socket.socket | None = None
         self._store = None
         secret = os.environ.get(AUTHKEY_ENV) or os.urandom(24).hex()  # local workers inherit it
         if local < world and not os.environ.get(AUTHKEY_ENV):
@@ -125,11 +127,21 @@ class DistributedExecutor:
         import torch.distributed as dist
 
         host, _, port = config.control_address.rpartition(":")
-        self._listener = Listener((host, int(port)), authkey=secret.encode(), backlog=max(8, self.layout.world_size))
-        address = self._listener.address
-        self._store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.timeout)
-        )
+        self._listener = _listen(host, int(port), max(8, self.layout.world_size))
+        address = self._listener.getsockname()[:2]
+        # The TCPStore binds every interface when it opens its own port: hand it one bound to the control
+        # host (the pod's address), so the rendezvous is reachable where the control port is and nowhere else.
+        store_socket = _listen(host, 0, max(8, self.layout.world_size))
+        store_port = store_socket.getsockname()[1]
+        try:
+            self._store = dist.TCPStore(
+                host, store_port, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.timeout), master_listen_fd=store_socket.fileno(),
+            )
+        except BaseException:
+            store_socket.close()
+            raise
+        store_socket.detach()  # the store owns the descriptor now (and closes it)
         logger.info("driver listening on %s:%d for %d ranks (%d local)", *address, self.layout.world_size, local)
         threads = max(1, (os.cpu_count() or 1) // max(1, local))
         env = {**os.environ, AUTHKEY_ENV: secret}  # in the environment, never on a command line
@@ -142,7 +154,7 @@ class DistributedExecutor:
             # A session of their own: a Ctrl-C in the terminal (SIGINT to the whole process group) reaches
             # Triton, which shuts the model down; the workers must live until the driver lets them go.
             self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
-        hellos = self._accept(self.layout.world_size)
+        hellos = self._accept(self.layout.world_size, secret.encode())
         order = sorted(hellos, key=lambda h: (h[1].node_index, h[1].local_index))
         self._conns = [conn for conn, _ in order]
         self._hellos = [hello for _, hello in order]
@@ -157,34 +169,51 @@ class DistributedExecutor:
         self.num_blocks = num_blocks
         logger.info("%d workers ready; K/V pool of %d blocks on each", len(self._conns), num_blocks)
 
-    def _accept(self, n: int) -> list[tuple[Connection, Hello]]:
-        """Waits for n workers to connect and say Hello (local workers that exit early fail at once)."""
+    def _accept(self, n: int, authkey: bytes) -> list[tuple[Connection, Hello]]:
+        """Waits for n workers to connect and say Hello (local workers that exit early fail at once). Each
+        connection authenticates on a thread of its own within HANDSHAKE_TIMEOUT_S (multiprocessing's
+        Listener.accept runs the challenge inline, so one silent connection would hold up every worker
+        behind it); an authenticated one then has start_timeout to say Hello. The control port closes once
+        n have joined."""
         accepted: queue.Queue[tuple[Connection, Hello] | BaseException] = queue.Queue()
-        listener = self._listener
+        server = self._listener
+
+        def handshake(sock: socket.socket, peer: Any) -> None:
+            conn = Connection(os.dup(sock.fileno()))
+            # Past the deadline the socket is shut down: a peer that never answers the challenge gets EOF.
+            timer = threading.Timer(HANDSHAKE_TIMEOUT_S, _shut, args=(sock,))
+            timer.start()
+            try:
+                deliver_challenge(conn, authkey)
+                answer_challenge(conn, authkey)
+            except (AuthenticationError, EOFError, OSError) as exc:
+                # A peer that is not one of ours (a port scan, a health check, a wrong secret, silence).
+                logger.warning("refused a connection to the control port from %s: %s", peer,
+                               exc or f"no handshake within {HANDSHAKE_TIMEOUT_S:g} s")
+                conn.close()
+                return
+            finally:
+                timer.cancel()
+                sock.close()  # conn holds the connection's other descriptor
+            try:
+                hello = conn.recv() if conn.poll(self.start_timeout) else None
+            except (EOFError, OSError):
+                hello = None
+            if not isinstance(hello, Hello):
+                logger.warning("a connection to the control port from %s sent no Hello: closed", peer)
+                conn.close()
+                return
+            _no_delay(conn)
+            accepted.put((conn, hello))
 
         def accept_loop() -> None:
-            joined = 0
-            while joined < n:
+            while True:
                 try:
-                    conn = listener.accept()
-                except (AuthenticationError, EOFError, ConnectionError) as exc:
-                    # A peer that is not one of ours (a port scan, a health check, a wrong secret).
-                    logger.warning("refused a connection to the control port: %s", exc)
-                    continue
+                    sock, peer = server.accept()
                 except OSError as exc:  # the listener was closed: start-up is over
                     accepted.put(exc)
                     return
-                try:
-                    hello = conn.recv() if conn.poll(self.start_timeout) else None
-                except (EOFError, OSError):
-                    hello = None
-                if not isinstance(hello, Hello):
-                    logger.warning("a connection to the control port sent no Hello: closed")
-                    conn.close()
-                    continue
-                _no_delay(conn)
-                accepted.put((conn, hello))
-                joined += 1
+                threading.Thread(target=handshake, args=(sock, peer), name="orca-handshake", daemon=True).start()
 
         threading.Thread(target=accept_loop, name="orca-accept", daemon=True).start()
         got: list[tuple[Connection, Hello]] = []
@@ -206,6 +235,9 @@ class DistributedExecutor:
             if isinstance(item, BaseException):
                 raise WorkerFailure(f"accepting workers failed: {item}")
             got.append(item)
+        _shut(server)  # every rank has joined: nobody else may connect (shutdown wakes the blocked accept)
+        server.close()
+        self._listener = None
         keys = [(h.node_index, h.local_index) for _, h in got]
         if len(set(keys)) != len(keys):
             raise WorkerFailure(f"two workers claim the same (node index, local index): {sorted(keys)}")
@@ -311,6 +343,7 @@ class DistributedExecutor:
                 proc.wait()
         self._procs = []
         if self._listener is not None:
+            _shut(self._listener)
             self._listener.close()
             self._listener = None
         self._store = None
@@ -319,6 +352,19 @@ class DistributedExecutor:
     def worker_pids(self) -> list[int]:
         """Local worker processes (tests use them to inject failures)."""
         return [p.pid for p in self._procs]
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket listening on host:port (port 0: a free one), as multiprocessing's Listener binds."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=backlog)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _no_delay(conn: Connection) -> None:
