@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 from collections.abc import Sequence
@@ -16,22 +15,13 @@ from orca_openai.app import (
     create_app,
 )
 from orca_openai.tools import PARSERS
+from orca_server.launcher import is_loopback  # the launcher's rule for Triton's addresses, for the same reason
 
 MAX_HEADER_BYTES = 16 * 1024
 """The request line and headers of one request (h11's incomplete-event bound): past it, a 400 and the
 connection closed."""
 KEEP_ALIVE_SECONDS = 5
 """An idle keep-alive connection is closed after this long (uvicorn's default, set here on purpose)."""
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 or localhost: only this host's processes can connect."""
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
 
 
 def _positive(kind: type) -> object:
