@@ -472,11 +472,18 @@ class StructuredOutputCompiler:
                              error)
 
     def warm_up(self) -> None:
-        """Builds the tokenizer's grammar tables and starts the compile processes in the background (a few
-        seconds: each imports xgrammar), so the first constrained request does not wait for them."""
+        """Builds the tokenizer's grammar tables in the background (about a second for a large vocabulary).
+        The compile process starts with the first grammar (5-12 s on a busy 2-core host, within ``timeout``):
+        started here, every model instance of a Triton server would hold one (300-500 MB each, mostly torch,
+        which xgrammar imports) and import torch again at load, whether it serves structured outputs or not."""
+        def build() -> None:
+            try:
+                self.tokenizer_info()
+            except Exception as exc:  # noqa: BLE001 - the first constrained request reports it
+                logger.warning("structured outputs' tokenizer tables were not built: %s", exc)
+
         if self.tokenizer is not None:
-            with self._lock:
-                self._start_dispatchers_locked()
+            threading.Thread(target=build, name="orca-grammar-warm-up", daemon=True).start()
 
     def shutdown(self) -> None:
         """Stops the compile processes; the requests still waiting are answered ("shutting down")."""
