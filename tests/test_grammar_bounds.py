@@ -143,18 +143,19 @@ def test_a_killed_or_dead_compile_leaves_the_pool_working(compiler: Any, spec: s
 def test_the_compile_queue_refuses_past_its_bound_and_cancelled_requests_free_it(tokenizer: Any) -> None:
     """A hung compile holds the one process; with it 4 requests (max_pending) wait, the 5th is refused at once
     with the waiting-queue message (orca-openai's 429); cancelling frees a place, by the ticket or by the
-    request's own `cancelled` (asked when the queue is full, before refusing); shutdown answers the rest."""
+    request's own `cancelled` (asked when the queue is full, before refusing), also for a request whose
+    grammar is compiling now; shutdown answers the rest."""
     c = StructuredOutputCompiler(tokenizer, 49152, {2}, deadline=600.0, max_pending=4,
                                  fault=lambda so: FAULTS.get(so.spec))
     answers: dict[str, str | None] = {}
-    answered = {k: threading.Event() for k in ("hang", "one", "two", "three", "four", "five")}
+    answered = {k: threading.Event() for k in ("hang", "one", "two", "three", "four", "five", "six")}
 
     def done(name: str) -> Any:
         return lambda constraint, error: (answers.__setitem__(name, error), answered[name].set())
 
     try:
-        flag = threading.Event()
-        c.compile_async(_parse({"regex": "b+"}), done("hang"))
+        flag, hang_flag = threading.Event(), threading.Event()
+        c.compile_async(_parse({"regex": "b+"}), done("hang"), cancelled=hang_flag.is_set)
         tickets = {name: c.compile_async(_parse({"regex": f"{name}[0-9]"}), done(name),
                                          cancelled=flag.is_set if name == "three" else None)
                    for name in ("one", "two", "three")}
@@ -170,9 +171,12 @@ def test_the_compile_queue_refuses_past_its_bound_and_cancelled_requests_free_it
         c.compile_async(_parse({"regex": "five[0-9]"}), done("five"))
         assert answered["three"].wait(30) and "cancelled" in answers["three"]
         assert c.pending() == 4
+        hang_flag.set()  # the request whose grammar compiles (hangs) now is cancelled: its place is free
+        c.compile_async(_parse({"regex": "six[0-9]"}), done("six"))
+        assert answered["hang"].wait(30) and "cancelled while its grammar compiled" in answers["hang"]
     finally:
         c.shutdown()
-    for name in ("hang", "two", "four", "five"):
+    for name in ("two", "four", "five", "six"):
         assert answered[name].wait(30), name
         assert answers[name] == "structured_outputs: the engine is shutting down", (name, answers[name])
     assert c.pending() == 0 and not any(c.cached(_parse({"regex": f"{n}[0-9]"})) for n in ("one", "two", "three"))

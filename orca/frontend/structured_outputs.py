@@ -233,8 +233,7 @@ class CompileTicket:
         """True when the request was still waiting (it is answered now with a cancellation error)."""
         if self.owner is None:
             return False
-        return self.owner._withdraw(self, f"structured_outputs: the request was cancelled while its grammar "
-                                          f"compiled (structured_outputs.{self.so.kind})")
+        return self.owner._withdraw(self, _cancelled(self.so))
 
 
 @dataclass(eq=False)
@@ -402,13 +401,14 @@ class StructuredOutputCompiler:
         return True
 
     def _sweep_locked(self) -> list[CompileTicket]:
-        """Withdraws the queued requests whose `cancelled` answers True; returns them, to be answered."""
-        gone = [t for job in list(self._queue.values()) for t in list(job.waiters)
-                if t.cancelled is not None and _asks_true(t.cancelled)]
+        """Withdraws the waiting requests (queued, or waiting for a compile that runs on: it is cached) whose
+        `cancelled` answers True; returns them, answered off the lock by a thread of their own."""
+        jobs = (*self._queue.values(), *self._running.values())
+        gone = [t for job in jobs for t in list(job.waiters) if t.cancelled is not None and _asks_true(t.cancelled)]
         for ticket in gone:
             self._release_locked(ticket)
-        if gone:  # answered off the lock, by a thread of their own (the caller may hold the lock)
-            threading.Thread(target=self._answer_all, args=(gone, None, _cancelled(gone[0].so)),
+        if gone:
+            threading.Thread(target=lambda: [self._answer(t, None, _cancelled(t.so)) for t in gone],
                              name="orca-grammar-cancel", daemon=True).start()
         return gone
 
