@@ -246,6 +246,15 @@ class EngineConfig:
       client can make the server read adapter files from paths of its choosing; the adapters are those of
       lora_modules and multi_lora.json. true needs enable_lora. The offline API (EngineCore.add_lora) is not
       affected.
+    - lora_root: the directory run-time loads (lora_control's load, orca-openai's /v1/load_lora_adapter) may
+      read adapters from: a lora_path (absolute, or relative to lora_root) must resolve, symlinks and `..`
+      included, to a directory inside it holding a regular adapter_config.json and adapter_model.safetensors
+      inside it too. A path outside it, one that does not exist and a directory that is no adapter get one
+      and the same error (so a client learns nothing of the host's other directories; the reason is in the
+      server's log). An absolute path. None or "" (the default): run-time loads are refused, naming this
+      option, even with allow_runtime_lora_updating true, since no directory is one the operator chose for
+      them (those of lora_modules may be broad, a home directory). lora_modules and multi_lora.json, the
+      operator's own, are not confined.
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
@@ -330,6 +339,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     lora_modules: str | None = None
     allow_runtime_lora_updating: bool = False
+    lora_root: str | None = None
     max_queue: int = 1024
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -449,6 +459,12 @@ class EngineConfig:
                              f"{self.allow_runtime_lora_updating!r}")
         if self.allow_runtime_lora_updating and not self.enable_lora:
             raise ValueError("allow_runtime_lora_updating needs enable_lora true: set it to serve LoRA adapters")
+        if isinstance(self.lora_root, os.PathLike):
+            object.__setattr__(self, "lora_root", os.fspath(self.lora_root))
+        if self.lora_root is not None and (not isinstance(self.lora_root, str)
+                                           or (self.lora_root and not os.path.isabs(self.lora_root))):
+            raise ValueError(f"lora_root must be an absolute directory path or empty (no run-time loads), got "
+                             f"{self.lora_root!r}")
         if self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(
                 f"distributed_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
