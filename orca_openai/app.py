@@ -99,6 +99,10 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
+_deadline = getattr(asyncio, "timeout", None)
+"""asyncio.timeout (Python 3.11 on): a timer, not a task per send as wait_for (the container's 3.10) makes."""
+
+
 class Guard:
     """Pure ASGI middleware (it leaves streaming and disconnects alone), before the app reads a byte of the
     body: with API keys, /v1/ wants ``Authorization: Bearer KEY`` with one of them (401 otherwise; the
@@ -205,7 +209,11 @@ class Guard:
                 await send(message)
                 return
             try:
-                await asyncio.wait_for(send(message), timeout)
+                if _deadline is not None:
+                    async with _deadline(timeout):
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), timeout)
             except asyncio.TimeoutError:
                 raise StalledClient(f"the client read nothing for {timeout:g} s (--stream-write-timeout)") from None
 
