@@ -1,16 +1,22 @@
 """LoRA adapters in the Triton model (README.md, "LoRA adapters in Triton and the OpenAI API"): which adapters it
 serves at load (vllm_backend's multi_lora.json beside the config's lora_modules) and the in-band control requests
 that list, load and unload adapters while it runs (the `lora_control` input; orca-openai's /v1/models,
-/v1/load_lora_adapter and /v1/unload_lora_adapter use them). Nothing here calls into Triton."""
+/v1/load_lora_adapter and /v1/unload_lora_adapter use them). A run-time load reads only from inside the
+model's lora_root (confine_lora_path), and reads the files on its caller's thread, not the engine's
+(load_at_run_time). Nothing here calls into Triton."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from orca.config import EngineConfig, parse_lora_modules
+from orca.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, drop_read_ahead, read_ahead
+
+logger = logging.getLogger("orca_gpt")
 
 MULTI_LORA_FILENAME = "multi_lora.json"
 """vllm_backend's file of adapters, {"adapter name": "adapter directory"}, in the model's version directory
@@ -86,6 +92,68 @@ def check_control(req: ControlRequest, config: EngineConfig, model_name: str) ->
     if not config.allow_runtime_lora_updating:
         raise ValueError(f"{model_name} does not load or unload LoRA adapters at run time: set its parameter "
                          'allow_runtime_lora_updating to "true" to allow it')
+    if req.action == "load" and not config.lora_root:
+        raise ValueError(f"{model_name} loads no LoRA adapters at run time without lora_root: set its parameter "
+                         "lora_root to the directory they may be loaded from")
+
+
+def confine_lora_path(name: str, lora_path: str, lora_root: str) -> str:
+    """The adapter directory a run-time load may read: `lora_path` (absolute, or relative to lora_root)
+    resolved (symlinks followed, `..` collapsed), which must lie inside lora_root and hold adapter_config.json
+    and adapter_model.safetensors, regular files that resolve inside lora_root too. Anything else is one
+    ValueError, the same text whatever the reason (outside the root, missing, not an adapter), so that the
+    answer tells a client nothing of the host's directories; the reason goes to the server's log."""
+    directory, reason = _adapter_under(lora_path, lora_root)
+    if directory is None:
+        logger.warning("run-time load of LoRA adapter %r from %r refused: %s", name, lora_path, reason)
+        raise ValueError(f"LoRA adapter {name!r}: lora_path {lora_path!r} is not an adapter directory under "
+                         "lora_root")
+    return str(directory)
+
+
+def _adapter_under(lora_path: str, lora_root: str) -> tuple[Path | None, str]:
+    """(the resolved adapter directory, ""), or (None, why lora_path is none under lora_root)."""
+    try:
+        root = Path(lora_root).resolve(strict=True)
+        if not root.is_dir():
+            return None, f"lora_root {lora_root} is not a directory"
+        directory = (root / lora_path).resolve()  # an absolute lora_path replaces root
+        if not directory.is_relative_to(root):
+            return None, f"it resolves to {directory}, outside lora_root {root}"
+        if not directory.is_dir():
+            return None, f"{directory} is no directory"
+        for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            target = (directory / file).resolve()
+            if not target.is_relative_to(root):
+                return None, f"{directory / file} resolves to {target}, outside lora_root {root}"
+            if not target.is_file():  # (a FIFO or a device would hang or flood the read)
+                return None, f"{directory} has no {file} (a regular file)"
+    except (OSError, RuntimeError, ValueError) as exc:  # unreadable, a symlink loop, a NUL byte
+        return None, f"{type(exc).__name__}: {exc}"
+    return directory, ""
+
+
+def load_at_run_time(loop: Any, req: ControlRequest) -> Any:
+    """A lora_control load on `loop` (an EngineLoop; check_control passed): the path confined to lora_root
+    (confine_lora_path), the adapter's files read and checked here, on the caller's thread (read_ahead),
+    then registered on the engine's thread between iterations (EngineLoop.add_lora), which finds them read:
+    a slow disk holds up this load, never an iteration. Returns the LoRARequest; ValueError (LoRAError among
+    them) names the adapter and the reason."""
+    core = loop.core
+    path = confine_lora_path(req.lora_name, req.lora_path, core.config.lora_root)
+    for lora in loop.list_loras():  # (the engine refuses it too; this spares reading the files for nothing)
+        if lora.name == req.lora_name:
+            raise ValueError(f"LoRA adapter {req.lora_name!r} is already served (from {lora.path}): remove it "
+                             "first to replace it")
+    adapter = read_ahead(req.lora_name, path, core.model_config, core.config.max_lora_rank)
+    try:
+        return loop.add_lora(req.lora_name, path)
+    except BaseException:
+        drop_read_ahead(req.lora_name, adapter)
+        raise
+    finally:
+        if core.config.distributed:  # the worker processes read their own copy: the driver keeps none
+            drop_read_ahead(req.lora_name, adapter)
 
 
 def adapters_json(loras: list[Any]) -> list[dict[str, str]]:

@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import re
+import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +100,45 @@ class LoRAAdapter:
 def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Reads and checks an adapter for a base model of config `cfg`; LoRAError names the adapter and what
     is wrong (missing or corrupt files, another base model's shapes, a rank above max_rank, a target orca
-    cannot adapt, a PEFT variant it does not run)."""
+    cannot adapt, a PEFT variant it does not run). One read ahead (read_ahead) under the same name, path,
+    base model and max_rank is not read again: it is returned as it was read."""
+    with _read_ahead_lock:
+        entry = _read_ahead.get(name)
+    if entry is not None and entry[:3] == (str(path), cfg, max_rank):
+        return entry[3]
+    return _read_adapter(name, path, cfg, max_rank)
+
+
+# -- adapters read ahead, off the engine's thread --------------------------------------------------------
+# A run-time load (orca_triton/lora.py load_at_run_time, on the Triton model's control thread) reads and
+# checks the adapter's files first (read_ahead), then registers it on the engine's thread, where
+# EngineCore.add_lora checks it (read_adapter) and the in-process worker later puts it into a slot
+# (LoRAModel.load, inside an iteration): both find it here rather than read the files on the engine's
+# thread, where a slow disk would hold up every request's iterations. The in-process worker takes it (its
+# host copy from then on); a read ahead under the same name replaces it; drop_read_ahead forgets it (a
+# refused load, or worker processes, which read their own copy).
+_read_ahead: dict[str, tuple[str, ModelConfig, int, LoRAAdapter]] = {}  # name -> (path, cfg, max_rank, adapter)
+_read_ahead_lock = threading.Lock()
+
+
+def read_ahead(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
+    """read_adapter on the caller's thread, the adapter kept for the next read_adapter of the same name,
+    path, base model and max_rank (the engine's)."""
+    adapter = _read_adapter(name, path, cfg, max_rank)
+    with _read_ahead_lock:
+        _read_ahead[name] = (str(path), cfg, max_rank, adapter)
+    return adapter
+
+
+def drop_read_ahead(name: str, adapter: LoRAAdapter | None = None) -> None:
+    """Forgets the adapter read ahead under `name` (only if it is `adapter`, when given)."""
+    with _read_ahead_lock:
+        entry = _read_ahead.get(name)
+        if entry is not None and (adapter is None or entry[3] is adapter):
+            del _read_ahead[name]
+
+
+def _read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     where = f"LoRA adapter {name!r} ({path})"
     directory = Path(path)
     if not directory.is_dir():
@@ -383,6 +422,7 @@ class LoRAModel:
         adapter = self.host.get(lora_id)
         if adapter is None:
             adapter = self.host[lora_id] = read_adapter(name, path, self.cfg, self.max_rank)
+            drop_read_ahead(name, adapter)  # read ahead (if it was): the host copy is the worker's now
         for layer in self.layers:
             layer.load_slot(slot, adapter, self.prefix, self.par.tp_rank, self.par.tp_size)
 

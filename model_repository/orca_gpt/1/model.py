@@ -70,6 +70,7 @@ from orca_triton.lora import (
     ControlRequest,
     adapters_json,
     check_control,
+    load_at_run_time,
     parse_control,
     read_multi_lora,
 )
@@ -229,9 +230,10 @@ class TritonPythonModel:
     def _control(self, sender: Any, tensor: Any) -> None:
         """A lora_control request: list answers at once; load and unload run on the engine's thread between
         iterations (EngineLoop.add_lora, remove_lora), waited for on a thread of their own so execute
-        returns. Every answer is one FINAL response: a JSON object in text_output, or an error naming the
-        adapter and the reason (INVALID_ARG: a bad request or adapter; NOT_FOUND: unload of an adapter not
-        served; UNAVAILABLE: the engine failed or stops)."""
+        returns; a load reads the adapter's files on that thread first, from inside lora_root only
+        (orca_triton/lora.py load_at_run_time). Every answer is one FINAL response: a JSON object in
+        text_output, or an error naming the adapter and the reason (INVALID_ARG: a bad request or adapter;
+        NOT_FOUND: unload of an adapter not served; UNAVAILABLE: the engine failed or stops)."""
         try:
             value = tensor.reshape(-1)[0] if tensor.size else b""
             req = parse_control(value.decode() if isinstance(value, bytes) else str(value))
@@ -248,7 +250,8 @@ class TritonPythonModel:
     def _control_answer(self, sender: Any, req: ControlRequest) -> None:
         try:
             if req.action == "load":
-                lora = self.loop.add_lora(req.lora_name, req.lora_path)
+                # lora_path confined to lora_root; the files read here, the adapter registered on the loop's thread
+                lora = load_at_run_time(self.loop, req)
                 answer: dict[str, Any] = {"loaded": {"name": lora.name, "path": lora.path}}
                 logger.info("%s: LoRA adapter %s loaded from %s", self._model_name, lora.name, lora.path)
             elif req.action == "unload":
