@@ -3,7 +3,8 @@ enable_lora, two slots; lora_a from lora_modules, lora_b from vllm_backend's mul
 requests through tritonclient (lora_name in sampling_parameters) and through orca-openai (the real openai client:
 an adapter is a model) get the tokens of the in-process engine serving the same adapters, which the engine's own
 tests hold to PEFT's merged model; adapters load and unload at run time (vLLM's /v1/load_lora_adapter and
-/v1/unload_lora_adapter, in-band through the model) and bad ones are refused naming the adapter and the reason."""
+/v1/unload_lora_adapter, in-band through the model), from inside the model's lora_root only (any other path gets
+one answer, whatever the reason), and bad ones are refused naming the adapter and the reason."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 def adapter_paths(server: Any) -> dict[str, Path]:
     root = Path(server.tiny_checkpoint).parent
     return {"lora_a": root / "adapters" / "lora_a", "lora_b": root / "model_repository" / LORA_MODEL / "1" / "lora_b"}
+
+
+def lora_root(server: Any) -> Path:
+    """The model's lora_root (tests/_server.py): the directory lora_a is in; run-time loads read only there."""
+    return adapter_paths(server)["lora_a"].parent
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +130,8 @@ def test_models_list_the_adapters_and_an_adapter_is_a_model(orca_server: Any, cl
 def test_adapters_load_and_unload_at_run_time_and_bad_ones_are_refused(orca_server: Any, api: str,
                                                                        client: openai.OpenAI,
                                                                        tmp_path: Path) -> None:
-    tiny = Path(orca_server.tiny_checkpoint)
-    lora_c = make_lora_adapter(tiny, tmp_path / "lora_c", seed=3)
+    tiny, root = Path(orca_server.tiny_checkpoint), lora_root(orca_server)
+    lora_c = make_lora_adapter(tiny, root / "lora_c", seed=3)
     reference = LLM(str(tiny), enable_lora=True, lora_modules=f"lora_c={lora_c}")
     r = post(api, "/v1/load_lora_adapter", {"lora_name": "lora_c", "lora_path": str(lora_c)})
     assert r.status_code == 200 and "lora_c" in r.text, r.text
@@ -142,21 +148,33 @@ def test_adapters_load_and_unload_at_run_time_and_bad_ones_are_refused(orca_serv
     # loading it again, or under a model's name: 400
     again = post(api, "/v1/load_lora_adapter", {"lora_name": "lora_c", "lora_path": str(lora_c)})
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    # bad adapters: 400 naming the adapter and the reason; the model goes on serving
-    llama_adapter = make_lora_adapter(make_llama(tmp_path / "llama"), tmp_path / "llama_lora", seed=4)
-    big = make_lora_adapter(tiny, tmp_path / "big", seed=5, rank=32)
-    corrupt = tmp_path / "corrupt"
-    corrupt.mkdir()
+    # bad adapters under lora_root: 400 naming the adapter and the reason; the model goes on serving
+    llama_adapter = make_lora_adapter(make_llama(tmp_path / "llama"), root / "llama_lora", seed=4)
+    big = make_lora_adapter(tiny, root / "big", seed=5, rank=32)
+    corrupt = root / "corrupt"
+    corrupt.mkdir(exist_ok=True)
     (corrupt / "adapter_config.json").write_text((lora_c / "adapter_config.json").read_text())
     (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
-    for name, path, reason in [("missing", tmp_path / "nowhere", "no such directory"),
-                               ("other_base", llama_adapter, ""), ("too_big", big, "above max_lora_rank"),
-                               ("corrupt", corrupt, "")]:
+    for name, path, reason in [("other_base", llama_adapter, "which orca cannot adapt"),
+                               ("too_big", big, "above max_lora_rank"), ("corrupt", corrupt, "cannot be read")]:
         r = post(api, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
         assert r.status_code == 400, (name, r.text)
         message = r.json()["error"]["message"]
         assert f"'{name}'" in message and reason in message, message
-    assert not {"missing", "other_base", "too_big", "corrupt"} & {m.id for m in client.models.list()}
+    # outside lora_root (a good adapter beside it), out of it by `..`, missing, not an adapter: one answer
+    outside = make_lora_adapter(tiny, root.parent / "outside_root", seed=3)
+    (root / "empty").mkdir(exist_ok=True)
+    answers = set()
+    for name, path in [("outside", str(outside)), ("escape", f"{root}/../outside_root"),
+                       ("missing", str(root / "nowhere")), ("not_one", str(root / "empty"))]:
+        r = post(api, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        assert r.status_code == 400, (name, r.text)
+        message = r.json()["error"]["message"]
+        assert f"LoRA adapter '{name}': lora_path '{path}' is not an adapter directory under lora_root" in message
+        answers.add(message.replace(path, "PATH").replace(name, "NAME"))
+    assert len(answers) == 1, answers
+    refused = {"other_base", "too_big", "corrupt", "outside", "escape", "missing", "not_one"}
+    assert not refused & {m.id for m in client.models.list()}
     # unloading: gone from the list; its requests are refused; unloading it again is a 404
     r = post(api, "/v1/unload_lora_adapter", {"lora_name": "lora_c"})
     assert r.status_code == 200, r.text
@@ -210,6 +228,8 @@ def test_run_time_updating_needs_enable_lora_and_its_own_parameter() -> None:
         check_control(load, EngineConfig(), "m")
     with pytest.raises(ValueError, match='set its parameter allow_runtime_lora_updating to "true" to allow it'):
         check_control(ControlRequest("unload", "x"), EngineConfig(enable_lora=True), "m")
-    check_control(load, EngineConfig(enable_lora=True, allow_runtime_lora_updating=True), "m")
+    with pytest.raises(ValueError, match="without lora_root: set its parameter lora_root"):
+        check_control(load, EngineConfig(enable_lora=True, allow_runtime_lora_updating=True), "m")
+    check_control(load, EngineConfig(enable_lora=True, allow_runtime_lora_updating=True, lora_root="/srv/a"), "m")
     with pytest.raises(ValueError, match="allow_runtime_lora_updating needs enable_lora true"):
         EngineConfig(allow_runtime_lora_updating=True)
