@@ -53,7 +53,7 @@ from orca.core.engine import IterationStats
 from orca.core.engine_loop import EngineLoop, fault_from_env
 from orca.frontend.generation_config import describe_sampling_defaults, read_sampling_defaults
 from orca.frontend.parallel_sampling import ParentRequest, child_params
-from orca.frontend.structured_outputs import StructuredOutputCompiler
+from orca.frontend.structured_outputs import DEFAULT_MAX_PENDING, StructuredOutputCompiler
 from orca.frontend.tokenizer import Tokenizer
 from orca_triton.generate import (
     INPUT_NAMES,
@@ -148,9 +148,11 @@ class TritonPythonModel:
         logger.info("%s", describe_sampling_defaults(self.sampling_defaults, self.core.checkpoint))
         self.eos_token_ids = self.text.eos_token_ids(self.core.eos_token_ids)
         self.outputs = OutputProcessor(self.text)  # on the response thread (add_request on execute's)
-        # Structured outputs compile on a pool thread; their requests are submitted once compiled.
+        # Structured outputs compile in a worker process; their requests are submitted once compiled. Those
+        # waiting for a grammar count against max_queue (_parse_and_submit), and at most 64 wait.
         self.structured_outputs = StructuredOutputCompiler(
-            self.text.hf, self.core.model_config.vocab_size, self.eos_token_ids
+            self.text.hf, self.core.model_config.vocab_size, self.eos_token_ids,
+            max_pending=min(self.core.config.max_queue, DEFAULT_MAX_PENDING),
         )
         self.structured_outputs.warm_up()
         # Long text prompts are tokenized here, off execute's thread (_submit); at most max_queue wait.
@@ -324,8 +326,13 @@ class TritonPythonModel:
             # The engine's checks and the schema's now (compile_async checks it before queueing); the grammar
             # compiles off this thread, and the request joins the engine when it is done (or gets its error then).
             self.core.validate(parsed.prompt_token_ids, parsed.params, parsed.cache_salt)
+            waiting = self.loop.stats().waiting + self.structured_outputs.pending()
+            if waiting >= self.core.config.max_queue:
+                raise QueueFullError(f"the waiting queue is full ({self.core.config.max_queue} requests, "
+                                     f"{self.structured_outputs.pending()} of them waiting for a grammar): retry later")
             self.structured_outputs.compile_async(
-                so, lambda constraint, error: self._compiled(sender, parsed, constraint, error)
+                so, lambda constraint, error: self._compiled(sender, parsed, constraint, error),
+                cancelled=sender.is_cancelled,
             )
             self.metrics.constrained.increment(1)
         except Exception as exc:  # noqa: BLE001 - answer the request whatever went wrong
