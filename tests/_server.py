@@ -114,7 +114,8 @@ def build_test_repository(root: Path) -> tuple[Path, Path]:
         (repo / name / "1").mkdir(parents=True)
         shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / name / "1" / "model.py")
         if name == LORA_MODEL:
-            params = {**params, "lora_modules": f"lora_a={_add_adapters(repo / name / '1', tiny)['lora_a']}"}
+            lora_a = _add_adapters(repo / name / "1", tiny)["lora_a"]
+            params = {**params, "lora_modules": f"lora_a={lora_a}", "lora_root": str(lora_a.parent)}
         text = _with_parameters(config, name, {"model": str(tiny), **TINY_ENGINE_DEFAULTS, **params})
         (repo / name / "config.pbtxt").write_text(text)
     _add_request_level_tiny(repo, tiny)
