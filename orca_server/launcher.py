@@ -108,6 +108,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default: %(default)s; python -m orca_openai --help describes each)",
     )
     parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="orca-openai's --enable-prompt-tokens-details: report usage.prompt_tokens_details.cached_tokens "
+        "(off by default: it tells a client whether anyone's earlier prompt shared its prefix)",
+    )
+    parser.add_argument(
         "--address",
         default=LOOPBACK,
         help="bind Triton's HTTP and gRPC ports and orca-openai to this address (default: %(default)s, this host "
@@ -273,6 +279,7 @@ def openai_command(args: argparse.Namespace) -> list[str]:
         "--triton-url", f"{triton_host}:{args.grpc_port}",
         "--metrics-url", f"http://{metrics_host}:{args.metrics_port}/metrics",
         "--tool-call-parser", args.tool_call_parser,
+        *(["--enable-prompt-tokens-details"] if args.enable_prompt_tokens_details else []),
     ]
 
 

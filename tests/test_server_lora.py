@@ -213,7 +213,8 @@ def test_lora_updating_is_off_unless_asked(orca_server: Any) -> None:
 
     from orca_openai.app import Settings, create_app
 
-    with TestClient(create_app(Settings(triton_url=orca_server.grpc_url))) as app:
+    settings = Settings(triton_url=orca_server.grpc_url, triton_admin_key=orca_server.admin_key)
+    with TestClient(create_app(settings)) as app:
         r = app.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"})
         assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
 

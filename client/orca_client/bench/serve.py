@@ -231,7 +231,8 @@ def orca_server(workdir: Path, startup_timeout: float, params: dict[str, str] | 
     http, grpc, metrics, openai = free_ports(4)
     log = workdir / "orca-serve.log"
     cmd = [sys.executable, "-m", "orca_server.launcher", "--model-repository", str(repo), "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai)]
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai),
+           "--enable-prompt-tokens-details"]  # the benchmarks read each request's cached_tokens
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
