@@ -326,10 +326,10 @@ class TritonPythonModel:
             # The engine's checks and the schema's now (compile_async checks it before queueing); the grammar
             # compiles off this thread, and the request joins the engine when it is done (or gets its error then).
             self.core.validate(parsed.prompt_token_ids, parsed.params, parsed.cache_salt)
-            waiting = self.loop.stats.waiting + self.structured_outputs.pending()
-            if waiting >= self.core.config.max_queue:
+            compiling = self.structured_outputs.pending()
+            if self.loop.stats.waiting + compiling >= self.core.config.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.core.config.max_queue} requests, "
-                                     f"{self.structured_outputs.pending()} of them waiting for a grammar): retry later")
+                                     f"{compiling} of them waiting for a grammar): retry later")
             self.structured_outputs.compile_async(
                 so, lambda constraint, error: self._compiled(sender, parsed, constraint, error),
                 cancelled=sender.is_cancelled,
