@@ -19,8 +19,10 @@ LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 LORA_LOAD_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 # The gauges, each named (in Metrics' families) by the EngineStats field or property it shows.
-_GAUGES = ("running", "waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots",
-           "n_slots", "prefix_cache_blocks", "lora_resident", "lora_active")
+# The order _set_changed sets them in within a direction: running last, so a scrape that sees a new count of
+# running requests sees the K/V that goes with it.
+_GAUGES = ("waiting", "kv_total_blocks", "kv_allocated_blocks", "kv_used_tokens", "kv_allocated_slots", "n_slots",
+           "prefix_cache_blocks", "lora_resident", "lora_active", "running")
 # The counters published from EngineStats' cumulative fields, each named by its field: incremented by
 # what the field grew since the last publish.
 _COUNTERS = ("preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_verifications", "spec_proposed_tokens",
@@ -46,11 +48,13 @@ def build_1_2_5_buckets(limit: int) -> list[int]:
 
 
 def _set_changed(gauges: dict[str, Any], shown: dict[str, Any], values: dict[str, Any]) -> None:
-    """Sets each gauge whose value changed since it was last set (shown: the values last set)."""
-    for key, value in values.items():
-        if shown.get(key) != value:
-            gauges[key].set(value)
-            shown[key] = value
+    """Sets each gauge whose value changed since it was last set (shown: the values last set). A scrape is not
+    atomic across gauges, so the ones that fall are set before the ones that rise: a scrape between two sets
+    never sees more requests (running + waiting) or more K/V than before or after the change."""
+    changed = [(key, value) for key, value in values.items() if shown.get(key) != value]
+    for key, value in sorted(changed, key=lambda kv: kv[1] > shown.get(kv[0], 0)):  # stable: falls first
+        gauges[key].set(value)
+        shown[key] = value
 
 
 class _PerLabel:
@@ -222,7 +226,7 @@ class VllmMetrics:
 
     def publish(self, stats: EngineStats) -> None:
         usage = stats.kv_allocated_blocks / stats.kv_total_blocks if stats.kv_total_blocks else 0.0
-        values = {"running": stats.running, "waiting": stats.waiting, "kv_usage": usage, "gpu_usage": usage}
+        values = {"waiting": stats.waiting, "kv_usage": usage, "gpu_usage": usage, "running": stats.running}
         _set_changed(self._gauges, self._shown, values)
 
     def finished(self, reason: str | None, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,

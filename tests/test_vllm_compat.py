@@ -145,6 +145,7 @@ class FakeMetric:
 
     def set(self, v: float) -> None:
         self.value = v
+        FakeFamily.sets.append((self.family.name, v))
 
     def observe(self, v: float) -> None:
         self.observed.append(v)
@@ -153,6 +154,7 @@ class FakeMetric:
 class FakeFamily:
     COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
     made: dict[str, FakeFamily] = {}
+    sets: list[tuple[str, float]] = []  # every gauge set, in order
 
     def __init__(self, name: str, description: str, kind: str) -> None:
         self.name, self.kind, self.metrics = name, kind, []
@@ -170,7 +172,7 @@ def metrics_module(monkeypatch: pytest.MonkeyPatch) -> Any:
     fake.MetricFamily = FakeFamily  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
     monkeypatch.delitem(sys.modules, "orca_triton.metrics", raising=False)
-    FakeFamily.made = {}
+    FakeFamily.made, FakeFamily.sets = {}, []
     import orca_triton.metrics as module
 
     yield module
@@ -203,6 +205,31 @@ def test_vllm_series_beside_orca_series_with_vllm_backend_labels(metrics_module:
     assert made["vllm:request_params_n"].metrics[0].observed == [1]
     [success] = made["vllm:request_success_total"].metrics
     assert success.labels == {**labels, "finished_reason": "abort"} and success.value == 1
+
+
+def test_a_scrape_between_two_gauge_sets_never_overstates(metrics_module: Any) -> None:
+    """A scrape reads each gauge on its own: falling gauges are set before rising ones and the running count
+    last, so no state between two sets shows more requests than there are, or running ones without their K/V."""
+    from orca.core.engine import EngineStats
+
+    m = metrics_module.Metrics({"model": "m", "version": "1"})
+    m.publish(EngineStats(running=1, waiting=7, kv_total_blocks=512, kv_allocated_blocks=1, block_size=16))
+    state = {name: value for name, value in FakeFamily.sets}
+    FakeFamily.sets.clear()
+    m.publish(EngineStats(running=8, waiting=0, kv_total_blocks=512, kv_allocated_blocks=8, block_size=16))  # admitted
+    m.publish(EngineStats(running=7, waiting=0, kv_total_blocks=512, kv_allocated_blocks=60, block_size=16))  # one ended
+    m.publish(EngineStats(running=6, waiting=2, kv_total_blocks=512, kv_allocated_blocks=40, block_size=16))  # preempted
+    assert FakeFamily.sets, "nothing was set"
+    for prefix in ("orca_", "vllm:"):
+        running, waiting = ("orca_running_requests", "orca_waiting_requests") if prefix == "orca_" else (
+            "vllm:num_requests_running", "vllm:num_requests_waiting")
+        seen = dict(state)
+        for name, value in FakeFamily.sets:
+            seen[name] = value
+            assert seen[running] + seen[waiting] <= 8, (name, value, seen)
+            if prefix == "orca_" and seen[running] == 8:
+                assert seen["orca_kv_allocated_blocks"] >= 8, seen
+    assert seen["orca_running_requests"] == 6 and seen["vllm:num_requests_waiting"] == 2
 
 
 def test_report_vllm_off_makes_no_vllm_series(metrics_module: Any) -> None:
