@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aiogrpc
 from _fixtures import FakeCodec, s
 from _server import SHIPPED_MODEL, _with_parameters
@@ -117,7 +118,9 @@ def test_huge_prompts_are_refused_at_once_beside_small_requests(tmp_path: Path) 
     requests and 2 long prompts that pass the size check (400 KiB: tokenized on the prompt pool, then
     refused by the engine as longer than the context): every huge one gets the size check's INVALID_ARG
     (so it was never tokenized: the check comes first), every small one completes. The times are printed,
-    not asserted (a shared host's load decides them): docs/RELIABILITY.md has the figures."""
+    not asserted (a shared host's load decides them), beside Triton's own statistics of the mixed run (a
+    request's wait for execute and execute's time, from the server's side of gRPC): docs/RELIABILITY.md has
+    the figures."""
     repo = tmp_path / "model_repository"
     (repo / MODEL / "1").mkdir(parents=True)
     shutil.copy(SHIPPED_MODEL / "1" / "model.py", repo / MODEL / "1" / "model.py")
@@ -142,7 +145,9 @@ def test_huge_prompts_are_refused_at_once_beside_small_requests(tmp_path: Path) 
                 await client.close()
 
         alone, _ = asyncio.run(run(small, []))
+        before = _inference_stats(server)
         outs, refusals = asyncio.run(run(small, [huge_text] * 20 + [long_text] * 2))
+        after = _inference_stats(server)
     huge, long = refusals[:20], refusals[20:]
     took = sorted(t for t, _ in huge)
 
@@ -151,7 +156,9 @@ def test_huge_prompts_are_refused_at_once_beside_small_requests(tmp_path: Path) 
     print(f"\n20 x 1 MiB prompts refused in {took[0] * 1e3:.1f}-{took[-1] * 1e3:.1f} ms "
           f"(median {took[10] * 1e3:.1f} ms); 2 x 400 KiB tokenized and refused in "
           f"{', '.join(f'{t * 1e3:.0f}' for t, _ in long)} ms; 10 small requests: longest TTFT {ttft(outs)} "
-          f"(alone {ttft(alone)})")
+          f"(alone {ttft(alone)}); in Triton, per request: " + ", ".join(
+              f"{key} {(after[key][1] - before[key][1]) / 1e6 / (after[key][0] - before[key][0]):.1f} ms"
+              for key in ("queue", "compute_infer", "success")))
     for a, o in zip(alone, outs):
         assert not a.errors and a.finals == 1 and len(a.tokens) == 8, a
         assert not o.errors and o.finals == 1 and len(o.tokens) == 8, o
@@ -159,6 +166,18 @@ def test_huge_prompts_are_refused_at_once_beside_small_requests(tmp_path: Path) 
         assert "text_input is 1048575 bytes long; at most 524288 bytes are allowed" in error, error
     for _, error in long:
         assert "text_input" not in error and "8192" in error, error  # the engine's context check, after tokenizing
+
+
+def _inference_stats(server: TritonServer) -> dict[str, tuple[int, int]]:
+    """Triton's cumulative statistics of MODEL (an administrative API: the admin key): count and ns of each
+    phase (queue: waiting for execute; compute_infer: execute; success: both, once the request arrived)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        stats = client.get_inference_statistics(MODEL, as_json=True, headers=server.grpc_admin_headers)
+    finally:
+        client.close()
+    phases = stats["model_stats"][0]["inference_stats"]
+    return {key: (int(phases[key].get("count", 0)), int(phases[key].get("ns", 0))) for key in phases}
 
 
 async def _timed_text(client: aiogrpc.InferenceServerClient, text: str, index: int) -> tuple[float, str]:
