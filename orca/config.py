@@ -286,7 +286,8 @@ class EngineConfig:
       transient error) leaves the engine serving, a sticky error stops it within three.
     - control_address: host:port where the driver listens for its worker processes; port 0 (the default)
       picks a free one, enough for workers on this host only. For ranks on other nodes set the address they
-      reach the driver at and a fixed port (e.g. the pod's IP:29600; 0.0.0.0 listens on every interface).
+      reach the driver at and a fixed port: the host may be an environment variable's value ($POD_IP:29600,
+      the pod's IP from Kubernetes' downward API), 0.0.0.0 listens on every interface.
       The data plane's rendezvous (a TCPStore on a free port) binds the same host. Each connection must
       authenticate ($ORCA_WORKER_AUTHKEY) within 20 s, on a thread of its own, so a silent one holds up no
       worker; the port closes once every rank has joined.
@@ -473,7 +474,9 @@ class EngineConfig:
         t = self.worker_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise ValueError(f"worker_timeout must be a number of seconds > 0, got {t!r}")
-        host, sep, port = self.control_address.rpartition(":")
+        if isinstance(self.control_address, str) and self.control_address.startswith("$"):
+            object.__setattr__(self, "control_address", _host_from_environment(self.control_address))
+        host, sep, port = str(self.control_address).rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(
                 f"control_address must be host:port (port 0 picks a free one), got {self.control_address!r}"
@@ -633,6 +636,19 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+
+
+def _host_from_environment(address: str) -> str:
+    """control_address "$VAR:PORT" (or "${VAR}:PORT"): the host is the environment variable's value (in
+    Kubernetes the pod's IP, from the downward API), so one config file serves every pod."""
+    name, sep, port = address[1:].rpartition(":")
+    name = name[1:-1] if name.startswith("{") and name.endswith("}") else name
+    if not sep or not name.replace("_", "").isalnum():
+        raise ValueError(f"control_address must be host:port or $VARIABLE:port, got {address!r}")
+    host = os.environ.get(name, "").strip()
+    if not host:
+        raise ValueError(f"control_address {address!r} names the environment variable {name}, which is not set")
+    return f"{host}:{port}"
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

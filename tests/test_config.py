@@ -63,3 +63,18 @@ def test_orca_gpt_ships_every_settable_option_at_its_default(monkeypatch: pytest
     assert EngineConfig.from_parameters(raw) == EngineConfig()
     not_shipped = {"seed"}  # sampling seeds are per request
     assert set(raw) == {f.name for f in fields(EngineConfig)} - not_shipped
+
+
+def test_control_address_takes_its_host_from_an_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"$POD_IP:29600": one config file for every pod, each driver bound to its own address."""
+    monkeypatch.setenv("POD_IP", "10.4.0.17")
+    assert EngineConfig(control_address="$POD_IP:29600").control_address == "10.4.0.17:29600"
+    assert EngineConfig(control_address="${POD_IP}:0").control_address == "10.4.0.17:0"
+    monkeypatch.delenv("POD_IP")
+    with pytest.raises(ValueError, match=r"names the environment variable POD_IP, which is not set"):
+        EngineConfig(control_address="$POD_IP:29600")
+    with pytest.raises(ValueError, match=r"must be host:port or \$VARIABLE:port, got '\$:29600'"):
+        EngineConfig(control_address="$:29600")
+    monkeypatch.setenv("POD_IP", "10.4.0.17")
+    with pytest.raises(ValueError, match="control_address must be host:port"):
+        EngineConfig(control_address="$POD_IP:port")

@@ -808,7 +808,10 @@ def test_engine_config_accepts_the_parameters(kdir: Path, monkeypatch: pytest.Mo
     params = parameters(model_config(kdir))
     assert params.pop("REPORT_CUSTOM_METRICS") == "true"  # a model parameter (the vllm:* metrics), not the engine's
     monkeypatch.delenv("ORCA_MODEL", raising=False)
+    monkeypatch.setenv("POD_IP", "10.1.2.3")  # the downward API's, in the leader (multi-node's control_address)
     config = EngineConfig.from_parameters(params)
+    if params.get("control_address", "").startswith("$POD_IP:"):
+        assert config.control_address == "10.1.2.3:" + params["control_address"].rpartition(":")[2]
     tp, pp, local = world(params)
     assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (tp, pp)
     assert (config.local_workers or tp * pp) == local
@@ -847,7 +850,9 @@ def test_lws_ranks_add_up_and_followers_reach_the_driver(kdir: Path) -> None:
     )
     # the control port: where the driver listens, what the followers dial, what the leader declares
     host, _, port = params["control_address"].rpartition(":")
-    assert host == "0.0.0.0", "the driver must listen on the pod's network, not on its loopback"
+    # the driver listens on the pod's own address (not every interface, not the loopback): the downward API's
+    assert host == "$POD_IP", "the driver must listen on the pod's address ($POD_IP), not 0.0.0.0 or the loopback"
+    assert env(leader)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert worker_env["ORCA_CONTROL_PORT"]["value"] == port != "0"
     assert named_port(leader, "orca-control") == int(port)
     # the followers run orca.worker with the driver from LWS's environment (LWS_LEADER_ADDRESS)
