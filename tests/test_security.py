@@ -254,3 +254,16 @@ def test_the_launcher_listens_on_loopback_only_by_default(tmp_path: Path) -> Non
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
     assert "admin-key=***" in out  # the command is shown, its key never
+
+
+def test_the_baselines_batcher_queue_is_bounded() -> None:
+    """request_level_gpt's waiting queue is Triton's dynamic batcher's: bounded as orca_gpt's max_queue (1024,
+    EngineConfig's default), so a flood is refused at once instead of held without bound. The session's
+    request_level_tiny is made from this config, so the session's Triton loading it checks the syntax."""
+    from orca import EngineConfig
+
+    config = (Path(__file__).resolve().parents[1] / "model_repository" / "request_level_gpt" / "config.pbtxt").read_text()
+    batching = config[config.index("dynamic_batching {"):]
+    batching = batching[:batching.index("\n}\n")]
+    assert "default_queue_policy { max_queue_size: 1024 }" in batching
+    assert EngineConfig().max_queue == 1024
