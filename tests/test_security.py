@@ -262,7 +262,8 @@ def test_the_baselines_batcher_queue_is_bounded() -> None:
     request_level_tiny is made from this config, so the session's Triton loading it checks the syntax."""
     from orca import EngineConfig
 
-    config = (Path(__file__).resolve().parents[1] / "model_repository" / "request_level_gpt" / "config.pbtxt").read_text()
+    repository = Path(__file__).resolve().parents[1] / "model_repository"
+    config = (repository / "request_level_gpt" / "config.pbtxt").read_text()
     batching = config[config.index("dynamic_batching {"):]
     batching = batching[:batching.index("\n}\n")]
     assert "default_queue_policy { max_queue_size: 1024 }" in batching

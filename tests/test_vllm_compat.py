@@ -216,9 +216,10 @@ def test_a_scrape_between_two_gauge_sets_never_overstates(metrics_module: Any) -
     m.publish(EngineStats(running=1, waiting=7, kv_total_blocks=512, kv_allocated_blocks=1, block_size=16))
     state = {name: value for name, value in FakeFamily.sets}
     FakeFamily.sets.clear()
-    m.publish(EngineStats(running=8, waiting=0, kv_total_blocks=512, kv_allocated_blocks=8, block_size=16))  # admitted
-    m.publish(EngineStats(running=7, waiting=0, kv_total_blocks=512, kv_allocated_blocks=60, block_size=16))  # one ended
-    m.publish(EngineStats(running=6, waiting=2, kv_total_blocks=512, kv_allocated_blocks=40, block_size=16))  # preempted
+    # the 7 admitted, then one ends, then two are preempted
+    for running, waiting, blocks in ((8, 0, 8), (7, 0, 60), (6, 2, 40)):
+        m.publish(EngineStats(running=running, waiting=waiting, kv_total_blocks=512, kv_allocated_blocks=blocks,
+                              block_size=16))
     assert FakeFamily.sets, "nothing was set"
     for prefix in ("orca_", "vllm:"):
         running, waiting = ("orca_running_requests", "orca_waiting_requests") if prefix == "orca_" else (
