@@ -3,7 +3,7 @@ serves at load (vllm_backend's multi_lora.json beside the config's lora_modules)
 that list, load and unload adapters while it runs (the `lora_control` input; orca-openai's /v1/models,
 /v1/load_lora_adapter and /v1/unload_lora_adapter use them). A run-time load reads only from inside the
 model's lora_root (confine_lora_path), and reads the files on its caller's thread, not the engine's
-(load_at_run_time). Nothing here calls into Triton."""
+(load_at_run_time, through EngineLoop.add_lora). Nothing here calls into Triton."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from orca.config import EngineConfig, parse_lora_modules
-from orca.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, drop_read_ahead, read_ahead
+from orca.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 logger = logging.getLogger("orca_gpt")
 
@@ -135,25 +135,13 @@ def _adapter_under(lora_path: str, lora_root: str) -> tuple[Path | None, str]:
 
 def load_at_run_time(loop: Any, req: ControlRequest) -> Any:
     """A lora_control load on `loop` (an EngineLoop; check_control passed): the path confined to lora_root
-    (confine_lora_path), the adapter's files read and checked here, on the caller's thread (read_ahead),
-    then registered on the engine's thread between iterations (EngineLoop.add_lora), which finds them read:
-    a slow disk holds up this load, never an iteration. Returns the LoRARequest; ValueError (LoRAError among
-    them) names the adapter and the reason."""
-    core = loop.core
-    path = confine_lora_path(req.lora_name, req.lora_path, core.config.lora_root)
-    for lora in loop.list_loras():  # (the engine refuses it too; this spares reading the files for nothing)
-        if lora.name == req.lora_name:
-            raise ValueError(f"LoRA adapter {req.lora_name!r} is already served (from {lora.path}): remove it "
-                             "first to replace it")
-    adapter = read_ahead(req.lora_name, path, core.model_config, core.config.max_lora_rank)
-    try:
-        return loop.add_lora(req.lora_name, path)
-    except BaseException:
-        drop_read_ahead(req.lora_name, adapter)
-        raise
-    finally:
-        if core.config.distributed:  # the worker processes read their own copy: the driver keeps none
-            drop_read_ahead(req.lora_name, adapter)
+    (confine_lora_path), then EngineLoop.add_lora, which reads and checks the adapter's files here, on the
+    caller's thread, and registers it on the engine's thread between iterations: a slow disk holds up this
+    load, never an iteration (the workers get the adapter as read here with the next plan: none reads the
+    files again). Returns the LoRARequest; ValueError (LoRAError among them) names the adapter and the
+    reason."""
+    path = confine_lora_path(req.lora_name, req.lora_path, loop.core.config.lora_root)
+    return loop.add_lora(req.lora_name, path)
 
 
 def adapters_json(loras: list[Any]) -> list[dict[str, str]]:

@@ -116,8 +116,8 @@ class Metrics:
                                  "base model's are not counted)", C),
             "lora_resident": fam("orca_lora_adapters_resident", "LoRA adapters in the workers' slots (max_loras)", G),
             "lora_active": fam("orca_lora_adapters_active", "LoRA adapters in a slot that admitted requests use", G),
-            "lora_loads": fam("orca_lora_loads_total", "LoRA adapters put into a slot (from the host copy, read from "
-                              "disk the first time)", C),
+            "lora_loads": fam("orca_lora_loads_total", "LoRA adapters put into a slot (from the workers' host copy, "
+                              "read when the adapter was registered)", C),
             "lora_load": fam("orca_lora_load_seconds", "Time to put a LoRA adapter into a slot, in the workers", H),
         }
         f = self._families

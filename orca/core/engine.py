@@ -186,6 +186,7 @@ class EngineCore:
         self.loras: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)
         self._lora_removed: list[int] = []  # ids whose host copies the workers may drop (next plan)
+        self._lora_added: list[tuple[int, Any]] = []  # (id, adapter read) for the workers to keep (next plan)
         # (adapter, seconds) of each load, for metrics to drain; bounded where nothing does
         self.lora_load_seconds: deque[tuple[str, float]] = deque(maxlen=4096)
         self.scheduler = OrcaScheduler(
@@ -220,7 +221,7 @@ class EngineCore:
                 prefix_caching=config.enable_prefix_caching,
             )
 
-        try:
+        try:  # the configured adapters, read and checked now, at load: no request waits for their files
             for name, path in parse_lora_modules(config.lora_modules).items():
                 self.add_lora(name, path)
         except Exception:
@@ -228,23 +229,40 @@ class EngineCore:
             raise
 
     # -- LoRA adapters ---------------------------------------------------------------------------
-    def add_lora(self, name: str, path: str) -> LoRARequest:
+    def add_lora(self, name: str, path: str, adapter: Any = None) -> LoRARequest:
         """Serves the adapter in directory `path` under `name`, after reading it whole and checking it
         against the model (orca/models/lora.py read_adapter: LoRAError, a ValueError naming the adapter and
-        the reason). A name already served is refused: remove it first."""
+        the reason), on the caller's thread; `adapter`: that read, done already (EngineLoop.add_lora reads
+        on its caller's thread, before the call comes to the loop's). A name already served is refused:
+        remove it first. The host copy goes to the workers with the next plan (StepPlan.lora_added): they
+        never read the files."""
+        self.check_new_lora(name, path)
+        if adapter is None:
+            adapter = self.read_lora(name, path)
+        lora = self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
+        self._lora_added.append((lora.lora_id, adapter))
+        logger.info("LoRA adapter %s (id %d) from %s", name, lora.lora_id, path)
+        return lora
+
+    def check_new_lora(self, name: str, path: str) -> None:
+        """ValueError when add_lora(name, path) would be refused before reading anything (LoRA off, no name
+        or path, a name already served). Reads only the served names: any thread may call it (add_lora
+        checks again)."""
         if self.lora_slots is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora true")
         if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
             raise ValueError(f"a LoRA adapter needs a name and a path, got {name!r} and {path!r}")
-        if name in self.loras:
-            raise ValueError(f"LoRA adapter {name!r} is already served (from {self.loras[name].path}): remove it "
+        served = self.loras.get(name)
+        if served is not None:
+            raise ValueError(f"LoRA adapter {name!r} is already served (from {served.path}): remove it "
                              "first to replace it")
+
+    def read_lora(self, name: str, path: str) -> Any:
+        """The adapter in `path` read and checked for this engine's model and max_lora_rank, on the caller's
+        thread (orca/models/lora.py read_adapter; LoRAError names the adapter and the reason)."""
         from orca.models.lora import read_adapter  # reads files and tensors only: no model code
 
-        read_adapter(name, path, self.model_config, self.config.max_lora_rank)
-        lora = self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
-        logger.info("LoRA adapter %s (id %d) from %s", name, lora.lora_id, path)
-        return lora
+        return read_adapter(name, path, self.model_config, self.config.max_lora_rank)
 
     def remove_lora(self, name: str) -> bool:
         """Stops serving an adapter: new requests naming it are refused; requests already holding it run
@@ -253,6 +271,7 @@ class EngineCore:
         if lora is None:
             return False
         self.lora_slots.forget(lora.lora_id)  # type: ignore[union-attr]
+        self._lora_added = [(i, a) for i, a in self._lora_added if i != lora.lora_id]  # never handed over
         self._lora_removed.append(lora.lora_id)
         return True
 
@@ -495,7 +514,9 @@ class EngineCore:
         free, self._to_free = tuple(self._to_free), []
         loads = tuple(LoRALoad(slot, lora.lora_id, lora.name, lora.path) for slot, lora in batch.lora_loads)
         removed, self._lora_removed = tuple(self._lora_removed), []
-        return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile, loads, removed)
+        added, self._lora_added = tuple(self._lora_added), []
+        return StepPlan(batch.batch_id, tuple(planned), free, self.capture_logits, self.profile, loads, removed,
+                        added)
 
     def _complete(self, batch: ScheduledBatch, result: StepResult, start: float) -> list[EngineCoreOutput]:
         now = time.monotonic()

@@ -186,9 +186,15 @@ class EngineLoop:
 
     # -- LoRA adapters (orca/core/lora.py), changed on the loop's thread between iterations -----------
     def add_lora(self, name: str, path: str, timeout: float | None = 120.0) -> Any:
-        """EngineCore.add_lora on the loop's thread, between iterations; waits for it and returns its
-        LoRARequest, or raises what it raised (ValueError, LoRAError among them: the adapter is refused)."""
-        return self._call_on_loop(lambda: self.core.add_lora(name, path), timeout)
+        """Reads and checks the adapter's files here, on the caller's thread (EngineCore.read_lora: a slow
+        disk holds up this call, never an iteration), then registers it with EngineCore.add_lora on the
+        loop's thread, between iterations; waits for that and returns its LoRARequest, or raises what either
+        raised (ValueError, LoRAError among them: the adapter is refused). A name already served is refused
+        before any read."""
+        self._check_running()
+        self.core.check_new_lora(name, path)
+        adapter = self.core.read_lora(name, path)
+        return self._call_on_loop(lambda: self.core.add_lora(name, path, adapter), timeout)
 
     def remove_lora(self, name: str, timeout: float | None = 120.0) -> bool:
         """EngineCore.remove_lora on the loop's thread, between iterations: False if no adapter has that
@@ -199,11 +205,14 @@ class EngineLoop:
         """The adapters served now (a copy: any thread may call it)."""
         return list(self.core.loras.values())
 
-    def _call_on_loop(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+    def _check_running(self) -> None:
         if self._failed is not None:
             raise EngineFailedError(f"the engine has failed and serves no more requests: {self._failed}")
         if not self._thread.is_alive():
             raise EngineFailedError("the engine has stopped")
+
+    def _call_on_loop(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+        self._check_running()
         future: Future = Future()
         self._commands.put(_Call(fn, future))
         return future.result(timeout)

@@ -11,7 +11,8 @@ adapter sits in which slot, here, with plain numbers:
   the batch. An admitted request pins its adapter's slot until it leaves (finishes, is preempted or
   aborted), so the adapters of admitted requests never number more than max_loras and never thrash.
 - Putting an adapter into a slot is part of the next plan (StepPlan.lora_loads): every worker copies it
-  there (from its host copy, read from disk the first time) before that iteration's forward pass.
+  there (from its host copy: the adapter as read at registration, EngineCore.add_lora, handed to the
+  workers with the next plan, StepPlan.lora_added) before that iteration's forward pass.
   Batches are executed in order on every worker, so a slot is never rewritten under a batch in flight:
   the slots that can be evicted are those no admitted request (and so no batch in flight) uses.
 

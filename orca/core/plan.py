@@ -1,5 +1,6 @@
 """What crosses the boundary between the driver (engine + scheduler) and the workers: plain, picklable
-data. No tensors in a plan, no Request objects either way.
+data. No Request objects either way, and no tensors in a plan but, once per adapter, the host copy of a LoRA
+adapter newly registered (StepPlan.lora_added: read by the driver, so no worker reads adapter files).
 
 A worker keeps, per request it has seen, its block table and its sampling options; a plan sends only what
 changed since: the blocks a request gained, its sampling options the first time (after each admission),
@@ -9,6 +10,10 @@ and the ids whose state the worker must drop (finished, aborted, preempted) befo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orca.models.lora import LoRAAdapter
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class PlannedRequest:
 @dataclass(frozen=True)
 class LoRALoad:
     """Put the adapter `lora_id` (named `name`, PEFT files in `path`) into slot `slot` before the plan's
-    forward pass (orca/core/lora.py; the worker reads the files once and keeps a host copy)."""
+    forward pass (orca/core/lora.py), from the worker's host copy (StepPlan.lora_added): a copy, no read."""
 
     slot: int
     lora_id: int
@@ -82,7 +87,10 @@ class LoRALoad:
 class StepPlan:
     """One iteration. ``free_request_ids`` are dropped before the plan runs (their blocks may be reused
     by this very plan). ``return_logits`` asks for the float32 logits row of every sampled request.
-    ``lora_loads`` are carried out before the forward pass (after the frees)."""
+    ``lora_loads`` are carried out before the forward pass (after the frees, the removals and the
+    additions). ``lora_added``: (lora_id, adapter) of each adapter registered since the last plan, its
+    host copy as the driver read it (orca/models/lora.py read_adapter), which every worker keeps until the
+    adapter is removed; plans run in order on every worker, so it is there before any plan loads it."""
 
     batch_id: int
     requests: tuple[PlannedRequest, ...]
@@ -91,6 +99,7 @@ class StepPlan:
     profile: bool = False  # time the phases (costs a device sync per phase)
     lora_loads: tuple[LoRALoad, ...] = ()
     lora_removed: tuple[int, ...] = ()  # adapters no longer served: the workers drop their host copies
+    lora_added: tuple[tuple[int, LoRAAdapter], ...] = ()
 
 
 @dataclass
@@ -102,7 +111,7 @@ class StepResult:
     only: the row of the last token drawn); ``timings`` are seconds per phase when the plan asked for
     profiling. ``proposals``: the tokens the draft model drafted after ``sampled`` for the requests with a
     num_to_propose (speculative_method draft). ``lora_load_seconds``: how long each of the plan's
-    lora_loads took (by lora_id; a copy from the host copy, or the first read of the files too)."""
+    lora_loads took (by lora_id; a copy from the worker's host copy)."""
 
     batch_id: int
     sampled: dict[str, list[int]] = field(default_factory=dict)

@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import re
-import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,45 +99,15 @@ class LoRAAdapter:
 def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
     """Reads and checks an adapter for a base model of config `cfg`; LoRAError names the adapter and what
     is wrong (missing or corrupt files, another base model's shapes, a rank above max_rank, a target orca
-    cannot adapt, a PEFT variant it does not run). One read ahead (read_ahead) under the same name, path,
-    base model and max_rank is not read again: it is returned as it was read."""
-    with _read_ahead_lock:
-        entry = _read_ahead.get(name)
-    if entry is not None and entry[:3] == (str(path), cfg, max_rank):
-        return entry[3]
-    return _read_adapter(name, path, cfg, max_rank)
+    cannot adapt, a PEFT variant it does not run).
 
-
-# -- adapters read ahead, off the engine's thread --------------------------------------------------------
-# A run-time load (orca_triton/lora.py load_at_run_time, on the Triton model's control thread) reads and
-# checks the adapter's files first (read_ahead), then registers it on the engine's thread, where
-# EngineCore.add_lora checks it (read_adapter) and the in-process worker later puts it into a slot
-# (LoRAModel.load, inside an iteration): both find it here rather than read the files on the engine's
-# thread, where a slow disk would hold up every request's iterations. The in-process worker takes it (its
-# host copy from then on); a read ahead under the same name replaces it; drop_read_ahead forgets it (a
-# refused load, or worker processes, which read their own copy).
-_read_ahead: dict[str, tuple[str, ModelConfig, int, LoRAAdapter]] = {}  # name -> (path, cfg, max_rank, adapter)
-_read_ahead_lock = threading.Lock()
-
-
-def read_ahead(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """read_adapter on the caller's thread, the adapter kept for the next read_adapter of the same name,
-    path, base model and max_rank (the engine's)."""
-    adapter = _read_adapter(name, path, cfg, max_rank)
-    with _read_ahead_lock:
-        _read_ahead[name] = (str(path), cfg, max_rank, adapter)
-    return adapter
-
-
-def drop_read_ahead(name: str, adapter: LoRAAdapter | None = None) -> None:
-    """Forgets the adapter read ahead under `name` (only if it is `adapter`, when given)."""
-    with _read_ahead_lock:
-        entry = _read_ahead.get(name)
-        if entry is not None and (adapter is None or entry[3] is adapter):
-            del _read_ahead[name]
-
-
-def _read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
+    The only place adapter files are read: once per registration, on the registering thread, never inside
+    an iteration. EngineCore.add_lora reads on its caller's thread (the adapters of lora_modules and
+    multi_lora.json at the engine's construction, i.e. at model load; the offline API's where it is called),
+    EngineLoop.add_lora on the thread that asks for the load (orca_triton/lora.py load_at_run_time: the
+    Triton model's control thread) before it hands the adapter read to the loop's thread, so a serving
+    engine's thread never waits for a disk. The host copy read goes to the workers with the next plan
+    (StepPlan.lora_added; pickled to worker processes): no worker reads a file and none needs the path."""
     where = f"LoRA adapter {name!r} ({path})"
     directory = Path(path)
     if not directory.is_dir():
@@ -403,8 +372,9 @@ def _lora_add_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
 
 class LoRAModel:
     """The LoRA side of one worker's model: wraps its adaptable linears in LoRALinear (add_lora_layers) and
-    fills their slots. Keeps each adapter it has read (its host copy) until the adapter is removed, so a
-    slot's reload is a copy, not a read."""
+    fills their slots. Holds the host copy of every adapter registered (add: read by the driver at
+    registration, handed over with a plan's lora_added) until the adapter is removed, so putting one into
+    a slot is a copy, never a read."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, par: ParallelContext, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -413,16 +383,21 @@ class LoRAModel:
         self.batch = LoRABatch()
         self.layers = add_lora_layers(model, cfg, par, num_slots, max_rank, self.batch, dtype, device)
         self.prefix = layer_prefix(cfg)
-        self.host: dict[int, LoRAAdapter] = {}  # lora_id -> adapter read
+        self.host: dict[int, LoRAAdapter] = {}  # lora_id -> adapter, as read at registration
         self.bytes_per_slot = sum((m.lora_a[:m.pr].numel() + m.lora_bt[:m.pr].numel()) * m.lora_a.element_size()
                                   for m in self.layers)
 
-    def load(self, slot: int, lora_id: int, name: str, path: str) -> None:
-        """Puts the adapter into the slot (which adapter sits where is the core's: orca/core/lora.py)."""
+    def add(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        """Keeps the host copy of a newly registered adapter (read and checked by the driver)."""
+        self.host[lora_id] = adapter
+
+    def load(self, slot: int, lora_id: int, name: str) -> None:
+        """Puts the adapter into the slot (which adapter sits where is the core's: orca/core/lora.py), from
+        its host copy."""
         adapter = self.host.get(lora_id)
         if adapter is None:
-            adapter = self.host[lora_id] = read_adapter(name, path, self.cfg, self.max_rank)
-            drop_read_ahead(name, adapter)  # read ahead (if it was): the host copy is the worker's now
+            raise RuntimeError(f"LoRA adapter {name!r} (id {lora_id}) has no host copy on this worker: a plan must "
+                               "hand it over (StepPlan.lora_added) before one puts it into a slot")
         for layer in self.layers:
             layer.load_slot(slot, adapter, self.prefix, self.par.tp_rank, self.par.tp_size)
 

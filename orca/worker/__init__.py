@@ -406,7 +406,7 @@ class Worker:
         t0 = time.perf_counter()
         for request_id in plan.free_request_ids:
             self._requests.pop(request_id, None)
-        lora_seconds = self._load_loras(plan) if plan.lora_loads or plan.lora_removed else {}
+        lora_seconds = self._load_loras(plan) if plan.lora_loads or plan.lora_removed or plan.lora_added else {}
         ordered = _execution_order(plan.requests)
         graph_size = self._graph_size(ordered) if timer is None else None
         ids, pos, meta, sample_rows = self._prepare(ordered, timer, graph_size)
@@ -477,15 +477,18 @@ class Worker:
         return result
 
     def _load_loras(self, plan: StepPlan) -> dict[int, float]:
-        """Puts the plan's adapters into their slots (orca/core/lora.py) and drops the host copies of those
-        removed; returns each load's seconds by lora_id."""
+        """Drops the host copies of the plan's removed adapters, keeps those of its added ones (read by the
+        driver: orca/models/lora.py read_adapter) and puts the plan's adapters into their slots
+        (orca/core/lora.py) from them; returns each load's seconds by lora_id. Reads no file."""
         if self.lora is None:
             raise RuntimeError("the plan loads LoRA adapters, but this worker was started without enable_lora")
         self.lora.forget(set(plan.lora_removed))
+        for lora_id, adapter in plan.lora_added:
+            self.lora.add(lora_id, adapter)
         seconds = {}
         for load in plan.lora_loads:
             t0 = time.perf_counter()
-            self.lora.load(load.slot, load.lora_id, load.name, load.path)
+            self.lora.load(load.slot, load.lora_id, load.name)
             seconds[load.lora_id] = time.perf_counter() - t0
             logger.info("LoRA adapter %s into slot %d in %.1f ms", load.name, load.slot, 1e3 * seconds[load.lora_id])
         return seconds

@@ -21,12 +21,12 @@ Engines, the same options (--model, --dtype, --quantization, --torch-compile, ma
            --repeats rounds of the same requests, for reference;
   load     enable_lora on, max_loras 1, two adapters (torch_compile off: no forward pass is timed),
            --load-rounds rounds of a one-token request of each in turn: every request evicts the other
-           adapter, so the first load of each reads its files and the others copy its host copy.
+           adapter (every load copies the worker's host copy, read when the adapter was registered).
 Reported: per configuration generated tokens / wall time, its ratio to "base" and the adapter loads it took
 (EngineStats.lora_loads); the adapter load times from EngineCore.lora_load_seconds (the worker's time to
-put an adapter into a slot), median of the first loads (reading adapter_model.safetensors; the OS caches
-the files, which registration has just read) and of the reloads (from the worker's host copy); whether
-the base run's tokens equal the lora-off engine's.
+put an adapter into a slot, always from its host copy: registration read the files), median of the first
+loads (an adapter's first use) and of the reloads; whether the base run's tokens equal the lora-off
+engine's.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def load_times(entries: list[tuple[str, float]]) -> dict[str, Any]:
-    """EngineCore.lora_load_seconds' (name, seconds) in order: each adapter's first load read its files,
-    the later ones copied its host copy (while registered, the worker keeps it)."""
+    """EngineCore.lora_load_seconds' (name, seconds) in order: each adapter's first load (its first use),
+    and the later ones; all copy the worker's host copy (read at registration, kept while registered)."""
     seen: set[str] = set()
     first, again = [], []
     for name, seconds in entries:
@@ -300,8 +300,8 @@ def print_lora(result: dict[str, Any]) -> None:
     print(f"  base model's tokens with lora on equal lora off's: {same['equal']}/{same['requests']} requests")
     for label, loads in (("lora engine", result["lora_engine_loads"]), ("max_loras 1", result["load"])):
         if loads:
-            print(f"  adapter loads, {label}: first (files) {_ms(loads['first_load_median_ms'])} median of "
-                  f"{loads['first_loads']}, reload (host copy) {_ms(loads['reload_median_ms'])} median of "
+            print(f"  adapter loads, {label}: first {_ms(loads['first_load_median_ms'])} median of "
+                  f"{loads['first_loads']}, reload {_ms(loads['reload_median_ms'])} median of "
                   f"{loads['reloads']}")
 
 
