@@ -52,10 +52,10 @@ class EngineConfig:
     """Engine options. Every field is validated here, so a bad value fails at start-up with a message.
 
     This docstring is the options' documentation: one entry per field, "- name: text" (what it does, its
-    values, what its default means, where it applies). A Triton model's config.pbtxt gives them as string
-    `parameters` (from_parameters: empty = the default). docs/OPTIONS.md is this list rendered by
-    scripts/options_doc.py; tests/test_options_doc.py fails when the two differ or a field has no entry.
-    Choices made by measurement name their section of docs/BENCHMARKS.md, where the figures are.
+    values and default, where it applies). A Triton model's config.pbtxt gives them as string `parameters`
+    (from_parameters: empty = the default). docs/OPTIONS.md is this list rendered by scripts/options_doc.py;
+    tests/test_options_doc.py fails when the two differ or a field has no entry. Where a default was chosen
+    by measurement, the entry names the section of docs/BENCHMARKS.md that holds the figures.
 
     - model: a local Hugging Face checkpoint directory (`config.json` and `*.safetensors`, sharded or not,
       with or without tokenizer files; its `model_type` one of the families README.md lists) or a `.gguf`
@@ -66,91 +66,62 @@ class EngineConfig:
     - device: a torch device ("cpu", "cuda", "cuda:N") or "auto": CUDA when torch sees a GPU, else the CPU.
       With worker processes (tensor or pipeline parallelism) on a GPU host, local rank i uses cuda:i.
     - dtype: float32, float16, bfloat16 or "auto" (auto_dtype): bfloat16 on CUDA (float16 where the GPU
-      lacks bfloat16) and on CPUs that multiply bfloat16 natively (the avx512_bf16 or amx_bf16 flag of
-      /proc/cpuinfo), float32 on other CPUs. $ORCA_DTYPE, when set, is what "auto" means (the tests set
-      float32 to compare with float32 references on any host).
+      lacks bfloat16) and on CPUs that multiply bfloat16 natively (cpu_has_native_bf16), float32 on other
+      CPUs. $ORCA_DTYPE, when set, is what "auto" means (the tests set float32 to compare with float32
+      references on any host).
     - linear_backend: how the model's linear layers multiply (orca/models/layers.py). "onednn": each weight
-      is packed once at load into oneDNN's blocked layout and every call runs oneDNN's matmul on it (what
-      inductor's freezing pass does to CPU linears, without compiling); CPU only, in the dtypes oneDNN packs
-      there (float32 always, bfloat16 and float16 where the CPU has the instructions). "hybrid": onednn,
-      and second copies where they were measured to win: a float32 model keeps the checkpoint's weights
-      beside the packed ones (the linear weights' memory twice), which multiply inputs of HYBRID_MIN_ROWS
-      (384) rows or more (prompt iterations) with F.linear (MKL's matmul; in bfloat16 it never won, so a
-      16-bit model keeps none); each quantized layer (quantization) keeps a oneDNN-packed dequantized copy,
-      used for iterations where the int kernels lose to oneDNN's matmul on a CPU: from 8 rows (int8) or 12
-      (int4) in float32, from 4 or 6 in bfloat16 (HYBRID_QUANTIZED_MIN_ROWS, orca/models/quantization.py).
-      "reference": torch's F.linear on the checkpoint layout (cuBLAS on CUDA). "auto": hybrid on a CPU
-      where oneDNN packs the dtype when the second copy (estimated from the checkpoint, per rank) takes at
-      most a quarter of the memory available at load, onednn there otherwise, reference elsewhere. An
-      explicit onednn or hybrid where oneDNN cannot run is refused at load. The CPU choices were measured:
-      docs/BENCHMARKS.md, "Results: the fast data plane, first step" (onednn against reference), "Results:
-      the fast data plane, fifth step: hybrid linears" and "Results: the single stream on an AVX512-BF16
-      host" (bfloat16).
-    - attention_backend: how attention reads the paged K/V pool (orca/models/attention/). "reference":
-      one scaled_dot_product_attention call per request and layer over that request's keys and values (the
-      transformers-exact oracle). "batched": the reference for prompts and chunks, and an iteration's
-      increments and short requests (up to 8 tokens after a cached prefix: speculative verification), when
-      there are BATCHED_MIN_INCREMENTS (3) or more, in batches: their keys and values
-      gathered into padded batches, two batched matmuls and a masked softmax per layer. "flex": one
-      flex_attention call per layer for every token of the iteration, straight from the pool through the
-      block tables (compiled on CUDA and warmed up at load; on a CPU PyTorch's unfused implementation:
-      correct, slow); on CUDA an iteration of at most 8 rows per request (every decode iteration) runs a
-      paged decode kernel (Triton) instead. "auto": batched on a CPU, the fastest measured there
-      (docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"); on CUDA flex,
-      where its decode iterations run in CUDA graphs and it serves the configuration (cuda_graphs auto, one
-      worker, a dense model of head_dim 16 or more, its draft model too, kv_cache_dtype auto, no
-      enable_lora): on an H200 14.8x transformers' tokens/s offline, 1.4-4.3x batched's decode tokens/s at
-      batch 16-256 (docs/BENCHMARKS.md, "Results: the CUDA path on an H200"); elsewhere on CUDA batched
-      (flex without graphs is behind it), and the load logs why.
+      is packed once at load into oneDNN's blocked layout and multiplied by oneDNN's matmul; CPU only, in
+      the dtypes oneDNN packs there. "hybrid": onednn plus second copies where they win: a float32 layer
+      keeps the checkpoint's weight for iterations of HYBRID_MIN_ROWS rows or more (F.linear; the linear
+      weights' memory twice), a quantized layer a oneDNN-packed float copy for iterations past
+      HYBRID_QUANTIZED_MIN_ROWS (orca/models/quantization.py). "reference": torch's F.linear on the
+      checkpoint layout (cuBLAS on CUDA). "auto": resolve_linear_backend decides. An explicit onednn or
+      hybrid where oneDNN cannot run is refused at load. Measured: docs/BENCHMARKS.md, "Results: the fast
+      data plane, first step" and "Results: the fast data plane, fifth step: hybrid linears".
+    - attention_backend: how attention reads the paged K/V pool (orca/models/attention/). "reference": one
+      scaled_dot_product_attention call per request and layer (the transformers-exact oracle). "batched":
+      the reference for prompts, and an iteration's increments and short requests in padded batches when
+      there are BATCHED_MIN_INCREMENTS or more. "flex": one flex_attention call per layer straight from the
+      pool through the block tables (compiled on CUDA; on a CPU unfused: correct, slow), with a paged
+      decode kernel (Triton) on CUDA for iterations of at most PAGED_ROWS rows per request. "auto": flex or
+      batched, as resolve_attention_backend (orca/models/attention/base.py) decides; the load logs why
+      when it is not flex on CUDA. Measured: docs/BENCHMARKS.md, "Results: the fast data plane, fourth
+      step: batched increments" (CPU) and "Results: the CUDA path on an H200, fourth session" (CUDA).
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
       each multiple of 8 below max_bs, and max_bs; a batch pads to the next size) and replays them, where
-      that applies: CUDA, attention_backend flex, a dense model (no mixture-of-experts layers), one worker
-      (orca/worker/cuda_graphs.py); iterations with prompt tokens run eagerly. Elsewhere nothing is captured
-      and nothing costs. "off": never.
-    - torch_compile: "auto" compiles the model's forward pass with torch.compile at load, where that was
-      measured to win (docs/BENCHMARKS.md, "Results: the fast data plane, third step: the compiled forward
-      pass"): a CPU, attention_backend reference or batched, a dense model, one worker
-      (orca/worker/compiled.py: one graph for every token count, every op fused but attention and the
-      linears; never recompiled inside a request; a single stream's decode step gets a graph of its own with
-      attention inside it, its int8 layers' weights frozen in for inductor's int8 kernel, a decode step of 2-5
-      requests another (1.17-1.31x faster steps), and an int8 LM head one, its kernel chosen by measurement at
-      load). Compiling lengthens the load, with a progress message (SmolLM2 as shipped on 2 cores: about 190 s
-      with inductor's on-disk cache cold, 30 s warm); a compile that fails (no C++ compiler) serves eagerly
-      and logs why. "off": eager. $ORCA_TORCH_COMPILE, when set, is what "auto" means (the tests set off, so
-      that their many engines load quickly).
+      why_no_graphs (orca/worker/cuda_graphs.py) finds nothing against it; iterations with prompt tokens
+      run eagerly. Elsewhere nothing is captured and nothing costs. "off": never.
+    - torch_compile: "auto" compiles the model's forward pass with torch.compile at load where
+      why_not_compiled (orca/worker/compiled.py, whose docstring says what is compiled) finds nothing against it;
+      never recompiled inside a request. Compiling lengthens the load, with a progress message; a compile
+      that fails (no C++ compiler) serves eagerly and logs why. "off": eager. $ORCA_TORCH_COMPILE, when
+      set, is what "auto" means (the tests set off, so that their many engines load quickly). Measured
+      (speed and load time): docs/BENCHMARKS.md, "Results: the fast data plane, third step: the compiled
+      forward pass" and "Results: decode steps of a few requests in a graph of their own".
     - quantization: how the linear layers' weights are stored and multiplied (orca/models/quantization.py).
-      "auto": the checkpoint's own format: a GGUF file's Q8_0 weights as int8, Q4_0/Q4_1 as int4 (groups of
-      32, loaded as they are, no float detour), a Hugging Face AWQ or GPTQ checkpoint as int4, a
-      compressed-tensors FP8 one as fp8; a float checkpoint as it is. "none": float weights in `dtype`
-      (a quantized checkpoint dequantized at load). "int8": weight-only int8, one scale per output channel
-      (torch._weight_int8pack_mm). "int4": weight-only int4 in groups of quantization_group_size input
-      columns, a scale and an offset per group (torch's int4 kernels: _weight_int4pack_mm_for_cpu on a CPU,
-      tinygemm on CUDA). "fp8": float8 e4m3 weights with a scale per output channel and activations scaled
-      per token (torch._scaled_mm), on CUDA devices of compute capability 8.9 or later only, refused
-      elsewhere. int8, int4 and fp8 quantize a float checkpoint at load, after tensor-parallel sharding
-      (each rank its own share); a quantized checkpoint in another format is dequantized and quantized
+      "auto": the checkpoint's own format (plan_quantization, orca/models/loader.py): a GGUF file's Q8_0 as
+      int8, Q4_0/Q4_1 as int4, a Hugging Face AWQ or GPTQ checkpoint as int4, a compressed-tensors FP8 one
+      as fp8, a float checkpoint as it is. "none": float weights in `dtype` (a quantized checkpoint
+      dequantized at load). "int8": weight-only int8, one scale per output channel. "int4": weight-only
+      int4 in groups of quantization_group_size input columns, a scale and an offset per group. "fp8":
+      float8 e4m3 weights with a scale per output channel, activations scaled per token; CUDA devices of
+      compute capability 8.9 or later only. int8, int4 and fp8 quantize a float checkpoint at load, after
+      tensor-parallel sharding; a quantized checkpoint in another format is dequantized and quantized
       again. The embedding, norms and a mixture's expert matrices stay float; an LM head tied to the
-      embedding gets a quantized copy (int8 under int4: an int4 head cost 5% perplexity). On a CPU the
-      quantized kernels take bfloat16 activations (a float32 model converts at each quantized layer), and
-      linear_backend hybrid keeps a float copy for large iterations (below). On an H200 (a 1.1B Llama,
-      bfloat16, flex with CUDA graphs) none was the fastest: fp8 0.79-0.83x its decode tokens/s at batch
-      1-64, int4 1.02x at batch 1 and 0.30x at 64, int8 0.22x at batch 1 (torch's CUDA int8 kernel; the
-      load warns). Speed and quality: docs/BENCHMARKS.md, "Results: quantized weights and K/V" and
-      "Results: the CUDA path on an H200, second session".
+      embedding gets a quantized copy (int8 under int4). On a CPU the quantized kernels take bfloat16
+      activations. Speed and quality: docs/BENCHMARKS.md, "Results: quantized weights and K/V" (CPU) and
+      "Results: the CUDA path on an H200, second session" (CUDA, where none was the fastest).
     - quantization_group_size: input columns per scale of int4 weights quantized at load (32, 64, 128 or
       256; it must divide every quantized layer's input size, per tensor-parallel rank); checkpoints
       quantized in groups keep their own.
     - kv_cache_dtype: how the K/V pool stores keys and values (orca/worker/kv_cache.py). "auto": the model's
       dtype. "fp8_e4m3": float8 e4m3 values with a float32 scale per token and K/V head, so a token costs
-      head_dim + 4 bytes per K/V head instead of 2 or 4 x head_dim: the pool holds 2D/(D+4) times
-      bfloat16's tokens (1.9x at head_dim 64), 4D/(D+4) times float32's (3.8x); attention dequantizes what
-      it reads. "int8": the same with int8 values. Every attention backend reads it: flex's paged decode
-      kernel (decode iterations, CUDA graphs) reads the values and scales as they are (fp8_e4m3 there on GPUs
-      of compute capability 8.9 or later), flex_attention (prompts) the iteration's blocks dequantized.
-      attention_backend auto stays batched on CUDA with a
-      quantized pool (flex over one not yet measured on a GPU): choose flex for CUDA graphs with it. On a
-      CPU torch converts float8 element by element: int8 is the fast choice there (docs/BENCHMARKS.md,
-      "Results: quantized weights and K/V").
+      head_dim + 4 bytes per K/V head instead of 2 or 4 x head_dim; attention dequantizes what it reads.
+      "int8": the same with int8 values. Every attention backend reads it (fp8_e4m3 in flex's paged decode
+      kernel on GPUs of compute capability 8.9 or later). With a quantized pool attention_backend auto is
+      not flex (resolve_attention_backend): choose flex for CUDA graphs with it. On a CPU torch converts
+      float8 element by element: int8 is the fast choice there (docs/BENCHMARKS.md, "Results: quantized
+      weights and K/V").
     - max_bs: at most this many requests per iteration (Orca's max_bs). In request_level_gpt it is Triton's
       max_batch_size, not a parameter.
     - block_size: tokens per K/V block of the paged pool, the unit in which requests take K/V memory.
@@ -163,8 +134,8 @@ class EngineConfig:
       n_slots and kv_cache_bytes are None: the K/V pool gets it minus the weights, the peak of a profiling
       forward pass at the largest iteration and what other processes use. The largest iteration is
       max_num_batched_tokens tokens; without a budget the profile stops at PROFILE_TOKENS_WITHOUT_BUDGET
-      (8,192) tokens or one full-length prompt, whichever is more, so on a GPU set max_num_batched_tokens to
-      bound every iteration by what was profiled.
+      tokens or one full-length prompt, whichever is more, so on a GPU set max_num_batched_tokens to bound
+      every iteration by what was profiled.
     - kv_admission: "on_demand" (vLLM): a request takes K/V blocks as it grows; when the pool runs out, the
       most recently arrived admitted request not in flight is preempted (its blocks freed; it waits again
       at its arrival position and recomputes when readmitted, to the same tokens). "reserve" (Orca): a
@@ -177,60 +148,45 @@ class EngineConfig:
       CPUs (docs/BENCHMARKS.md, "Serving: latency against throughput, with and without a token budget"); on
       GPUs set one (see gpu_memory_utilization). request_level_gpt never chunks (not a parameter there).
     - enable_prefix_caching: automatic prefix caching (orca/core/block_manager.py): the K/V of full blocks is
-      kept, identified by a SHA-256 hash chained over the block's tokens and every block before it (and
-      the request's cache_salt), and a request whose prompt starts with cached blocks takes them by
-      reference and computes only the rest (at least its last prompt token). Unreferenced cached blocks
-      are evicted least recently used first, only when the pool has no free block left. true (the
-      default) or false; requests share cached K/V only when their cache_salt is the same. The cost at a
-      0% hit rate and the gain on chat workloads: docs/BENCHMARKS.md, "Results: prefix caching".
-      Every attention backend reads shared blocks (flex through each request's block table).
+      kept, identified by a hash chained over the block's tokens, every block before it and the request's
+      cache_salt, and a request whose prompt starts with cached blocks takes them by reference and computes
+      only the rest (at least its last prompt token). Unreferenced cached blocks are evicted least recently
+      used first, only when the pool has no free block left. true (the default) or false. Every attention
+      backend reads shared blocks. Cost and gain: docs/BENCHMARKS.md, "Results: prefix caching".
       request_level_gpt never caches (the paper's baseline; not a parameter there).
-    - speculative_method: speculative decoding (orca/core/speculative.py; README.md "Speculative decoding";
-      docs/design.md). "off" (the default), or "ngram": prompt lookup, each request proposes the tokens that
-      followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to
-      prompt_lookup_min) in its own prompt and output, and the iteration verifies them with everyone
-      else's work: the target model draws its own token at every proposed position and the request keeps
-      the proposals up to the first that differs, plus one token. Outputs are speculation off's, greedy
-      and seeded sampling alike (up to floating-point differences between iteration shapes). Proposals use
-      only the token budget and free blocks an iteration's
-      other work leaves; a request whose proposals keep failing proposes fewer, then pauses. Requests opt
-      out with SamplingParams.speculate false; a structured output proposes only what its grammar allows;
-      iterations whose logits are captured do not speculate.
-      The gain on a repetitive workload and the cost where lookup misses: docs/BENCHMARKS.md,
-      "Speculative decoding (n-gram)". "draft": a small draft model (speculative_model), run by the same
-      worker over every iteration's tokens with a K/V pool of its own, proposes each request's next tokens
-      by drawing them as the request would (its sampling options, seed and output steps, so a draft close
-      to the model is accepted when sampling too); verification is the same. One worker process only
-      (tensor_parallel_size and pipeline_parallel_size 1); on CUDA the draft runs outside CUDA graphs.
+    - speculative_method: speculative decoding (orca/core/speculative.py; README.md "Speculative decoding").
+      "off" (the default); "ngram": prompt lookup, each request proposes the tokens that followed the
+      latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+      in its own prompt and output; "draft": a small draft model (speculative_model), run by the same
+      worker with a K/V pool of its own, draws them as the request would. The iteration verifies the
+      proposals with its other work, so outputs are speculation off's, greedy and seeded sampling alike
+      (up to floating-point differences between iteration shapes). Proposals use only the token budget
+      and free blocks the iteration's other work leaves. Requests opt out with SamplingParams.speculate
+      false. draft needs one worker process (tensor_parallel_size and pipeline_parallel_size 1); on CUDA it
+      runs outside CUDA graphs. Measured: docs/BENCHMARKS.md, "Speculative decoding (n-gram)".
     - num_speculative_tokens: the most tokens a request proposes per iteration (1 to 16; default 4). On a
-      CPU with int4 weights 3 is faster: torch's int4 kernel makes a second pass from a fifth row
-      (docs/BENCHMARKS.md, "The ceiling of n-gram lookup on this workload").
+      CPU with int4 weights 3 is faster (docs/BENCHMARKS.md, "The ceiling of n-gram lookup on this
+      workload").
     - prompt_lookup_min: the shortest n-gram prompt lookup matches (1 to 16, at most prompt_lookup_max;
       default 2).
     - prompt_lookup_max: the longest n-gram prompt lookup matches, tried first (1 to 16; default 4).
-    - speculative_model: the draft model of speculative_method draft, which needs it (and only it takes
-      one): a checkpoint as `model` takes it (a Hugging Face directory or a `.gguf` file), with the
-      model's vocabulary size and at least max_model_len positions (refused at load otherwise), loaded with
-      the model's dtype, quantization and linear_backend. Its K/V pool has the model's blocks (the same
-      block tables), so the pool's budget (kv_cache_bytes, or what gpu_memory_utilization leaves) holds
-      both: fewer blocks than without a draft (n_slots gives both pools that many slots). None: no draft.
+    - speculative_model: the draft model of speculative_method draft (needed there, refused elsewhere): a
+      checkpoint as `model` takes it, with the model's vocabulary size and at least max_model_len
+      positions, loaded with the model's dtype, quantization and linear_backend. Its K/V pool shares the
+      model's block tables and the pool's budget (kv_cache_bytes, or what gpu_memory_utilization leaves):
+      fewer blocks than without a draft (n_slots gives both pools that many slots). None: no draft.
     - speculative_disable_by_batch_size: an iteration of this many requests or more verifies no proposed
-      tokens (its requests run as plain increments), as vLLM's option of that name: where the iteration's
+      tokens (its requests run as plain increments), as vLLM's option of that name: once an iteration's
       rows are no longer bound by reading the weights, proposals cost more than they save. Default 2 (a lone
-      stream speculates), measured on a 2-core CPU with SmolLM2 (docs/BENCHMARKS.md, "Results: speculative
-      decoding", "Where speculation stops paying", "Results: decode steps of a few requests in a graph of their
-      own"): since decode steps of 2-5 requests run a graph of their own (1.17-1.31x faster), n-gram lookup
-      costs at 2 streams (0.78-0.81x) and 3 (0.72x) on text it predicts well, as it did at 4 (0.88-0.93x)
-      and 8 (0.76-0.97x) before; a lone stream gains 1.28x. Not measured on a GPU. A value above max_bs (or
-      None from Python) never disables.
+      stream speculates), by measurement on a 2-core CPU, not on a GPU (docs/BENCHMARKS.md, "Where
+      speculation stops paying" and "Results: decode steps of a few requests in a graph of their own"). A
+      value above max_bs (or None from Python) never disables.
     - enable_lora: serve LoRA adapters (README.md "LoRA adapters"; orca/core/lora.py, orca/models/lora.py):
       requests name one (SamplingParams.lora_name, vllm_backend's `lora_name`; the OpenAI API's `model`)
       and one iteration mixes requests of several adapters and of none. true or false (the default: no
-      adapter, and no LoRA code in the forward pass). Adapters are PEFT's format (adapter_config.json,
-      adapter_model.safetensors) on q/k/v/o and gate/up/down (GPT-2: c_attn, c_proj, c_fc), rank at most
-      max_lora_rank, refused at registration otherwise, naming the adapter and the reason. A compiled
-      forward pass (torch_compile) compiles a second graph at load, for iterations with adapter rows; on
-      CUDA those run outside CUDA graphs.
+      LoRA code in the forward pass). Adapters are PEFT's format on q/k/v/o and gate/up/down (GPT-2:
+      c_attn, c_proj, c_fc), rank at most max_lora_rank. With torch_compile a second graph is compiled at
+      load for iterations with adapter rows; on CUDA those run outside CUDA graphs.
     - max_loras: adapters the workers hold at once, in slots (1 to 64; default 4): an iteration mixes at
       most this many. A request whose adapter is in no slot takes a free one, or the least recently used
       one no admitted request uses; when every slot serves admitted requests it waits (not the batch).
@@ -242,55 +198,47 @@ class EngineConfig:
       /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove them. None: none at start.
     - allow_runtime_lora_updating: whether a Triton model's `lora_control` input may load and unload
       adapters while it runs (README.md "LoRA adapters in Triton and the OpenAI API"; orca-openai's
-      /v1/load_lora_adapter goes through it). false (the default): only listing is answered, so no Triton
-      client can make the server read adapter files from paths of its choosing; the adapters are those of
-      lora_modules and multi_lora.json. true needs enable_lora. The offline API (EngineCore.add_lora) is not
-      affected.
-    - lora_root: the directory run-time loads (lora_control's load, orca-openai's /v1/load_lora_adapter) may
-      read adapters from: a lora_path (absolute, or relative to lora_root) must resolve, symlinks and `..`
-      included, to a directory inside it holding a regular adapter_config.json and adapter_model.safetensors
-      inside it too. A path outside it, one that does not exist and a directory that is no adapter get one
-      and the same error (so a client learns nothing of the host's other directories; the reason is in the
-      server's log). An absolute path. None or "" (the default): run-time loads are refused, naming this
-      option, even with allow_runtime_lora_updating true, since no directory is one the operator chose for
-      them (those of lora_modules may be broad, a home directory). lora_modules and multi_lora.json, the
+      /v1/load_lora_adapter goes through it). false (the default): only listing is answered, so no client
+      can make the server read files from paths of its choosing. true needs enable_lora; loads need lora_root.
+      The offline API (EngineCore.add_lora) is not affected.
+    - lora_root: an absolute path, the directory run-time loads (lora_control's load, orca-openai's
+      /v1/load_lora_adapter) may read adapters from: a lora_path (absolute, or relative to lora_root) must
+      resolve, symlinks and `..` included, to an adapter directory inside it, its files regular files inside
+      it too. Any path refused gets one and the same error (a client learns nothing of the host's other
+      directories; the reason is in the server's log). None or "" (the default): run-time loads are
+      refused, even with allow_runtime_lora_updating true. lora_modules and multi_lora.json, the
       operator's own, are not confined.
     - max_queue: at most this many requests may wait for admission; more are refused at once
       (QueueFullError; UNAVAILABLE in Triton). In request_level_gpt the queue is Triton's (not a parameter).
     - tensor_parallel_size: Megatron-style tensor parallelism inside each pipeline stage: attention heads,
       MLP (and the experts' intermediate dimension) and vocabulary split over this many ranks, K/V heads
-      replicated where there are fewer than ranks. A size that does not split the model is refused at load
-      with the sizes that would. With tensor_parallel_size x pipeline_parallel_size above 1 the engine runs
-      one worker process per rank (rank = stage x tensor_parallel_size + tp rank; local rank i uses cuda:i
-      on a GPU host) over torch.distributed (orca/executor/distributed.py); both 1: one worker in the engine's own
-      process.
+      replicated where there are fewer than ranks; a size that does not split the model is refused at load.
+      With tensor_parallel_size x pipeline_parallel_size above 1 the engine runs one worker process per rank
+      (rank = stage x tensor_parallel_size + tp rank) over torch.distributed (orca/executor/distributed.py);
+      both 1: one worker in the engine's own process.
     - pipeline_parallel_size: stages of consecutive layers (at most the model's layers), each of
       tensor_parallel_size ranks; n_workers batches are in flight across them.
     - n_workers: batches in flight (Orca's n_workers); None = one per pipeline stage. At most
       pipeline_parallel_size (a batch in flight needs a stage of its own). request_level_gpt runs one batch
       at a time (not a parameter there).
     - distributed_backend: the torch.distributed backend of the worker processes' data plane (activations,
-      all-reduces): "gloo", "nccl", or "auto": nccl on CUDA, gloo on a CPU. Plans travel over the control
-      connections (control_address) whatever this says.
+      all-reduces): "gloo", "nccl", or "auto": nccl on CUDA, gloo on a CPU (orca/executor/distributed.py).
+      Plans travel over the control connections (control_address) whatever this says.
     - worker_timeout: seconds one iteration may take before the engine counts the device or a worker as
       hung, fails every request and stops (in Triton the model then unloads itself). Worker processes get 10x
       that to start (connect, load the weights, size the pool), and the data plane's collectives time out
       after it; in orca_gpt a watchdog thread also times the in-process worker's iterations.
     - max_consecutive_failures: iterations in a row that may fail (an exception inside the worker fails that
       iteration's requests only) before the engine counts its device as broken: it then fails every request
-      it holds, running and waiting, refuses new ones and stops (in Triton the model unloads itself and
-      reports not ready). An iteration that succeeds starts the count afresh. An error that is fatal by its
-      kind fails the engine at once, whatever the count: a CUDA error (a device-side assert, an illegal
-      memory access, torch's AcceleratorError; orca.core.engine.FATAL_ERROR_MARKERS), which leaves the
-      device's context unusable for every later iteration. At least 1; default 3: one failed iteration (a
-      transient error) leaves the engine serving, a sticky error stops it within three.
+      it holds, refuses new ones and stops (in Triton the model unloads itself and reports not ready). An
+      iteration that succeeds starts the count afresh. An error fatal by its kind (a CUDA error,
+      orca.core.engine.FATAL_ERROR_MARKERS) fails the engine at once. At least 1; default 3.
     - control_address: host:port where the driver listens for its worker processes; port 0 (the default)
       picks a free one, enough for workers on this host only. For ranks on other nodes set the address they
       reach the driver at and a fixed port: the host may be an environment variable's value ($POD_IP:29600,
-      the pod's IP from Kubernetes' downward API), 0.0.0.0 listens on every interface.
-      The data plane's rendezvous (a TCPStore on a free port) binds the same host. Each connection must
-      authenticate ($ORCA_WORKER_AUTHKEY) within 20 s, on a thread of its own, so a silent one holds up no
-      worker; the port closes once every rank has joined.
+      the pod's IP from Kubernetes' downward API), 0.0.0.0 listens on every interface. The data plane's
+      rendezvous binds the same host. Each connection must authenticate ($ORCA_WORKER_AUTHKEY) within 20 s;
+      the port closes once every rank has joined.
     - local_workers: ranks the driver starts on its own host (None: all); at most tensor_parallel_size x
       pipeline_parallel_size. The others connect from other nodes (python -m orca.worker, deploy/README.md),
       ranked by (node index, local index), with the secret in $ORCA_WORKER_AUTHKEY that driver and workers
@@ -298,15 +246,13 @@ class EngineConfig:
     - max_model_len: longest prompt + completion of a request; None means the model's
       max_position_embeddings, and a larger value is refused at load.
     - seed: seeds the draw of per-request seeds for requests that give none (None: from the OS).
-    - trace: a file to record the iteration timeline in (orca/core/timeline.py, whose docstring is the format:
-      JSON lines, per iteration its requests and their phases, admissions, finishes, preemptions, queue
-      length, K/V blocks); None or "" = off (the default, and then free). A relative path is relative to the
-      process's working directory (in Triton, tritonserver's). A new engine starts the file afresh.
-      `orca-bench timeline FILE` draws it; `orca-bench trace --timeline DIR` turns it on for the models it
-      drives (reloading them).
-    - trace_max_bytes: at most this many bytes per trace file (at least TRACE_MIN_MAX_BYTES, 1,024); when the next
-      record would not fit, the file is rotated to FILE.1, FILE.1 to FILE.2, and so on. Every file starts
-      with the header, so each can be read alone.
+    - trace: a file to record the iteration timeline in, as JSON lines (orca/core/timeline.py, whose
+      docstring is the format); None or "" = off (the default, and then free). A relative path is relative
+      to the process's working directory (in Triton, tritonserver's). A new engine starts the file afresh.
+      `orca-bench timeline FILE` draws it.
+    - trace_max_bytes: at most this many bytes per trace file (at least TRACE_MIN_MAX_BYTES, 1,024); when the
+      next record would not fit, the file is rotated to FILE.1, FILE.1 to FILE.2, and so on. Every file
+      starts with the header, so each can be read alone.
     - trace_backups: rotated trace files kept, FILE.1 ... FILE.<trace_backups> (older ones deleted), so at
       most trace_backups + 1 files; 0 keeps none.
     """

@@ -285,7 +285,8 @@ maxProperties, a regex's or grammar's {n,m}, and the product of nested {n,m} in 
 bound none of them (xgrammar 0.2.8 compiles a count as a repeat, not unrolled: [a-z]{0,100000} costs what
 {0,1000} does); llama.cpp refuses counts past 2,000 and now reads a larger maximum as unbounded, because
 tool schemas in the wild give maxLength 65536 as "long". 100,000 passes those and refuses what no output within
-a context window could fill (maxLength 1e9: 5.8 s to compile)."""
+a context window could fill (maxLength 1e9 takes seconds to compile: docs/BENCHMARKS.md, "Results: structured
+outputs")."""
 _COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _VALUE_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas: a count there is data
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")

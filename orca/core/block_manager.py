@@ -5,15 +5,14 @@ The K/V pool (orca/worker/kv_cache.py, on the worker) is preallocated once as ``
 ``num_blocks x block_size`` keeps Orca's meaning. Each request owns a block table: the ids of its blocks in
 order, token ``p`` living in slot ``table[p // block_size] * block_size + p % block_size``.
 
-Placement keeps tables consecutive while the pool has room, because the worker reads a request whose
-blocks are consecutive as one view of the pool, and must gather the others' keys and values in every
-layer of every iteration (4% of an offline iteration on the CPU, when every growing request had been
-packed against its neighbour). A request's first blocks go to the middle of the largest run of free
-blocks, when that run holds them twice over: the request gets the room after it to grow into, and the
-request before the run keeps the room before it. Each later block is the one right after the request's
-last block when that one is free. Otherwise, and when the pool is too full for either, the lowest free
-id (a heap). ``placement="lowest"`` hands out the lowest free id always (first fit): the scheduler's tests
-use it to state their expectations in block ids that follow from arithmetic alone.
+Placement keeps tables consecutive while the pool has room, because the worker reads a request whose blocks
+are consecutive as one view of the pool, and must gather the others' keys and values in every layer of every
+iteration (docs/BENCHMARKS.md, "Block placement: consecutive tables"). A request's first blocks go to the
+middle of the largest run of free blocks, when that run holds them twice over: the request gets the room after
+it to grow into, and the request before the run keeps the room before it. Each later block is the one right
+after the request's last block when that one is free. Otherwise, and when the pool is too full for either, the
+lowest free id (a heap). ``placement="lowest"`` hands out the lowest free id always (first fit): the
+scheduler's tests use it to state their expectations in block ids that follow from arithmetic alone.
 
 The prefix cache (``enable_caching``; EngineConfig.enable_prefix_caching): a block whose every slot holds
 computed keys and values is identified by a hash chained over its parent block's hash and its tokens

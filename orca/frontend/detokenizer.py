@@ -12,9 +12,8 @@ SmolLM2, Llama 3, Qwen) the same algorithm runs in Rust: `tokenizers.decoders.De
 token; what it still holds at the last token (an incomplete character) is taken from one decode of the
 whole output. Not for other decoders: DecodeStream refuses a byte-fallback BPE's byte tokens ("Invalid
 prefix encountered while decoding stream", tokenizers 0.23.3). Elsewhere the windows go through
-transformers' decode. `add` on SmolLM2's tokenizer, English
-text, this 2-core EPYC: 3.1 us a token, against 4.6 with the windows through the Rust decode and 8.3
-through transformers' (the output side's largest cost at a batch of 256).
+transformers' decode. Why this path: it is the fastest measured, and the detokenizer is the output side's
+largest cost at a batch of 256 (docs/BENCHMARKS.md, "Results: the host's share at batch 256").
 """
 
 from __future__ import annotations

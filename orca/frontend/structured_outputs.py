@@ -55,14 +55,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 """How long a request may wait for its grammar (queued and compiling) before it is refused."""
 DEFAULT_COMPILE_DEADLINE_S = 10.0
-"""How long one compile may run before its process is killed (an ordinary schema takes 2-100 ms; a string
-bounded to 100 characters 2 s, the slowest ordinary shape measured)."""
+"""How long one compile may run before its process is killed: well past the slowest ordinary schema
+measured (docs/BENCHMARKS.md, "Results: structured outputs")."""
 DEFAULT_COMPILE_MEMORY = 2 << 30
 """The address space a compile process may add to what its imports took (RLIMIT_AS), in bytes."""
 DEFAULT_MAX_PENDING = 64
 """Requests that may wait for a grammar (queued or compiling) before more are refused."""
 START_TIMEOUT_S = 120.0
-"""How long a compile process may take to start (it imports xgrammar, hence torch: 4 s on a busy host)."""
+"""How long a compile process may take to start (it imports xgrammar, hence torch: seconds)."""
 _SWEEP_S = 0.5  # how often an idle dispatcher asks the queued requests whether they were cancelled
 CACHE_SIZE = 256
 """Compiled grammars kept (least recently used dropped first)."""
@@ -159,9 +159,9 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     """`schema`, changed in place (give it a copy) and returned: each string's minLength/maxLength (without
     a pattern or format of its own) spelled as the equivalent pattern: min to max characters other than ",
     \\ and the control characters (unescaped, as xgrammar's own bounded strings allow). xgrammar 0.2.8
-    spells the bounds as a chain of one rule per character, whose masks it cannot precompute: measured on
-    SmolLM2's vocabulary, 0.7 ms per token on average (up to 6 ms) against 0.017 ms as a pattern, and 1.8 s
-    to compile maxLength 120."""
+    spells the bounds as a chain of one rule per character, whose masks it cannot precompute: many times
+    slower per mask than the pattern (docs/BENCHMARKS.md, "Results: structured outputs"), and slow to
+    compile for long bounds."""
     for _, node in _schemas(schema):
         bounded = "minLength" in node or "maxLength" in node
         if not bounded or node.get("type") != "string" or "pattern" in node or "format" in node:
@@ -472,10 +472,10 @@ class StructuredOutputCompiler:
                              error)
 
     def warm_up(self) -> None:
-        """Builds the tokenizer's grammar tables in the background (about a second for a large vocabulary).
-        The compile process starts with the first grammar (5-12 s on a busy 2-core host, within ``timeout``):
-        started here, every model instance of a Triton server would hold one (300-500 MB each, mostly torch,
-        which xgrammar imports) and import torch again at load, whether it serves structured outputs or not."""
+        """Builds the tokenizer's grammar tables in the background. The compile process starts with the first
+        grammar (within ``timeout``), not here: started here, every model instance of a Triton server would
+        hold one (hundreds of MB each, mostly torch, which xgrammar imports) and import torch again at load,
+        whether it serves structured outputs or not."""
         def build() -> None:
             try:
                 self.tokenizer_info()

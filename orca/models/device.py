@@ -26,7 +26,8 @@ def upload_arrays(arrays: Sequence[np.ndarray], dtype: torch.dtype, device: torc
     """Host arrays (any shapes) as tensors of `dtype` on `device`, in one copy: laid out end to end in one
     host buffer (pinned on CUDA, then copied over without blocking, as upload does), each returned as a
     view of its part of the one device buffer. One pinned buffer and one copy per iteration, not one per
-    array (pinning is the costly part of a small copy: 0.1-0.5 ms each, measured on an H200's host)."""
+    array (pinning is the costly part of a small copy: docs/BENCHMARKS.md, "Where a decode iteration's
+    time goes")."""
     # Each part starts at a multiple of ALIGN elements: kernels compiled for aligned inputs stay aligned.
     sizes = [int(np.prod(a.shape)) for a in arrays]
     starts = [0]

@@ -59,7 +59,7 @@ def embedding(vocab_size: int, hidden: int, par: ParallelContext) -> nn.Embeddin
 
 def plain_embedding(num: int, hidden: int) -> nn.Embedding:
     """nn.Embedding without its random init: the loader copies every weight in, and on the meta device
-    the first init costs torch about 2 s of one-time set-up per process (each worker process pays it)."""
+    the first init costs torch seconds of one-time set-up per process (each worker process pays it)."""
     return nn.Embedding(num, hidden, _weight=torch.empty(num, hidden))
 
 
@@ -118,12 +118,11 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-# The hybrid backend's switch: at this many rows or more (prompt-sized iterations) torch's F.linear on the
-# checkpoint's weights (MKL's sgemm for float32) beat oneDNN's packed matmul here, 1.05x at 384 rows, 1.09x at
-# 768-1024, 1.15x at 2,404 (a 32-prompt iteration); at 256 rows they tie, and below that oneDNN wins (1.2x at
-# 64 rows, 1.4x at 32, 1.9x at one row). SmolLM2's layer shapes, float32, 2 threads (docs/BENCHMARKS.md).
-# Float32 only: in bfloat16 (an AVX512-BF16 host) F.linear never won (0.7-1.0x oneDNN's time at 128-1024
-# rows), so a 16-bit model's PackedLinears keep no second copy (HYBRID_KEEPS_WEIGHTS).
+# The hybrid backend's switch: from this many rows (prompt-sized iterations) torch's F.linear on the
+# checkpoint's float32 weights (MKL's sgemm) beats oneDNN's packed matmul, below it oneDNN wins
+# (docs/BENCHMARKS.md, "The linears at prompt sizes"). Float32 only: in bfloat16 F.linear never won, so a
+# 16-bit model's PackedLinears keep no second copy (HYBRID_KEEPS_WEIGHTS; docs/BENCHMARKS.md, "Hybrid in
+# bfloat16").
 HYBRID_MIN_ROWS = 384
 HYBRID_KEEPS_WEIGHTS = (torch.float32,)
 # auto keeps the checkpoint's weights beside the packed ones (hybrid) when they take at most this share of
@@ -168,9 +167,9 @@ def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight lives in oneDNN's blocked layout, packed once at load, multiplied by
-    oneDNN's matmul (the op inductor's freezing pass puts in place of CPU linears). At the few rows of a
-    decode iteration torch's default CPU matmul streamed the weights at 43% of the memory bandwidth here,
-    and this at 58% (`orca-bench linears`). With `keep_weight` (the hybrid backend) the checkpoint's weight
+    oneDNN's matmul (the op inductor's freezing pass puts in place of CPU linears): at a decode iteration's
+    few rows it streams the weights faster than torch's default CPU matmul (docs/BENCHMARKS.md, "Where a
+    decode iteration's time went"). With `keep_weight` (the hybrid backend) the checkpoint's weight
     stays too, and inputs of HYBRID_MIN_ROWS rows or more (prompts) multiply it with F.linear, faster there.
     With `par` (a row-parallel layer) the partial products are all-reduced before the bias is added once,
     as RowParallelLinear does."""

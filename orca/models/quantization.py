@@ -15,9 +15,9 @@ projections, and is packed into its kernel's layout only once it is this rank's 
 - fp8: float8 e4m3 values, one float32 scale per output channel: w = q * scale; activations are scaled
   per token to e4m3 at each call. Kernel: torch._scaled_mm (CUDA compute capability 8.9 and later).
 
-On a CPU the int8/int4 kernels are fast with bfloat16 activations and slow with float32 ones (measured
-here: SmolLM2's layers at one row, int4 with float32 activations 5-8x slower than with bfloat16), so a
-float32 model converts its activations to bfloat16 around each quantized layer (and the result back).
+On a CPU the int8/int4 kernels are fast with bfloat16 activations and several times slower with float32
+ones (docs/BENCHMARKS.md, "Results: quantized weights and K/V"), so a float32 model converts its
+activations to bfloat16 around each quantized layer (and the result back).
 """
 
 from __future__ import annotations
@@ -327,16 +327,10 @@ def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kin
 
 
 # linear_backend hybrid with quantized weights (a CPU): at this many rows or more the dequantized weight,
-# packed for oneDNN, multiplies instead of the int kernels, by the model's dtype (the copy's). float32,
-# measured on SmolLM2's layers on an AVX2 host (`orca-bench linears`, docs/BENCHMARKS.md "Results:
-# quantized weights and K/V"): against float32 oneDNN, int8 is 1.6-2.0x faster at 1-2 rows and even at 8,
-# int4 2.4-2.8x and 1.26x at 8, even at 12-16; at 32 rows both are 0.7x, at 128 0.45x. bfloat16 (a CPU
-# with native bfloat16: auto's dtype there), measured in the engine on an AVX512-BF16 host, SmolLM2's decode
-# step with every layer on one side or the other (docs/BENCHMARKS.md "Results: the single stream on an
-# AVX512-BF16 host"): int4 1.72x faster at 1 row, 1.2x at 4, even at 5, 0.93x at 6, 0.82x at 32; int8
-# 1.2x at 1-2 rows, even at 3, 0.94x at 4, 0.64-0.70x from 6. (Layer by layer, with the weights in cache,
-# bfloat16 won from 3 rows: in the engine its weights stream from memory, 4x int4's bytes.) Prompts are
-# where the copies pay most: the int kernels' time grows with every row.
+# packed for oneDNN, multiplies instead of the int kernels, by the model's dtype (the copy's): where the
+# int kernels stop winning, since their time grows with every row. Measured: float32 layer by layer
+# (docs/BENCHMARKS.md, "Speed: the linear layers alone"), bfloat16 in the engine's decode step, whose
+# weights stream from memory ("Hybrid in bfloat16").
 HYBRID_QUANTIZED_MIN_ROWS = {
     torch.float32: {"int8": 8, "int4": 12},
     torch.bfloat16: {"int8": 4, "int4": 6},
@@ -350,7 +344,7 @@ class FloatCopyRows:
     it cannot branch on it. So the compiled forward pass says before each call whether the iteration's
     rows take the float copies (`on`: at least its model's float_rows), and dynamo keeps a graph for each
     answer, a guard on this flag telling them apart. (An opaque op choosing at run time, as before, cost
-    the graph a Python call per layer: 1.7 ms a single-stream SmolLM2 token.)"""
+    the graph a Python call per layer.)"""
 
     on = False
 

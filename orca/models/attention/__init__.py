@@ -16,11 +16,13 @@ resolve_attention_backend, get_backend); one module per implementation (EngineCo
 holds its metadata, its builder and its layer call:
 
 - reference.py, ``reference``: one ``scaled_dot_product_attention`` call per request and layer (the
-  transformers-exact oracle of the tests; ``auto`` on CUDA).
+  transformers-exact oracle of the tests).
 - batched.py, ``batched``: the reference for prompts and chunks, the increments of the iteration together
-  as padded groups (``auto`` on a CPU).
+  as padded groups.
 - flex.py, ``flex``: one ``flex_attention`` call per layer for every token of the iteration, straight from
   the pool (compiled on CUDA; CUDA graphs).
+
+What ``auto`` picks is resolve_attention_backend's rule (base.py).
 """
 
 # The backends register themselves (under their names) when their modules are imported here.

@@ -48,15 +48,13 @@ KV_MIN_SCALE = 2.0**-100
 
 
 def resolve_attention_backend(choice: str, device: torch.device, no_flex_reason: str | None = None) -> str:
-    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". auto = flex on CUDA where it
-    runs with its CUDA graphs and serves the configuration (`no_flex_reason` None: the worker's
-    why_not_flex_by_default), else batched. On an H200 flex with CUDA graphs made 3.0-3.7x batched's tokens/s
-    offline (256 requests, the default pool, prefix caching on) and 3.2-6.2x its decode tokens/s at batch 1-64,
-    1.2x at 256 (since its paged decode kernel: 4.3x at 16, 2.8x at 64, 1.4x at 256); without graphs it was
-    behind batched at every batch size (0.5-0.9x), so a configuration graphs do not serve keeps batched
-    (docs/BENCHMARKS.md, "Results: the CUDA path on an H200", the four sessions). On a CPU batched is the
-    fastest measured (the reference's per-request calls for prompts, one batch for the increments: 1.05-1.06x
-    the reference's tokens/s offline; flex's paged mask does not compile for a CPU in torch 2.13)."""
+    """EngineConfig.attention_backend to what runs: "reference", "batched" or "flex". The rule for auto, stated
+    here only: flex on CUDA where it runs with its CUDA graphs and serves the configuration (`no_flex_reason`
+    None: the worker's why_not_flex_by_default says what it must serve), else batched. Why: on CUDA flex with
+    graphs is ahead of batched at every batch size measured (since its paged decode kernel), without graphs
+    behind it; on a CPU batched is the fastest measured, and flex's paged mask does not compile there
+    (docs/BENCHMARKS.md, "Results: the CUDA path on an H200", its four sessions, and "Results: the fast data
+    plane, fourth step: batched increments")."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {choice!r}")
     if choice == "auto":
@@ -280,11 +278,9 @@ class LoneDecode:
     write against a read.
 
     Attention as multiplies and sums that inductor fuses into its own loops (float32 scores, softmax
-    weights and accumulation, as SDPA's CPU kernels): SmolLM2's heads, bfloat16, 300 cached keys, ~30-40
-    us a layer inside a graph, against ~85 for the opaque op's write, Python and SDPA call in a decode
-    step (docs/BENCHMARKS.md). Through the table, consecutive blocks cost ~5% more than the view of them
-    the first form read (300 and 1,000 keys), scattered ones 25-40% more (the hardware's prefetch follows
-    them less well): still under half the opaque op's time."""
+    weights and accumulation, as SDPA's CPU kernels): well under half the opaque op's time at one row,
+    through the table too (docs/BENCHMARKS.md, "Results: a single stream's step in a graph of its own"
+    and "Results: a single stream through its block table")."""
 
     def __init__(self, blocks: torch.Tensor, table: torch.Tensor, past: torch.Tensor) -> None:
         self.blocks = blocks  # (layers, 2, KVH, pool blocks, block size, D): the pool
@@ -295,8 +291,7 @@ class LoneDecode:
     def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """q (T, H, D), kv (T, 2, KVH, D) -> (T, H * D): softmax(q k^T * scale) v over the cached keys and
         the new ones, new row i seeing new keys 0..i. (At one row, in a graph specialised to it, inductor
-        folds the causal mask away: the same numbers and time as a one-row formula, 27.7 against 27.8 us
-        a layer.)"""
+        folds the causal mask away: the one-row formula's numbers and time.)"""
         if window is not None:
             raise ValueError("LoneDecode has no sliding window (the worker runs such layers through the op)")
         self.written.append(kv)
@@ -338,10 +333,10 @@ class FewDecode(LoneDecode):
     of the scores and the values alike (never written, stale or NaN there). Both lengths unbacked in the
     graph: one graph for any such step. The step's keys and values are collected in `written`.
 
-    At 2-4 rows the opaque op's per-request calls (2 rows: the reference's) or its batch (3-4: the batched
-    backend's gathers, two bmm and a softmax) cost 1.4x these loops at 4 rows and even at 8 (SmolLM2's
-    heads, bfloat16, 33-190 cached tokens over a default pool: scripts/experiments/batched_attention_forms.py;
-    docs/BENCHMARKS.md)."""
+    Why: at a few rows the opaque op's per-request calls (2 rows) or its batch (3-5: the batched backend's
+    gathers, two bmm and a softmax) cost more than these loops; at 8 rows they are even, at 32 the
+    backend's matmuls win (docs/BENCHMARKS.md, "Results: decode steps of a few requests in a graph of
+    their own")."""
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """q (n, H, D), kv (n, 2, KVH, D), one row per request -> (n, H * D). (`table` is (n, width) here,

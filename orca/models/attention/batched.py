@@ -1,19 +1,16 @@
 """attention_backend ``batched``: the reference for prompts and chunks, and the increments of the iteration
 together: their keys and values gathered from the pool as whole blocks into padded groups of similar
 lengths (IncrementBatch, one ``index_select`` per group and layer), then two batched matmuls and a masked
-softmax per group (grouped-query attention as query rows of the shared K/V head, no repeat). An
-increment's attention is a few thousand multiply-adds; as its own SDPA call it paid ~35 us of fixed cost
-on this CPU, so batching 16-32 of them is 1.4-1.7x faster per layer (scripts/experiments/
-attention_cpu.py), and the fastest measured on a CPU (docs/BENCHMARKS.md).
-
-`auto` picks it on a CPU (the reference's per-request calls for prompts, one batch for the increments:
-1.05-1.06x the reference's tokens/s offline here).
+softmax per group (grouped-query attention as query rows of the shared K/V head, no repeat). Why: an
+increment's attention is a few thousand multiply-adds, and as its own SDPA call it pays a call's fixed
+cost; batched, the increments' attention is faster per layer, and the engine the fastest measured on a CPU
+(docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"). When `auto` picks
+it: resolve_attention_backend (base.py).
 
 Short requests (up to BATCHED_MAX_QUERIES tokens after a cached prefix: speculating requests verifying their
 proposals) are batched too, in groups of their own after the increments' (each request's query rows padded
-to its group's longest, the real rows picked back out): for a verifying iteration of 4 increments and 8
-such requests (SmolLM2's heads, 30 layers) attention was 1.20-1.75x faster in bfloat16, 1.01-1.20x in
-float32, than one masked call per request (docs/BENCHMARKS.md, "Where lookup misses").
+to its group's longest, the real rows picked back out), faster than one masked call per request
+(docs/BENCHMARKS.md, "Where lookup misses").
 
 Limits: it batches an iteration's increments (and short requests) from BATCHED_MIN_INCREMENTS on; fewer
 run the reference's per-request calls (the builder returns the reference's metadata), because the gather
@@ -38,12 +35,12 @@ from orca.models.attention.reference import ReferenceMetadata
 from orca.models.device import upload
 
 # The batched backend batches an iteration's increments from this many on; fewer run the reference's
-# per-request calls, which read a request's consecutive blocks as a view of the pool with no copy (a lone
-# decode stream: 31.2 against 33.1 ms a SmolLM2 step at 1 row, 34.5 against 36.3 at 2; docs/BENCHMARKS.md).
+# per-request calls, which read a request's consecutive blocks as a view of the pool with no copy (faster
+# at 1-2 rows: docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments").
 BATCHED_MIN_INCREMENTS = 3
 # Batched increments run in groups of rows (the worker orders increments by length): a new group starts
 # where the next row's longer blocks would pad the group's rows by more than this many slots, about what a
-# group's fixed cost (~60 us of calls here) buys in padded work.
+# group's fixed cost in calls buys in padded work (docs/BENCHMARKS.md, "Where it came from").
 BATCHED_GROUP_SLOTS = 384
 # Short requests, up to this many new tokens after a cached prefix (a speculating request verifies its
 # proposed tokens: num_speculative_tokens + 1 of them), are batched too, in groups of their own after the
@@ -127,7 +124,8 @@ class IncrementBatch:
     rows). Request r (`past_r` cached tokens, `n_r` new ones) has past_r + n_r keys and values, laid out as
     row r of a padded (rows, width) batch of whole blocks, width = the group's longest row's blocks x
     block_size. `blocks` lists each row's blocks holding its keys, then padding: the row's first block
-    again. Whole blocks copy in runs of block_size slots (1.7x faster than slot by slot here); the slots
+    again. Whole blocks copy in runs of block_size slots (faster than slot by slot: docs/BENCHMARKS.md,
+    "Where it came from"); the slots
     past a row's length (its last block's tail, its padding blocks) are masked and weigh 0, and hold finite
     numbers because the worker zeroes each block it hands to a request (KVLayout.zero_blocks).
 

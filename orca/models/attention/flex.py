@@ -10,19 +10,15 @@ CUDA the call is compiled (Triton) with dynamic token counts, and warmed up at l
 request (warm_up_rows); on a CPU it runs PyTorch's unfused flex implementation, which evaluates the mask
 over the whole pool: correct, for checking the fused path on a CPU, not fast.
 
-`auto` picks it on CUDA where its decode iterations run in CUDA graphs (orca/models/attention/base.py,
-resolve_attention_backend): on an H200 flex with graphs made 3.0-3.7x batched's tokens/s offline and
-3.2-6.2x its decode tokens/s at batch 1-64 (before the paged decode kernel below; with it, 14.8x
-transformers offline and 1.4-4.3x batched's decode at batch 16-256). Not on a CPU: there flex's paged
-mask does not compile in torch 2.13 and batched is the fastest measured.
+When `auto` picks it: resolve_attention_backend (base.py).
 
 On CUDA, iterations in which every request feeds at most PAGED_ROWS rows (every decode iteration, hence
 every CUDA graph; speculative verifications; short prompts) do not call flex_attention: packed, a query
-tile of increments reads every block of every request in it (7.6 of a 10.0 ms iteration's device time at
-batch 256 on an H200); laid out per request (query (T, H, 1, D)), inductor lowered the dynamic batch to
-flex's main kernel, not its decoding kernel, which needs a static batch (attention 145 us per layer at batch
-64, against 79 packed). They run the paged decode kernel (paged_decode.py: a Triton program per row and
-K/V head, reading the row's blocks through its table), on a `paged` FlexLayout: rows and tables only.
+tile of increments reads every block of every request in it; laid out per request, inductor lowered the
+dynamic batch to flex's main kernel, not its decoding kernel, which needs a static batch (both measured:
+docs/BENCHMARKS.md, "Results: the CUDA path on an H200, third session" and "The paged decode kernel").
+They run the paged decode kernel (paged_decode.py: a Triton program per row and K/V head, reading the row's blocks
+through its table), on a `paged` FlexLayout: rows and tables only.
 
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each
@@ -255,7 +251,8 @@ class FlexLayout:
         used_arr = np.minimum(-(-(past_arr + n_arr) // block_size), held)
         # At least two requests' rows, two blocks and two slot tiles wide (padded with -1 and 0): compiled flex
         # specialises a size of 1, so a one-request iteration would compile graphs of its own. Filled in one
-        # assignment of every request's used blocks (a row at a time cost 1 us a request at batch 256).
+        # assignment of every request's used blocks, not a row at a time (slower: docs/BENCHMARKS.md,
+        # "Two host costs of flex's call path").
         width = max(int(used_arr.max(initial=0)), 2)
         tables = np.full((max(num_requests, 2), width), -1, dtype=np.int32)
         tables[:num_requests][np.arange(width) < used_arr[:, None]] = np.fromiter(
@@ -471,7 +468,8 @@ def compile_flex(backend: str | Callable = "inductor") -> Callable:
     compiled = torch.compile(flex_attention, backend=backend, dynamic=True)
 
     def call(*args: Any, **kwargs: Any) -> torch.Tensor:
-        duck = fx_config.use_duck_shape  # (set and restored by hand: config.patch costs 4x, ~12 us a call)
+        # Set and restored by hand: config.patch is slower (docs/BENCHMARKS.md, "Two host costs of flex's call path").
+        duck = fx_config.use_duck_shape
         fx_config.use_duck_shape = False
         try:
             return compiled(*args, **kwargs)

@@ -3,11 +3,10 @@ values straight from the pool through its request's block table, a program per (
 
 Why its own kernel: flex_attention (orca/models/attention/flex.py) lays an iteration's rows out packed, one
 query tile spanning several requests, so a tile of increments reads every block of every request in it and
-masks out most of what it reads, and from FLEX_DECODING_ROWS rows on inductor lowers it to its main kernel.
-On an H200 (the 1.1B random Llama, bf16, 128-token prompts) flex's attention was 1.27 ms of a decode
-iteration's 3.3 ms device time at batch 64 and 7.6 of 10.0 ms at batch 256 (docs/bench/gpu/run7-host.json),
-where reading the keys and values once takes well under 0.2 ms. PyTorch has no paged attention op, and
-flex's own paged layout (a query tile per request) needs a static batch (flex.py's docstring).
+masks out most of what it reads, and from FLEX_DECODING_ROWS rows on inductor lowers it to its main kernel:
+on an H200 most of a decode iteration's device time, many times the time of reading its keys and values
+once (docs/BENCHMARKS.md, "The paged decode kernel"). PyTorch has no paged attention op, and flex's own
+paged layout (a query tile per request) needs a static batch (flex.py's docstring).
 
 The kernel: the program of row t and K/V head h loads the row's query heads that share h (grouped-query
 attention, no repeat of keys and values; padded to a tile of at least 16 rows for tl.dot), then walks the

@@ -9,13 +9,12 @@ prompt attends causally to itself, a later chunk to every cached key and its own
 sliding window keeps each query's last `window` keys. A quantized pool (kv_cache_dtype) is dequantized as
 it is read: a request's keys and values, view or gather, become a float copy of the model's dtype.
 
-`auto` picks it on CUDA, where nothing has been measured yet, until a GPU run shows another backend ahead
-(docs/design.md, the data plane); on a CPU `auto` picks batched.
+`auto` never picks it (resolve_attention_backend).
 
-Limits: every request is its own SDPA call at every layer, and each call pays a fixed cost whatever its
-size: an increment's attention is a few thousand multiply-adds, and as its own SDPA call it paid ~35 us
-on this CPU (the batched backend batches the increments for that). It reads only the slots its requests'
-iterations wrote, so the pool needs no zeroing (orca/worker/kv_cache.py).
+Limits: every request is its own SDPA call at every layer, each paying a fixed cost whatever its size, so
+an increment's tiny attention costs a whole call (the batched backend batches the increments for that;
+docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"). It reads only the
+slots its requests' iterations wrote, so the pool needs no zeroing (orca/worker/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ class ReferenceMetadata(AttentionMetadata):
     `views[i] = (s0, s1)` when its blocks are consecutive (views[i] is None otherwise); the others' slots
     are concatenated in `gather_index`, split by `gather_sizes`: built from their `gather_tables` when the
     iteration first reads them (a lone request's step that LoneStep runs, orca/worker/compiled.py, reads
-    its table instead: an index of every cached slot would be ~0.1 ms a step wasted at 700 tokens)."""
+    its table instead, so building an index of every cached slot up front would be wasted)."""
 
     name = "reference"
     in_compiled_forward = True
@@ -57,9 +56,8 @@ class ReferenceMetadata(AttentionMetadata):
     gather_tables: list[Sequence[int]]  # the block tables of the requests read by gathering
     gather_sizes: list[int]  # their tokens
     # A lone increment whose blocks are consecutive (a single stream's decode step, the common case): its
-    # view, which attend reads with no per-request bookkeeping: the opaque attention op of a compiled
-    # forward pass took 40 us a layer against 43.5 (SDPA itself ~30; SmolLM2's heads, 150 keys, bfloat16),
-    # ~0.1 ms of a single-stream step; None otherwise.
+    # view, which attend reads with no per-request bookkeeping (docs/BENCHMARKS.md, "Results: where a
+    # single-stream step still goes"); None otherwise.
     lone_view: tuple[int, int] | None = None
     # One request of new tokens after cached ones, an unquantized pool on a CPU: the blocks that hold its cached
     # tokens, in order, for the compiled forward pass's graph of a lone step (LoneStep,
@@ -72,9 +70,8 @@ class ReferenceMetadata(AttentionMetadata):
     few_past: torch.Tensor | None = None  # (n,) int64
     block_size: int = 0  # (the pool's: the gathers' slots and LoneStep's blocks)
     # The masks of the requests of several new tokens after a cached prefix, by (request, window): the same
-    # at every layer, so built once per iteration, not once per layer (a verifying iteration of 8
-    # speculating requests built 240 for SmolLM2's 30 layers; the time saved was within this CPU host's
-    # jitter: 0.78-1.11x the attention's time across runs).
+    # at every layer, so built once per iteration, not once per layer (the time saved on a CPU was within
+    # the host's jitter: docs/BENCHMARKS.md, "Where lookup misses").
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
