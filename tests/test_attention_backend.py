@@ -29,6 +29,7 @@ from orca.models.attention.base import FEW_MAX_ROWS, FewDecode, LoneDecode
 from orca.models.attention.batched import BATCHED_MAX_QUERIES, BATCHED_MIN_INCREMENTS
 from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
 from orca.worker import Worker, flex_warm_up_plans, why_not_flex_by_default
+from orca.worker.warmup import warm_up_flex
 
 BLOCK_SIZES = (1, 4, 16)
 # (new tokens, cached tokens) per request, increments first as the worker orders them: two increments at
@@ -665,7 +666,7 @@ def test_the_warm_up_runs_its_plans_and_leaves_no_request(tmp_path: Path) -> Non
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), block_size=4, n_slots=4 * blocks,
                                  attention_backend="flex"))
     worker.init_kv_pool(blocks)  # on a CPU init_kv_pool does not warm up: run it by hand
-    worker._warm_up_flex()
+    warm_up_flex(worker)
     assert worker.num_requests == 0
     assert worker.kv_pool[:, :, :, -4:].any()  # it did run the model into the pool, to its last block
 

@@ -14,7 +14,7 @@ import torch
 from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_reference
 from checkpoints import make_mixtral
 
-import orca.worker
+import orca.worker.worker
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.checkpoint import read_model_config
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan
@@ -27,7 +27,7 @@ GREEDY = SamplingSpec(0.0, 0, 1.0, 0)
 @pytest.fixture
 def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers built from here on take the decode-graph path on the CPU (uncaptured)."""
-    monkeypatch.setattr(orca.worker, "why_no_graphs", lambda *args: None)
+    monkeypatch.setattr(orca.worker.worker, "why_no_graphs", lambda *args: None)
 
 
 def test_sizes_and_the_size_a_batch_runs_in() -> None:
@@ -92,7 +92,7 @@ def test_a_padded_decode_iteration_equals_the_unpadded_one(
     padded.init_kv_pool(16)
     assert padded.decode_graphs is not None and padded.decode_graphs.sizes == (1, 2, 4, 6)
     assert padded.kv_pool.shape[3] == 17 * 4  # one block more, for the padding rows
-    monkeypatch.setattr(orca.worker, "why_no_graphs", lambda *args: "off for the comparison")
+    monkeypatch.setattr(orca.worker.worker, "why_no_graphs", lambda *args: "off for the comparison")
     plain = Worker(EngineConfig(**options))
     plain.init_kv_pool(16)
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4], [11]]

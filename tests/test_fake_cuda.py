@@ -11,7 +11,7 @@ Llama 3's rotary scaling) and attention backend (reference, batched, flex), on o
 Llama also as rank 0 and rank 1 of two tensor-parallel ranks (Qwen2 also as stage 0 and stage 1 of a
 pipeline of two):
 
-- the Worker built for device cuda as the engine builds it (orca/worker/__init__.py: backends, the K/V
+- the Worker built for device cuda as the engine builds it (orca/worker/worker.py: backends, the K/V
   layout, CUDA graphs or why not), its weights from the real loader (see below), and init_kv_pool: the pool
   allocated on the device and, for flex on one rank, the CUDA graphs' static buffers (DecodeGraphs);
 - iterations through Worker._execute, the function the engine calls: the prompts (the first chunk of one);
@@ -112,7 +112,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import orca.models.attention.flex
 import orca.models.device
-import orca.worker
+import orca.worker.warmup
+import orca.worker.worker
 from orca import EngineConfig
 from orca.checkpoint import read_model_config, resolve_checkpoint
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan
@@ -291,10 +292,10 @@ def fake_cuda(fake_cuda_guard: None, monkeypatch: pytest.MonkeyPatch) -> FakeCud
     monkeypatch.setattr(orca.models.attention.flex, "_flex_function", lambda device_type: flex_attention)
     monkeypatch.setattr(orca.models.attention.flex, "paged_decode_attention", _paged_decode_on_the_device)
     monkeypatch.setattr(torch.nn.attention.flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
-    monkeypatch.setattr(orca.worker, "load_model", _fake_device_loader(mode))
-    monkeypatch.setattr(orca.worker, "DecodeGraphs",
+    monkeypatch.setattr(orca.worker.worker, "load_model", _fake_device_loader(mode))
+    monkeypatch.setattr(orca.worker.warmup, "DecodeGraphs",
                         lambda *args, capture, **kwargs: DecodeGraphs(*args, capture=False, **kwargs))
-    monkeypatch.setattr(Worker, "_warm_up", lambda self, plans, what: None)
+    monkeypatch.setattr(orca.worker.warmup, "run_warm_up", lambda worker, plans, what: None)
     return FakeCuda(mode, staging)
 
 
@@ -562,7 +563,7 @@ def _run_on_fake_cuda(worker: Worker, fake: FakeCuda, monkeypatch: pytest.Monkey
 
     seen: dict[str, Any] = {}
     for obj, name in ((worker, "_prepare"), (worker.model, "forward"), (worker.model, "compute_logits"),
-                      (orca.worker, "sample")):
+                      (orca.worker.worker, "sample")):
         _spy(obj, name, seen, monkeypatch)
     _attention_output(worker.model).register_forward_pre_hook(
         lambda module, args: seen.__setitem__("attention output", args[0]))

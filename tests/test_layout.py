@@ -65,3 +65,19 @@ def test_the_driver_loads_no_model_code() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_worker_package_only_re_exports() -> None:
+    """orca/worker/__init__.py defines nothing: its docstring, imports from its modules and __all__ (each
+    concern is a module of its own: worker.py, backends.py, memory.py, warmup.py, draft.py, pipeline.py)."""
+    body = ast.parse((ROOT / "orca" / "worker" / "__init__.py").read_text()).body
+    defined = []
+    for i, node in enumerate(body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.ImportFrom) and node.module and within(node.module, "orca.worker"):
+            continue
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
+            continue
+        defined.append(ast.dump(node)[:80])
+    assert defined == []

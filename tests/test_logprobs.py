@@ -65,7 +65,7 @@ def test_requests_without_logprobs_get_none_in_a_mixed_batch(family: str, monkey
     for i, (prompt, params) in enumerate(zip(PROMPTS, asks)):
         engine.add_request(str(i), prompt, params)
     rows_computed: list[int] = []
-    import orca.worker as worker_module
+    import orca.worker.worker as worker_module  # where the iteration looks token_logprobs up
 
     real = worker_module.token_logprobs
 

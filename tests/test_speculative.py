@@ -525,12 +525,12 @@ def test_the_draft_pool_mirrors_the_blocks_and_shares_the_budget(drafts: dict[st
     with_draft = core.stats().kv_total_blocks
     assert with_draft < blocks
     assert blocks == budget // worker.kv_layout.bytes_per_block
-    per_block = worker.kv_layout.bytes_per_block + worker.draft_layout.bytes_per_block
-    assert worker.draft_scratch_blocks == 8  # max_bs x ceil(num_speculative_tokens / block_size)
-    scratch = worker.draft_scratch_blocks * worker.draft_layout.bytes_per_block
+    per_block = worker.kv_layout.bytes_per_block + worker.draft.layout.bytes_per_block
+    assert worker.draft.scratch_blocks == 8  # max_bs x ceil(num_speculative_tokens / block_size)
+    scratch = worker.draft.scratch_blocks * worker.draft.layout.bytes_per_block
     assert with_draft == (budget - scratch) // per_block
     # the draft (a one-layer GPT-2: 4 K/V heads of 16) has its own pool over the same blocks, then the scratch
-    assert tuple(worker.draft_pool.shape) == (1, 2, 4, (with_draft + 8) * 4, 16)
+    assert tuple(worker.draft.pool.shape) == (1, 2, 4, (with_draft + 8) * 4, 16)
     assert worker.kv_pool.shape[3] == with_draft * 4
     core.shutdown()
 
@@ -539,7 +539,7 @@ def test_the_draft_runs_outside_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> 
     """With decode iterations on CUDA graphs (their reasons lifted on a CPU, flex attention): a decode
     iteration replays the model's graph (padded) and runs the draft over its own rows, unpadded; the
     tokens are speculation off's."""
-    import orca.worker
+    import orca.worker.worker
 
     prompts = _prompts(3, seed=9, vocab=150)
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, speculate=i > 0) for i in range(3)]
@@ -547,7 +547,7 @@ def test_the_draft_runs_outside_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> 
     off_engine = tiny_engine("llama", **options)
     off = _run(off_engine, prompts, params)
     off_engine.shutdown()
-    monkeypatch.setattr(orca.worker, "why_no_graphs", lambda *args: None)
+    monkeypatch.setattr(orca.worker.worker, "why_no_graphs", lambda *args: None)
     engine = tiny_engine("llama", **options, **_draft(str(tiny_checkpoint("llama"))))
     worker = engine.core.executor.worker
     on = _run(engine, prompts, params)

@@ -284,9 +284,9 @@ class LoneStep:
         self.compiled = torch.compile(module, dynamic=False, options={"guard_filter_fn": _guards_to_keep})
         self.rows = rows
         # Compiled with the weights frozen in (FROZEN_OPTIONS) where a decoder layer is int8: inductor's int8
-        # template multiplies a row 1.5-2x faster than torch's kernel (a single-stream step of an int8
-        # SmolLM2 1.65x faster). With int4 layers its template is about torch's kernel (a step 1.06-1.10x
-        # faster, for a load 55 s longer cold, 22 s warm, here: not taken); unquantized layers are oneDNN's.
+        # template beats torch's kernel there; with int4 layers it gains too little for its longer load (not
+        # taken); unquantized layers are oneDNN's (docs/BENCHMARKS.md, "Results: a single stream through its
+        # block table; int8's frozen graphs").
         head = getattr(model, "lm_head", None)
         self.frozen = any(isinstance(m, QuantizedLinear) and m.kind == "int8" and m is not head
                           for m in model.modules())
@@ -341,7 +341,7 @@ class FewStep(LoneStep):
     inside it (FewDecode, orca/models/attention/base.py), as LoneStep runs one request's: each request's
     cached keys and values read through its block table (`meta.few_tables`, padded to the longest, and
     `meta.few_past`), the row count and the tables' width unbacked (one graph), compiled at load by a
-    warm-up step of two requests (orca/worker: few_warm_up_plans). Where the graph of every token count
+    warm-up step of two requests (orca/worker/warmup.py: few_warm_up_plans). Where the graph of every token count
     calls attention as an opaque op, its per-request SDPA calls (2 rows) or the batched backend's gathers,
     two bmm and a softmax (3-5) cost 1.4x FewDecode's loops at 4 rows (docs/BENCHMARKS.md)."""
 

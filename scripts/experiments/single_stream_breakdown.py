@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.nn.functional as F
 
-import orca.worker as worker_module
+import orca.worker.worker as worker_module
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import base as attention_base
 from orca.worker import compiled as compiled_module

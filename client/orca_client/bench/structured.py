@@ -150,7 +150,7 @@ class _MaskTimer:
 
         self.seconds = 0.0
         self._patched = [(GrammarConstraint, "allowed_tokens"), (GrammarConstraint, "accept"),
-                         (orca.worker, "apply_allowed_tokens")]
+                         (orca.worker.worker, "apply_allowed_tokens")]
         self._originals = [getattr(owner, name) for owner, name in self._patched]
         for (owner, name), original in zip(self._patched, self._originals):
             setattr(owner, name, self._timed(original))
