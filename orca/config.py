@@ -74,7 +74,7 @@ class EngineConfig:
       the dtypes oneDNN packs there. "hybrid": onednn plus second copies where they win: a float32 layer
       keeps the checkpoint's weight for iterations of HYBRID_MIN_ROWS rows or more (F.linear; the linear
       weights' memory twice), a quantized layer a oneDNN-packed float copy for iterations past
-      HYBRID_QUANTIZED_MIN_ROWS (orca/models/quantization.py). "reference": torch's F.linear on the
+      HYBRID_QUANTIZED_MIN_ROWS (both in orca/tuning.py). "reference": torch's F.linear on the
       checkpoint layout (cuBLAS on CUDA). "auto": resolve_linear_backend decides. An explicit onednn or
       hybrid where oneDNN cannot run is refused at load. Measured: docs/BENCHMARKS.md, "Results: the fast
       data plane, first step" and "Results: the fast data plane, fifth step: hybrid linears".
@@ -83,7 +83,7 @@ class EngineConfig:
       the reference for prompts, and an iteration's increments and short requests in padded batches when
       there are BATCHED_MIN_INCREMENTS or more. "flex": one flex_attention call per layer straight from the
       pool through the block tables (compiled on CUDA; on a CPU unfused: correct, slow), with a paged
-      decode kernel (Triton) on CUDA for iterations of at most PAGED_ROWS rows per request. "auto": flex or
+      decode kernel (Triton) on CUDA for iterations of at most VERIFYING_MAX_ROWS rows per request. "auto": flex or
       batched, as resolve_attention_backend (orca/models/attention/base.py) decides; the load logs why
       when it is not flex on CUDA. Measured: docs/BENCHMARKS.md, "Results: the fast data plane, fourth
       step: batched increments" (CPU) and "Results: the CUDA path on an H200, fourth session" (CUDA).

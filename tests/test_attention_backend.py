@@ -25,9 +25,9 @@ from checkpoints import make_llama, make_mistral, make_mixtral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, resolve_attention_backend, selective_attention
-from orca.models.attention.base import FEW_MAX_ROWS, FewDecode, LoneDecode
-from orca.models.attention.batched import BATCHED_MAX_QUERIES, BATCHED_MIN_INCREMENTS
+from orca.models.attention.base import FewDecode, LoneDecode
 from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
+from orca.tuning import BATCHED_MIN_INCREMENTS, FEW_MAX_ROWS, VERIFYING_MAX_ROWS
 from orca.worker import Worker, flex_warm_up_plans, why_not_flex_by_default
 from orca.worker.warmup import warm_up_flex
 
@@ -249,14 +249,14 @@ def test_batched_increments_read_only_their_own_slots(increments: int, dtype: to
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_short_requests_are_the_reference_s(dtype: torch.dtype, window: int | None) -> None:
-    """Speculating requests verifying their proposals (2 to BATCHED_MAX_QUERIES tokens after a cached
+    """Speculating requests verifying their proposals (2 to VERIFYING_MAX_ROWS tokens after a cached
     prefix) are batched in groups of their own after the increments, each row padded to its group's longest
     request: outputs equal the reference's per-request masked calls, on a pool NaN outside the iteration's
     blocks (no padding query or slot reads another's), with a sliding window too, beside a chunk longer
-    than BATCHED_MAX_QUERIES and a prompt (the reference's calls)."""
+    than VERIFYING_MAX_ROWS and a prompt (the reference's calls)."""
     rng = random.Random(7)
     shape = ([(1, rng.randint(1, 30)) for _ in range(3)] + [(n, rng.randint(1, 30)) for n in (2, 5, 5, 3, 8)]
-             + [(BATCHED_MAX_QUERIES + 3, 6), (7, 0)])
+             + [(VERIFYING_MAX_ROWS + 3, 6), (7, 0)])
     out, metas = _reference_and_batched(shape, rng, 7, 96, dtype, window)
     groups = [(g.rows, g.queries) for g in metas["batched"].increments]
     assert groups[0] == (3, 1) and sum(rows for rows, _ in groups[1:]) == 5 and max(q for _, q in groups) == 8
@@ -352,13 +352,13 @@ def test_a_paged_layout_has_the_rows_and_tables_and_copies_into_the_static_one()
 
 def test_flex_is_paged_on_cuda_for_iterations_of_few_rows_per_request() -> None:
     """Which iterations the paged decode kernel takes (FlexMetadata.for_iteration asks takes_paged_decode):
-    on CUDA, at most PAGED_ROWS rows per request; longer rows, and every iteration on a CPU, run
+    on CUDA, at most VERIFYING_MAX_ROWS rows per request; longer rows, and every iteration on a CPU, run
     flex_attention."""
-    from orca.models.attention.flex import PAGED_ROWS, FlexMetadata, takes_paged_decode
+    from orca.models.attention.flex import FlexMetadata, takes_paged_decode
 
     cuda = torch.device("cuda")
-    assert takes_paged_decode(cuda, [1, 1, 1]) and takes_paged_decode(cuda, [1, PAGED_ROWS])
-    assert not takes_paged_decode(cuda, [1, PAGED_ROWS + 1]) and not takes_paged_decode(cuda, [])
+    assert takes_paged_decode(cuda, [1, 1, 1]) and takes_paged_decode(cuda, [1, VERIFYING_MAX_ROWS])
+    assert not takes_paged_decode(cuda, [1, VERIFYING_MAX_ROWS + 1]) and not takes_paged_decode(cuda, [])
     assert not takes_paged_decode(torch.device("cpu"), [1, 1])
     assert not FlexMetadata.for_iteration([1, 1], [3, 3], [[0], [1]], 4, torch.zeros(2, 2, 64 * 4, 16)).flex.paged
 

@@ -21,13 +21,13 @@ from checkpoints import make_mixtral
 
 from orca import LLM, EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, iteration_scope
-from orca.models.attention.base import FEW_MAX_ROWS
 from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
 from orca.models.lora import LoRABatch
-from orca.models.quantization import HYBRID_QUANTIZED_MIN_ROWS, QuantizedLinear, quantize
+from orca.models.quantization import QuantizedLinear, quantize
+from orca.tuning import COMPILED_HEAD_FLOAT_ROWS, FEW_MAX_ROWS, HYBRID_QUANTIZED_MIN_ROWS
 from orca.worker import Worker
-from orca.worker.compiled import COMPILED_HEAD_FLOAT_ROWS, CompiledForward, CompiledHead, why_not_compiled
+from orca.worker.compiled import CompiledForward, CompiledHead, why_not_compiled
 
 # Paged blocks of 4 tokens, a budget of 8 tokens per iteration (prompts in chunks, mixed with increments)
 # and a pool of 10 blocks for 5 requests at a time (preemptions).
@@ -208,7 +208,7 @@ def test_a_speculating_engine_with_float_copies_compiles_both_lone_graphs() -> N
 
 def test_lone_and_few_steps_are_left_to_the_graph_of_every_count_where_they_do_not_apply(tmp_path: Path) -> None:
     """A sliding-window model compiles no LoneStep or FewStep (its layers would read different keys); a lone
-    request's step of more rows than LONE_MAX_ROWS, a prompt, several requests (but a decode step of 2 to
+    request's step of more rows than VERIFYING_MAX_ROWS, a prompt, several requests (but a decode step of 2 to
     FEW_MAX_ROWS: FewStep), more than FEW_MAX_ROWS or as many as the float copies' graph takes, a request
     of several rows among them, a quantized pool, an adapter row or a profiling timer run the graph of every
     token count. (Blocks that are not consecutive do not stop them: they read them through block tables.)"""
@@ -230,7 +230,7 @@ def test_lone_and_few_steps_are_left_to_the_graph_of_every_count_where_they_do_n
     scales = torch.ones(worker.kv_layout.num_layers, 2, 2, 64)
     quantized = AttentionMetadata.build([1], [5], [[3, 4]], 4, pool, backend="batched", kv_scales=scales)
     assert forward._lone_step(quantized) is None
-    assert forward._lone_step(step(9, [3, 4, 5, 6])) is None  # more rows than LONE_MAX_ROWS
+    assert forward._lone_step(step(9, [3, 4, 5, 6])) is None  # more rows than VERIFYING_MAX_ROWS
     assert forward._lone_step(step(2, [3], past=0)) is None  # a prompt
 
     def steps(lengths: list[int], backend: str = "batched", **kw: Any) -> AttentionMetadata:

@@ -434,7 +434,7 @@ def _plans(vocab_size: int, decode: bool) -> list[StepPlan]:
     prompts = StepPlan(0, (r.feed("a", 8, GREEDY), r.feed("b", 8, GREEDY), r.feed("c", 8, GREEDY),
                            r.feed("e", 8, GREEDY, samples=False)))  # and the first chunk of e's prompt
     increments = [r.feed(request_id, 1) for request_id in "abc"]  # each in a new block: tables scattered
-    f = r.feed("f", 12, SAMPLED, allowed=allowed)  # a whole prompt, longer than flex's PAGED_ROWS
+    f = r.feed("f", 12, SAMPLED, allowed=allowed)  # a whole prompt, longer than VERIFYING_MAX_ROWS (flex's paged bound)
     e = r.feed("e", 3)  # the second chunk of e's prompt, after its 8 cached tokens, in a block apart
     plans = [prompts, StepPlan(1, (*increments, e, f))]
     if decode:

@@ -204,11 +204,11 @@ def test_fused_backends_match_reference_on_cuda(block_size: int, backend: str) -
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_flex_iterations_of_few_rows_per_request_match_reference_on_cuda(block_size: int, window: int | None) -> None:
-    """Increments, verifying rows and short prompts (at most PAGED_ROWS rows per request): on CUDA flex hands
+    """Increments, verifying rows and short prompts (at most VERIFYING_MAX_ROWS rows per request): on CUDA flex hands
     them to the paged decode kernel (a layout without block-sparse structure), against per-request SDPA."""
-    from orca.models.attention.flex import PAGED_ROWS
+    from orca.tuning import VERIFYING_MAX_ROWS
 
-    short = [(1, 9), (1, 3), (1, 300), (PAGED_ROWS, 0), (5, 6), (1, 0), (3, 17), (1, 64)] * 5
+    short = [(1, 9), (1, 3), (1, 300), (VERIFYING_MAX_ROWS, 0), (5, 6), (1, 0), (3, 17), (1, 64)] * 5
     out, reference, meta = _against_reference(short, block_size, 8000, "flex", window)
     assert meta.flex.paged == CUDA and (meta.flex.kv_indices is None) == CUDA
     torch.testing.assert_close(out, reference, atol=1e-4, rtol=0)

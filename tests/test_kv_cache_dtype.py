@@ -25,7 +25,7 @@ from _fixtures import drain, record_logits, tiny_checkpoint
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, selective_attention
 from orca.models.attention.base import dequantize_kv, quantize_kv
-from orca.models.attention.batched import BATCHED_MIN_INCREMENTS
+from orca.tuning import BATCHED_MIN_INCREMENTS
 from orca.worker.kv_cache import KV_QUANTIZED_DTYPES, KVLayout, resolve_kv_cache_dtype
 
 QUANTIZED = ("fp8_e4m3", "int8")

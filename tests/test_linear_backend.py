@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from checkpoints import make_gpt2, make_llama
 from torch import nn
 
-from orca import LLM, EngineConfig, SamplingParams
+from orca import LLM, EngineConfig, SamplingParams, tuning
 from orca.models import layers
 from orca.models.attention import AttentionMetadata
 from orca.models.layers import PackedLinear, onednn_packs, resolve_linear_backend
@@ -38,7 +38,7 @@ def test_packed_linears_match_reference_in_a_mixed_iteration(
     family: str, overrides: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # hybrid switches at 6 rows here: the 5-token prefix runs oneDNN's op, the 10-row iteration F.linear.
-    monkeypatch.setattr(layers, "HYBRID_MIN_ROWS", 6)
+    monkeypatch.setattr(tuning, "HYBRID_MIN_ROWS", 6)
     path = BUILDERS[family](tmp_path / "ckpt", seed=5, **overrides)
     workers = {b: Worker(EngineConfig(model=str(path), block_size=4, n_slots=64, linear_backend=b))
                for b in ("reference", "onednn", "hybrid")}
@@ -84,7 +84,7 @@ def _ops_run(fn) -> set[str]:  # noqa: ANN001
 def test_hybrid_runs_onednn_below_its_row_threshold_and_f_linear_from_it(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(layers, "HYBRID_MIN_ROWS", 8)
+    monkeypatch.setattr(tuning, "HYBRID_MIN_ROWS", 8)
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 32), torch.randn(48)
     hybrid, onednn = PackedLinear(weight, bias, keep_weight=True), PackedLinear(weight, bias)
@@ -100,7 +100,7 @@ def test_hybrid_runs_onednn_below_its_row_threshold_and_f_linear_from_it(
 
 
 def test_greedy_generation_is_the_same_with_every_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(layers, "HYBRID_MIN_ROWS", 8)  # hybrid: the prompts' iteration on F.linear, decode on oneDNN
+    monkeypatch.setattr(tuning, "HYBRID_MIN_ROWS", 8)  # hybrid: the prompts' iteration on F.linear, decode on oneDNN
     path = make_llama(tmp_path / "ckpt", seed=2)
     rng = random.Random(3)
     prompts = [[rng.randrange(0, 190) for _ in range(n)] for n in (3, 12, 7, 1)]

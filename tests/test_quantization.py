@@ -31,7 +31,6 @@ from orca.models.layers import onednn_packs
 from orca.models.loader import load_model
 from orca.models.quantization import (
     FP8_DTYPE,
-    HYBRID_QUANTIZED_MIN_ROWS,
     QuantizedLinear,
     QuantizedWeight,
     _fp8_linear,
@@ -39,6 +38,7 @@ from orca.models.quantization import (
     shard_quantized,
 )
 from orca.parallel import COLUMN, ROW, VOCAB, head_shard, shard_tensor
+from orca.tuning import HYBRID_QUANTIZED_MIN_ROWS
 
 CPU = torch.device("cpu")
 # Linear weights of the tiny checkpoints: every 2-D tensor but the embeddings (and GPT-2's positions).

@@ -20,7 +20,8 @@ from orca import EngineConfig, SamplingParams
 from orca.core.block_manager import BlockManager
 from orca.core.request import Request
 from orca.core.scheduler import OrcaScheduler
-from orca.core.speculative import SPEC_MISSES_BEFORE_PAUSE, DraftProposer, NgramProposer
+from orca.core.speculative import DraftProposer, NgramProposer
+from orca.tuning import SPEC_MISSES_BEFORE_PAUSE
 
 # Proposals verified in iterations of any size (None: never disabled by the batch; the default stops at 4):
 # the tests below check verification in busy batches.

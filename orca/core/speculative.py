@@ -30,7 +30,8 @@ probability p(x); on rejection draw from p without x), realised with the draw sp
 
 Adaptive length: a request whose proposals keep failing proposes fewer tokens, and after
 SPEC_MISSES_BEFORE_PAUSE verifications in a row that kept none it stops proposing for a while (twice as
-long each time, up to SPEC_MAX_PAUSE iterations), so a workload where lookup does not pay costs little.
+long each time, up to SPEC_MAX_PAUSE iterations; both orca/tuning.py's), so a workload where lookup does not
+pay costs little.
 
 The draft method (``DraftProposer``) proposes with a small model instead of lookup; the worker runs it,
 so the core still only passes token ids. At plan time the core asks, for each member that samples, how
@@ -49,11 +50,7 @@ from dataclasses import dataclass, field
 
 from orca.checkpoint import ModelConfig
 from orca.core.request import Request
-
-SPEC_MISSES_BEFORE_PAUSE = 3
-"""Verifications in a row that accepted no proposal before a request pauses proposing."""
-SPEC_MAX_PAUSE = 64
-"""The longest pause, in the request's iterations."""
+from orca.tuning import SPEC_MAX_PAUSE, SPEC_MISSES_BEFORE_PAUSE
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orca import tuning
 from orca.checkpoint import ModelConfig
 from orca.parallel import ParallelContext, vocab_per_rank
 
@@ -118,16 +119,11 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-# The hybrid backend's switch: from this many rows (prompt-sized iterations) torch's F.linear on the
-# checkpoint's float32 weights (MKL's sgemm) beats oneDNN's packed matmul, below it oneDNN wins
-# (docs/BENCHMARKS.md, "The linears at prompt sizes"). Float32 only: in bfloat16 F.linear never won, so a
-# 16-bit model's PackedLinears keep no second copy (HYBRID_KEEPS_WEIGHTS; docs/BENCHMARKS.md, "Hybrid in
-# bfloat16").
-HYBRID_MIN_ROWS = 384
+# The hybrid backend's switch (orca/tuning.py, HYBRID_MIN_ROWS): from that many rows (prompt-sized
+# iterations) torch's F.linear on the checkpoint's float32 weights (MKL's sgemm) beats oneDNN's packed
+# matmul, below it oneDNN wins. Float32 only: in bfloat16 F.linear never won, so a 16-bit model's
+# PackedLinears keep no second copy (docs/BENCHMARKS.md, "Hybrid in bfloat16").
 HYBRID_KEEPS_WEIGHTS = (torch.float32,)
-# auto keeps the checkpoint's weights beside the packed ones (hybrid) when they take at most this share of
-# the memory available at load; otherwise it packs only (onednn).
-HYBRID_MEMORY_SHARE = 0.25
 
 
 def available_memory_bytes() -> int | None:
@@ -146,9 +142,9 @@ def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype
                            weight_bytes: int | None = None) -> str:
     """EngineConfig.linear_backend to what runs: "hybrid", "onednn" or "reference". auto = hybrid on a CPU
     that packs `dtype` when `weight_bytes` (the weights a second copy would hold) are at most
-    HYBRID_MEMORY_SHARE of the available memory, onednn there otherwise, reference elsewhere; an explicit
+    tuning.HYBRID_MEMORY_SHARE of the available memory, onednn there otherwise, reference elsewhere; an explicit
     onednn or hybrid where oneDNN cannot run is refused with the reason. (hybrid's second copies are where
-    they were measured to win: F.linear's for float32 layers at prompt sizes, HYBRID_MIN_ROWS; oneDNN's
+    they were measured to win: F.linear's for float32 layers at prompt sizes, tuning.HYBRID_MIN_ROWS; oneDNN's
     float copies of quantized layers from a few rows, orca/models/quantization.py. A 16-bit model without
     quantized layers holds none: hybrid is onednn there.)"""
     packs = device.type == "cpu" and onednn_packs(dtype)
@@ -161,7 +157,7 @@ def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype
     if not packs:
         return "reference"
     available = available_memory_bytes()
-    fits = weight_bytes is not None and available is not None and weight_bytes <= HYBRID_MEMORY_SHARE * available
+    fits = weight_bytes is not None and available is not None and weight_bytes <= tuning.HYBRID_MEMORY_SHARE * available
     return "hybrid" if fits else "onednn"
 
 
@@ -170,7 +166,7 @@ class PackedLinear(nn.Module):
     oneDNN's matmul (the op inductor's freezing pass puts in place of CPU linears): at a decode iteration's
     few rows it streams the weights faster than torch's default CPU matmul (docs/BENCHMARKS.md, "Where a
     decode iteration's time went"). With `keep_weight` (the hybrid backend) the checkpoint's weight
-    stays too, and inputs of HYBRID_MIN_ROWS rows or more (prompts) multiply it with F.linear, faster there.
+    stays too, and inputs of tuning.HYBRID_MIN_ROWS rows or more (prompts) multiply it with F.linear, faster there.
     With `par` (a row-parallel layer) the partial products are all-reduced before the bias is added once,
     as RowParallelLinear does."""
 
@@ -207,7 +203,7 @@ class PackedLinear(nn.Module):
 
 def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor | None,
                    bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    if weight is not None and x.shape[0] >= HYBRID_MIN_ROWS:
+    if weight is not None and x.shape[0] >= tuning.HYBRID_MIN_ROWS:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 

@@ -107,7 +107,7 @@ def load_model(
     weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
     checkpoint's weights too (float32: HYBRID_KEEPS_WEIGHTS), and gives each quantized layer a
     oneDNN-packed dequantized copy, for iterations of HYBRID_QUANTIZED_MIN_ROWS[dtype] rows or more
-    (int8 and int4: 8 and 12 in float32, 4 and 6 in bfloat16)."""
+    (orca/tuning.py; int8 and int4: 8 and 12 in float32, 4 and 6 in bfloat16)."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)

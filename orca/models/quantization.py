@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import orca.models.layers  # noqa: F401 - registers orca::packed_linear, which the float copies run under compile
+from orca import tuning
 from orca.parallel import ParallelContext, Shard, shard_tensor
 
 KINDS = ("int8", "int4", "fp8")
@@ -258,12 +259,12 @@ class QuantizedLinear(nn.Module):
         self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
             "aten::_weight_int8pack_mm", "CUDA")
         # linear_backend hybrid on a CPU: the dequantized weight as well, packed for oneDNN, for iterations of
-        # HYBRID_QUANTIZED_MIN_ROWS[dtype][kind] rows or more (the int kernels are compute-bound there, oneDNN
-        # is not).
+        # HYBRID_QUANTIZED_MIN_ROWS[dtype][kind] rows or more (orca/tuning.py): where the int kernels stop
+        # winning, since their time grows with every row (they are compute-bound there, oneDNN is not).
         float_packed = None
         if float_copy and not cuda and weight.kind != "fp8":
             float_packed = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(dtype).to(device), None)
-            self.float_min_rows = HYBRID_QUANTIZED_MIN_ROWS[dtype][weight.kind]
+            self.float_min_rows = tuning.HYBRID_QUANTIZED_MIN_ROWS[dtype][weight.kind]
         self.register_buffer("float_packed", float_packed, persistent=False)
         # Called eagerly (outside a compiled graph), the int kernel's matmul through this instead of
         # _int_linear when set: the LM head's, compiled by the compiled forward pass (CompiledHead in
@@ -324,18 +325,6 @@ def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kin
             xq = F.pad(xq, (0, pad_columns))
         y = torch._weight_int8pack_mm(xq, packed, scales)
     return y.to(x.dtype)
-
-
-# linear_backend hybrid with quantized weights (a CPU): at this many rows or more the dequantized weight,
-# packed for oneDNN, multiplies instead of the int kernels, by the model's dtype (the copy's): where the
-# int kernels stop winning, since their time grows with every row. Measured: float32 layer by layer
-# (docs/BENCHMARKS.md, "Speed: the linear layers alone"), bfloat16 in the engine's decode step, whose
-# weights stream from memory ("Hybrid in bfloat16").
-HYBRID_QUANTIZED_MIN_ROWS = {
-    torch.float32: {"int8": 8, "int4": 12},
-    torch.bfloat16: {"int8": 4, "int4": 6},
-    torch.float16: {"int8": 4, "int4": 6},  # (as bfloat16: oneDNN packs float16 only where the CPU has it)
-}
 
 
 class FloatCopyRows:

@@ -25,10 +25,11 @@ A single stream's decode step, the iteration that pays most for the opaque atten
 SDPA call ~85 us a layer at one row, SmolLM2, 300 cached keys), has a graph of its own with attention inside
 it: LoneStep, below (1.17-1.24x faster steps here, 1.30x where the request's blocks are not consecutive,
 docs/BENCHMARKS.md); where the engine speculates, so does such a stream's verification of its proposed tokens
-(a second LoneStep, of several rows). A decode step of 2 to FEW_MAX_ROWS (5) requests has one too, each
-request's row over its own block table: FewStep (1.17-1.31x faster steps at 2-5 requests, SmolLM2 as shipped;
-its compile about 80 s of a cold load, 7 s of a warm one). With int8 layers its graphs hold the weights as
-constants, for inductor's int8 GEMM template (an int8 model's single-stream step 1.57x faster).
+(a second LoneStep, of up to VERIFYING_MAX_ROWS rows). A decode step of 2 to FEW_MAX_ROWS (5) requests has one
+too, each request's row over its own block table (both thresholds orca/tuning.py's): FewStep (1.17-1.31x
+faster steps at 2-5 requests, SmolLM2 as shipped; its compile about 80 s of a cold load, 7 s of a warm one).
+With int8 layers its graphs hold the weights as constants, for inductor's int8 GEMM template (an int8
+model's single-stream step 1.57x faster).
 
 Shapes: the token count is an unbacked dynamic size (``torch._dynamo.decorators.mark_unbacked``), so one graph
 serves every iteration, of one row or thousands (prompts, chunks, mixed and decode batches alike): a
@@ -85,8 +86,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from orca import tuning
 from orca.models.attention import AttentionMetadata, get_backend, iteration_scope
-from orca.models.attention.base import FEW_MAX_ROWS, FewDecode, LoneDecode
+from orca.models.attention.base import FewDecode, LoneDecode
 from orca.models.attention.reference import ReferenceMetadata
 from orca.models.lora import LoRABatch
 from orca.models.moe import SparseMoE
@@ -214,8 +216,9 @@ class CompiledForward:
 
     def _lone_step(self, meta: AttentionMetadata) -> LoneStep | None:
         """The LoneStep that runs iteration `meta`, or None: one request's step of one token (self.lone) or
-        of up to LONE_MAX_ROWS (self.lone_rows) after its cached ones (meta.lone_table: an unquantized pool on
-        a CPU), or a decode step of 2 to FEW_MAX_ROWS requests (self.few; meta.few_tables), with no adapter
+        of up to tuning.VERIFYING_MAX_ROWS (self.lone_rows) after its cached ones (meta.lone_table: an
+        unquantized pool on a CPU), or a decode step of 2 to tuning.FEW_MAX_ROWS requests (self.few;
+        meta.few_tables), with no adapter
         row, fewer rows than the float copies' graph takes, and no profiling timer (which times attention by
         itself)."""
         if (not isinstance(meta, ReferenceMetadata) or meta.timer is not None
@@ -229,7 +232,7 @@ class CompiledForward:
         rows = meta.lengths[0]
         if self.float_rows is not None and rows >= self.float_rows:
             return None
-        return self.lone if rows == 1 else self.lone_rows if rows <= LONE_MAX_ROWS else None
+        return self.lone if rows == 1 else self.lone_rows if rows <= tuning.VERIFYING_MAX_ROWS else None
 
     def compile(self, warm_up: Callable[[], None], device: torch.device) -> None:
         """Runs `warm_up()` (iterations through this object: the first compiles the graph, the next check
@@ -250,7 +253,7 @@ class CompiledForward:
                 self.lone_rows = None
             if self.few is not None and not self.few.ready:
                 logger.info("decode steps of 2-%d requests run the graph of every token count: the warm-up ran none",
-                            FEW_MAX_ROWS)
+                            tuning.FEW_MAX_ROWS)
                 self.few = None
         except BaseException:  # the model runs eagerly then (the worker says why): its head too
             if self.head is not None:
@@ -259,11 +262,6 @@ class CompiledForward:
         self.compile_seconds = time.perf_counter() - t0
         self.ready = True
         logger.info("forward pass compiled in %.1f s", self.compile_seconds)
-
-
-# LoneStep's verifying graph (LoneStep.rows) runs a lone request of up to this many new tokens after its cached
-# ones: a speculating stream's verification (num_speculative_tokens proposals and the token before them).
-LONE_MAX_ROWS = 8
 
 
 class LoneStep:
@@ -276,7 +274,8 @@ class LoneStep:
     iterations run the graph of every token count. Its inputs are the pool, as blocks, and the request's
     block table, its length unbacked: one graph for any context, compiled at load by a warm-up iteration.
     `rows` False: one new token (a decode step; the graph specialised to one row); True: 2 to
-    LONE_MAX_ROWS (a speculating stream's verification; the row count unbacked too), a graph of its own,
+    tuning.VERIFYING_MAX_ROWS (a speculating stream's verification: num_speculative_tokens proposals and the
+    token before them; the row count unbacked too), a graph of its own,
     compiled only where the engine speculates."""
 
     def __init__(self, model: nn.Module, rows: bool = False) -> None:
@@ -336,8 +335,8 @@ class LoneStep:
 
 
 class FewStep(LoneStep):
-    """A decode step of 2 to FEW_MAX_ROWS requests (one new token each, after cached ones; an unquantized pool
-    on a CPU; fewer rows than the float copies' graph takes) as a compiled graph of its own, attention
+    """A decode step of 2 to tuning.FEW_MAX_ROWS requests (one new token each, after cached ones; an unquantized
+    pool on a CPU; fewer rows than the float copies' graph takes) as a compiled graph of its own, attention
     inside it (FewDecode, orca/models/attention/base.py), as LoneStep runs one request's: each request's
     cached keys and values read through its block table (`meta.few_tables`, padded to the longest, and
     `meta.few_past`), the row count and the tables' width unbacked (one graph), compiled at load by a
@@ -403,14 +402,6 @@ class _FewModel(nn.Module):
         return hidden, torch.stack(few.written)
 
 
-# A compiled int8 head takes its float copy (linear_backend hybrid) from this many rows, if its dtype's
-# HYBRID_QUANTIZED_MIN_ROWS is lower: inductor's template multiplies up to 4 rows in one pass over the int8
-# weight, half of a bfloat16 copy's bytes. SmolLM2's head, the caches flushed between calls (as the other
-# layers flush them in a step), bfloat16: compiled int8 1.2-1.6 ms at 1-4 rows against the bfloat16 copy's
-# 2.5-3.0, then 3.7 at 5 rows against 2.6 (scripts/experiments/head_rows.py).
-COMPILED_HEAD_FLOAT_ROWS = 5
-
-
 class CompiledHead:
     """An int8 LM head's int kernel matmul (QuantizedLinear.int_linear) as a compiled graph of its own,
     installed as the layer's int_kernel: the weight and scales frozen into it as constants (inductor's
@@ -435,7 +426,12 @@ class CompiledHead:
         compiled = cls(head, forward_pass)
         head.int_kernel = compiled
         if head.float_packed is not None:  # (linear_backend hybrid) its int8 kernel's rows, compiled
-            head.float_min_rows = max(head.float_min_rows, COMPILED_HEAD_FLOAT_ROWS)
+            # The float copy from tuning.COMPILED_HEAD_FLOAT_ROWS rows, if the dtype's HYBRID_QUANTIZED_MIN_ROWS
+            # is lower: inductor's template multiplies up to 4 rows in one pass over the int8 weight, half of a
+            # bfloat16 copy's bytes. SmolLM2's head, the caches flushed between calls (as the other layers flush
+            # them in a step), bfloat16: compiled int8 1.2-1.6 ms at 1-4 rows against the bfloat16 copy's
+            # 2.5-3.0, then 3.7 at 5 rows against 2.6 (scripts/experiments/head_rows.py).
+            head.float_min_rows = max(head.float_min_rows, tuning.COMPILED_HEAD_FLOAT_ROWS)
         return compiled
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orca import tuning
 from orca.checkpoint import ModelConfig, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.models.attention import AttentionMetadata, PhaseTimer
-from orca.models.attention.batched import BATCHED_MAX_QUERIES
 from orca.models.device import upload
 from orca.models.loader import load_model
 from orca.models.lora import LoRAModel
@@ -384,16 +384,17 @@ class Worker:
 
 def execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
     """Increments (one token after a cached prefix) first, shortest cached prefix first; then short requests
-    (up to BATCHED_MAX_QUERIES tokens after a cached prefix: speculating requests verifying their proposed
+    (up to tuning.VERIFYING_MAX_ROWS tokens after a cached prefix: speculating requests verifying their proposed
     tokens), likewise; then the rest in plan order. The layout AttentionMetadata expects: one-token requests
     share their merge, and the batched backend groups increments, then short requests, of similar lengths
     (orca/models/attention/batched.py)."""
     inc: list[PlannedRequest] = []
     short: list[PlannedRequest] = []
     rest: list[PlannedRequest] = []
+    most = tuning.VERIFYING_MAX_ROWS
     for r in requests:  # (one pass: a decode iteration of 256 requests sorts them at every step)
         n = len(r.token_ids)
-        (rest if r.start == 0 or n > BATCHED_MAX_QUERIES else inc if n == 1 else short).append(r)
+        (rest if r.start == 0 or n > most else inc if n == 1 else short).append(r)
     inc.sort(key=_start)
     short.sort(key=_start)
     return inc + short + rest

@@ -156,15 +156,20 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--default-pool", action="store_true", help="the pool sized from free memory (default: the batch's)")
-    p.add_argument("--paged-rows", type=int, help="flex's PAGED_ROWS for this run (0: decode iterations through "
-                   "flex_attention, as before the paged decode kernel; default: the engine's)")
+    p.add_argument("--paged-rows", type=int, help="the most rows per request of an iteration flex hands to the "
+                   "paged decode kernel in this run (0: decode iterations through flex_attention, as before the "
+                   "paged decode kernel; default: the engine's, orca/tuning.py's VERIFYING_MAX_ROWS)")
     p.add_argument("--json")
     args = p.parse_args()
     args.max_tokens = 4 * args.steps + 32
     if args.paged_rows is not None:
-        import orca.models.attention.flex
+        import orca.models.attention.flex as flex
 
-        orca.models.attention.flex.PAGED_ROWS = args.paged_rows
+        # flex's choice alone (VERIFYING_MAX_ROWS bounds the other backends' few-row paths too: they stay)
+        def takes_paged_decode(device, lengths, most=args.paged_rows):  # (flex.py's, with this bound)
+            return device.type == "cuda" and 0 < max(lengths, default=0) <= most
+
+        flex.takes_paged_decode = takes_paged_decode
     from orca import EngineConfig
 
     checkpoint = Path(args.model) if args.model else None

@@ -4,7 +4,7 @@ _weight_int8pack_mm eagerly, and the bfloat16 float copy that linear_backend hyb
 threshold on (oneDNN). SmolLM2's head shape (49152 x 576), random weights, bfloat16 activations, 2 threads;
 64 MB streamed through the caches before every call, as a decode step's other layers do. Median
 milliseconds of --rounds rounds, the three alternating. Not a test, not a benchmark of record:
-COMPILED_HEAD_FLOAT_ROWS and docs/BENCHMARKS.md quote its output with the command and the host.
+COMPILED_HEAD_FLOAT_ROWS (orca/tuning.py) and docs/BENCHMARKS.md quote its output with the command and the host.
 
     PYTHONPATH=. .venv/bin/python scripts/experiments/head_rows.py
 """

@@ -4,7 +4,7 @@ every quantized layer on the int kernels, then on the float copies (the compiled
 to never and to always), alternating in one process, the best of --rounds medians each. The layers'
 weights stream from memory here, as they do when serving; a layer-by-layer timing keeps them in cache and
 finds an earlier crossover. Not a test: docs/BENCHMARKS.md quotes its output with the command, the
-machine and the date (HYBRID_QUANTIZED_MIN_ROWS in orca/models/quantization.py came from it).
+machine and the date (HYBRID_QUANTIZED_MIN_ROWS in orca/tuning.py came from it).
 
     PYTHONPATH=. python scripts/experiments/hybrid_crossover.py --quantization auto --batch-sizes 1,2,4,6,8,32
 """

@@ -1,6 +1,6 @@
 """The batched backend's attention for a verifying iteration on the CPU: short requests (speculating
-requests verifying 4 proposed tokens) batched in groups (BATCHED_MAX_QUERIES 8, as it is) against one
-masked reference call each (BATCHED_MAX_QUERIES 1, as it was). Not a test, not a benchmark of record:
+requests verifying 4 proposed tokens) batched in groups (orca/tuning.py's VERIFYING_MAX_ROWS 8, as it is)
+against one masked reference call each (1, as it was). Not a test, not a benchmark of record:
 docs/BENCHMARKS.md quotes its output with the command and the time.
 
     PYTHONPATH=.:client .venv/bin/python scripts/experiments/short_requests.py
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-import orca.models.attention.batched as batched
+from orca import tuning
 from orca.models.attention import AttentionMetadata
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 9, 3, 64, 30
@@ -39,8 +39,8 @@ def main() -> None:
         q = torch.randn(sum(lengths), HEADS, HEAD_DIM, dtype=dtype)
         result: dict[str, list[float]] = {"per request": [], "grouped": []}
         for _ in range(3):
-            for mode, most in (("per request", 1), ("grouped", batched.BATCHED_MAX_QUERIES)):
-                saved, batched.BATCHED_MAX_QUERIES = batched.BATCHED_MAX_QUERIES, most
+            for mode, most in (("per request", 1), ("grouped", tuning.VERIFYING_MAX_ROWS)):
+                saved, tuning.VERIFYING_MAX_ROWS = tuning.VERIFYING_MAX_ROWS, most
                 times = []
                 for _ in range(7):
                     meta = AttentionMetadata.build(lengths, context, tables, BLOCK, pool, backend="batched")
@@ -48,7 +48,7 @@ def main() -> None:
                     for layer in range(LAYERS):
                         meta.attend(q, pool[layer], 0.125, None)
                     times.append(time.perf_counter() - start)
-                batched.BATCHED_MAX_QUERIES = saved
+                tuning.VERIFYING_MAX_ROWS = saved
                 result[mode].append(statistics.median(times) * 1e3)
         ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(result["per request"], result["grouped"]))
         print(f"{str(dtype).removeprefix('torch.')}: per request "

@@ -320,14 +320,10 @@ class LoneDecode:
         return out.to(q.dtype).view(rows, num_heads * head_dim)
 
 
-# FewDecode's (FewStep's) iterations: decode steps of 2 to this many requests.
-FEW_MAX_ROWS = 5
-
-
 class FewDecode(LoneDecode):
-    """A decode step of a few requests (2 to FEW_MAX_ROWS, orca/worker/compiled.py: FewStep), one new token
-    each, as LoneDecode runs one: attention inside the compiled graph, each row over its request's cached
-    keys and values read through its block table, then its own new key. `tables` (n, width) holds each
+    """A decode step of a few requests (2 to FEW_MAX_ROWS, orca/tuning.py; FewStep, orca/worker/compiled.py),
+    one new token each, as LoneDecode runs one: attention inside the compiled graph, each row over its
+    request's cached keys and values read through its block table, then its own new key. `tables` (n, width) holds each
     request's blocks of cached tokens, padded with its first block to the longest table; `past` (n,) its
     cached tokens: a row's slots at or past it (its last block's tail, its padding blocks) are masked out
     of the scores and the values alike (never written, stale or NaN there). Both lengths unbacked in the

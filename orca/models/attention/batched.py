@@ -7,10 +7,12 @@ cost; batched, the increments' attention is faster per layer, and the engine the
 (docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"). When `auto` picks
 it: resolve_attention_backend (base.py).
 
-Short requests (up to BATCHED_MAX_QUERIES tokens after a cached prefix: speculating requests verifying their
+Short requests (up to VERIFYING_MAX_ROWS tokens after a cached prefix: speculating requests verifying their
 proposals) are batched too, in groups of their own after the increments' (each request's query rows padded
 to its group's longest, the real rows picked back out), faster than one masked call per request
 (docs/BENCHMARKS.md, "Where lookup misses").
+
+The thresholds (VERIFYING_MAX_ROWS, BATCHED_MIN_INCREMENTS, BATCHED_GROUP_SLOTS) are orca/tuning.py's.
 
 Limits: it batches an iteration's increments (and short requests) from BATCHED_MIN_INCREMENTS on; fewer
 run the reference's per-request calls (the builder returns the reference's metadata), because the gather
@@ -30,22 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from orca import tuning
 from orca.models.attention.base import AttentionMetadata, PhaseTimer, leading_increments, read_blocks
 from orca.models.attention.reference import ReferenceMetadata
 from orca.models.device import upload
-
-# The batched backend batches an iteration's increments from this many on; fewer run the reference's
-# per-request calls, which read a request's consecutive blocks as a view of the pool with no copy (faster
-# at 1-2 rows: docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments").
-BATCHED_MIN_INCREMENTS = 3
-# Batched increments run in groups of rows (the worker orders increments by length): a new group starts
-# where the next row's longer blocks would pad the group's rows by more than this many slots, about what a
-# group's fixed cost in calls buys in padded work (docs/BENCHMARKS.md, "Where it came from").
-BATCHED_GROUP_SLOTS = 384
-# Short requests, up to this many new tokens after a cached prefix (a speculating request verifies its
-# proposed tokens: num_speculative_tokens + 1 of them), are batched too, in groups of their own after the
-# increments' (each row of a group padded to its longest row's tokens), instead of one masked call each.
-BATCHED_MAX_QUERIES = 8
 
 
 @dataclass(kw_only=True)
@@ -76,8 +66,8 @@ class BatchedMetadata(ReferenceMetadata):
         (its per-request calls)."""
         if padding:
             raise ValueError("padding rows need the flex backend")
-        num_batched = leading_increments(lengths, context_lens, BATCHED_MAX_QUERIES)
-        if num_batched < BATCHED_MIN_INCREMENTS:
+        num_batched = leading_increments(lengths, context_lens, tuning.VERIFYING_MAX_ROWS)
+        if num_batched < tuning.BATCHED_MIN_INCREMENTS:
             return ReferenceMetadata.per_request(lengths, context_lens, block_tables, block_size, kv_pool, timer,
                                                  leading_increments(lengths, context_lens), kv_scales=kv_scales)
         increments = IncrementBatch.groups(lengths[:num_batched], context_lens[:num_batched],
@@ -153,11 +143,11 @@ class IncrementBatch:
         """The increments, then the short requests (rows in this order), in groups: a row starts a new group
         where the increments end, and when its blocks would pad the current group's rows by more than
         BATCHED_GROUP_SLOTS slots. None: no group."""
-        bounds, start, width = [], 0, 0
+        bounds, start, width, group_slots = [], 0, 0, tuning.BATCHED_GROUP_SLOTS
         for i, (n, past) in enumerate(zip(lengths, context_lens)):
             need = -(-(past + n) // block_size)
             if i > start and ((n > 1) != (lengths[start] > 1) or (
-                    need > width and (i - start) * (need - width) * block_size > BATCHED_GROUP_SLOTS)):
+                    need > width and (i - start) * (need - width) * block_size > group_slots)):
                 bounds.append((start, i))
                 start = i
             width = need if i == start else max(width, need)

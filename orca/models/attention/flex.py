@@ -12,11 +12,12 @@ over the whole pool: correct, for checking the fused path on a CPU, not fast.
 
 When `auto` picks it: resolve_attention_backend (base.py).
 
-On CUDA, iterations in which every request feeds at most PAGED_ROWS rows (every decode iteration, hence
-every CUDA graph; speculative verifications; short prompts) do not call flex_attention: packed, a query
-tile of increments reads every block of every request in it; laid out per request, inductor lowered the
-dynamic batch to flex's main kernel, not its decoding kernel, which needs a static batch (both measured:
-docs/BENCHMARKS.md, "Results: the CUDA path on an H200, third session" and "The paged decode kernel").
+On CUDA, iterations in which every request feeds at most VERIFYING_MAX_ROWS rows (orca/tuning.py; every
+decode iteration, hence every CUDA graph; speculative verifications; short prompts) do not call
+flex_attention: packed, a query tile of increments reads every block of every request in it; laid out per
+request, inductor lowered the dynamic batch to flex's main kernel, not its decoding kernel, which needs a
+static batch (both measured: docs/BENCHMARKS.md, "Results: the CUDA path on an H200, third session" and "The
+paged decode kernel").
 They run the paged decode kernel (paged_decode.py: a Triton program per row and K/V head, reading the row's blocks
 through its table), on a `paged` FlexLayout: rows and tables only.
 
@@ -48,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from orca import tuning
 from orca.models.attention.base import AttentionMetadata, PhaseTimer, read_blocks, token_slots
 from orca.models.attention.paged_decode import paged_decode_attention
 from orca.models.device import upload, upload_arrays
@@ -64,17 +66,15 @@ FLEX_RECOMPILE_LIMIT = 64  # graphs of compiled flex_attention per process (see 
 # Inductor's flex kernels need a head dimension of at least this (torch 2.11: "NYI: embedding dimension of the
 # query, key, and value must be at least 16"); the worker refuses flex on CUDA below it, at load.
 FLEX_MIN_HEAD_DIM = 16
-# On CUDA an iteration in which every request feeds at most this many rows (increments, speculative
-# verifications, short prompts; every CUDA graph) attends with the paged decode kernel (paged_decode.py),
-# a program per row, instead of flex_attention, whose packed query tiles read every block of every
-# request in them; longer rows (prompts) stay with flex, whose tiles share a request's reads. 0: never.
-PAGED_ROWS = 8
 
 
 def takes_paged_decode(device: torch.device, lengths: Sequence[int]) -> bool:
     """Whether an iteration whose requests feed `lengths` rows attends with the paged decode kernel (on CUDA,
-    at most PAGED_ROWS rows each) rather than flex_attention."""
-    return device.type == "cuda" and 0 < max(lengths, default=0) <= PAGED_ROWS
+    at most tuning.VERIFYING_MAX_ROWS rows each: increments, speculative verifications, short prompts; every
+    CUDA graph) rather than flex_attention. The paged kernel runs a program per row; flex's packed query
+    tiles read every block of every request in them, and longer rows (prompts) stay with flex, whose tiles
+    share a request's reads."""
+    return device.type == "cuda" and 0 < max(lengths, default=0) <= tuning.VERIFYING_MAX_ROWS
 
 
 @dataclass(kw_only=True)
@@ -89,9 +89,9 @@ class FlexMetadata(AttentionMetadata):
     # graphs): two rows, one row (the worker's prompt and increment), one query tile of more rows, several
     # tiles; and inductor's lowering guards on FLEX_DECODING_ROWS (its decoding kernel below that many query
     # rows, its main kernel from there). So after the prompt and its increment (which, on CUDA, compile the
-    # paged decode kernel instead): iterations of one tile of more than PAGED_ROWS rows (one request's: on
-    # CUDA, flex's), of more than two tiles and of more than FLEX_DECODING_ROWS.
-    warm_up_rows = (PAGED_ROWS + 1, 2 * FLEX_Q_BLOCK + 1, FLEX_DECODING_ROWS + 1)
+    # paged decode kernel instead): iterations of one tile of more than VERIFYING_MAX_ROWS rows (one request's:
+    # on CUDA, flex's), of more than two tiles and of more than FLEX_DECODING_ROWS.
+    warm_up_rows = (tuning.VERIFYING_MAX_ROWS + 1, 2 * FLEX_Q_BLOCK + 1, FLEX_DECODING_ROWS + 1)
 
     flex: FlexLayout = field()  # (required: the base's None is for the other backends)
     # A quantized pool's iteration that flex_attention reads (not paged): the pool blocks its layout's tables

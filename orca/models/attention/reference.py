@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from orca import tuning
 from orca.models.attention.base import (
-    FEW_MAX_ROWS,
     AttentionMetadata,
     PhaseTimer,
     dequantize_kv,
@@ -63,9 +63,9 @@ class ReferenceMetadata(AttentionMetadata):
     # tokens, in order, for the compiled forward pass's graph of a lone step (LoneStep,
     # orca/worker/compiled.py), which reads them through this table wherever they are; None otherwise.
     lone_table: torch.Tensor | None = None
-    # A decode step of 2 to FEW_MAX_ROWS requests, an unquantized pool on a CPU: each request's blocks of cached
-    # tokens (padded with its first block to the longest) and its cached tokens, for the compiled forward
-    # pass's graph of such steps (FewStep, orca/worker/compiled.py); None otherwise.
+    # A decode step of 2 to tuning.FEW_MAX_ROWS requests, an unquantized pool on a CPU: each request's blocks
+    # of cached tokens (padded with its first block to the longest) and its cached tokens, for the compiled
+    # forward pass's graph of such steps (FewStep, orca/worker/compiled.py); None otherwise.
     few_tables: torch.Tensor | None = None  # (n, width) int64
     few_past: torch.Tensor | None = None  # (n,) int64
     block_size: int = 0  # (the pool's: the gathers' slots and LoneStep's blocks)
@@ -129,7 +129,7 @@ class ReferenceMetadata(AttentionMetadata):
                 gather_sizes.append(total)
         device = kv_pool.device
         few_tables = few_past = None
-        if (device.type == "cpu" and kv_scales is None and 2 <= len(lengths) <= FEW_MAX_ROWS
+        if (device.type == "cpu" and kv_scales is None and 2 <= len(lengths) <= tuning.FEW_MAX_ROWS
                 and all(n == 1 for n in lengths) and all(context_lens)):
             cached = [table[: -(-past // block_size)] for table, past in zip(block_tables, context_lens)]
             width = max(map(len, cached))
