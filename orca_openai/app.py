@@ -9,6 +9,8 @@ import hmac
 import json
 import logging
 import secrets
+import socket
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -31,6 +33,9 @@ DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 DEFAULT_STREAM_WRITE_TIMEOUT = 30.0
 API_KEY_SCOPE = "orca_openai.api_key"
 """The ASGI scope's key under which Guard leaves the caller's API key (for the salt derived from it)."""
+TRANSPORT_SCOPE = "orca_openai.transport"
+"""The ASGI scope's key under which the app leaves the connection's asyncio transport (None if the server's
+is not reachable): Guard resets a stalled client's connection through it."""
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own logger: its format, its --log-level
 
@@ -166,9 +171,10 @@ class Guard:
             self.stats.in_flight += 1
         try:
             await self._serve(scope, receive, send, dict(headers))
-        except StalledClient as exc:  # uvicorn closes the connection (the response never completed)
+        except StalledClient as exc:
             self.stats.stalled += 1
             log.warning("%s %s: %s; its request is cancelled", scope.get("method"), scope.get("path"), exc)
+            _reset(scope.get(TRANSPORT_SCOPE))
         finally:
             if v1:
                 self.stats.in_flight -= 1
@@ -218,6 +224,39 @@ class Guard:
                 raise StalledClient(f"the client read nothing for {timeout:g} s (--stream-write-timeout)") from None
 
         return timed
+
+
+def _reset(transport: Any) -> None:
+    """Drops a stalled client's connection at once (a TCP reset). uvicorn's close of a response that never
+    completed waits for the bytes already buffered to drain, which a client that reads nothing never lets
+    happen: the connection, its buffers and its place under uvicorn's connection bound (limit_concurrency)
+    would be held for as long as the client keeps it open."""
+    if transport is None or transport.is_closing():
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):  # linger 0: the close discards what is unsent and resets
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def _leave_transport_in_scope(app: FastAPI) -> None:
+    """The outermost layer of `app` leaves the connection's transport in each HTTP scope (TRANSPORT_SCOPE). ASGI
+    has no way to abort a connection; uvicorn's send is a method of its request-response cycle, which holds
+    the transport (another server, or a send wrapped before the app: None, and Guard cannot reset)."""
+    build = app.build_middleware_stack
+
+    def build_middleware_stack() -> Any:
+        stack = build()
+
+        async def outermost(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                scope[TRANSPORT_SCOPE] = getattr(getattr(send, "__self__", None), "transport", None)
+            await stack(scope, receive, send)
+
+        return outermost
+
+    app.build_middleware_stack = build_middleware_stack  # type: ignore[method-assign]
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -379,6 +418,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(Guard, limit=settings.max_body_bytes, api_keys=settings.api_keys,
                        max_concurrent=settings.max_concurrent_requests, write_timeout=settings.stream_write_timeout,
                        stats=stats)
+    _leave_transport_in_scope(app)
     return app
 
 
