@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -179,3 +180,22 @@ def _healthy(url: str) -> bool:
         return requests.get(f"{url}/health", timeout=5).status_code == 200
     except requests.RequestException:
         return False
+
+
+def stalled_stream(url: str, api_key: str, body: dict[str, Any]) -> socket.socket:
+    """A socket that POSTs `body` (a streaming completion) to orca-openai at `url` and never reads: a 4 KiB
+    receive buffer and 536-byte segments keep what the server can push into it small, so its sends soon wait."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nAuthorization: Bearer "
+                     + api_key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(data)).encode() + b"\r\n\r\n" + data)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 from _fixtures import tiny_checkpoint
-from test_lora import MAX_TOKENS, adapters, peft_greedy
+from test_lora import MAX_TOKENS, adapters, peft_greedy, run
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.core.engine import EngineCore
@@ -168,18 +168,7 @@ def test_worker_processes_read_no_adapter_file(adapter_root: str, tmp_path: Path
         engine.core.add_lora("late", str(made["llama-1"]))
         for path in made.values():
             shutil.rmtree(path)
-        final: dict[str, list[int]] = {}
-        for rid, prompt, name in jobs:
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-                                                           lora_name=name))
-        for _ in range(1000):
-            for out in engine.step():
-                if out.finished:
-                    assert out.error is None, out.error
-                    final[out.request_id] = out.token_ids
-            if not engine.has_unfinished():
-                break
-        assert final == want
+        assert run(engine, jobs) == want
         assert engine.core.stats().lora_loads >= 3  # the one slot took each adapter, and one of them again
         assert engine.core._lora_added == []  # handed over: the driver keeps no host copy
     finally:

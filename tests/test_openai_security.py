@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
-from _server import orca_openai
+from _server import orca_openai, stalled_stream
 from test_server_e2e import metrics, wait_for
 
 from orca_openai import cli, protocol
@@ -341,17 +340,9 @@ def test_a_stream_whose_client_stops_reading_is_cancelled(secure: tuple[str, Pat
     cancelled = 'orca_requests_finished_total{reason="cancelled"}'
     length = 'orca_requests_finished_total{reason="length"}'
     before = metrics(orca_server, model)
-    body = json.dumps({"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 2000, "stream": True,
-                       "ignore_eos": True}).encode()
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = stalled_stream(url, KEY_A, {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 2000, "stream": True,
+                                       "ignore_eos": True})
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-        sock.connect((host, int(port)))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nAuthorization: Bearer "
-                     + KEY_A.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
         wait_for(lambda: metrics(orca_server, model).get(cancelled, 0) == before.get(cancelled, 0) + 1,
                  f"the stalled stream cancelled\n{log.read_text()[-2000:]}", timeout=120)
         wait_for(lambda: metrics(orca_server, model)["orca_running_requests"] == 0, "no request running")

@@ -49,7 +49,7 @@ import aiohttp
 import pytest
 import requests
 from _reliability import model_ready, processes_matching, report, rss_kib, size, stub_pid, wait_idle
-from _server import orca_openai
+from _server import orca_openai, stalled_stream
 from test_server_e2e import metrics, wait_for
 
 from orca_openai.app import DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -288,23 +288,9 @@ def _stall_prompt(index: int) -> list[int]:
 
 
 def stall(url: str, index: int, s: StallSize) -> socket.socket:
-    """A socket that sends one long streaming request and never reads: a 4 KiB receive buffer and 536-byte
-    segments keep what the server can push into it small."""
-    body = json.dumps({"model": MODEL, "prompt": _stall_prompt(index), "max_tokens": s.stall_tokens,
-                       "stream": True, "ignore_eos": True, "temperature": 0}).encode()
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
-        sock.connect((host, int(port)))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: " + host.encode() + b"\r\nAuthorization: Bearer "
-                     + API_KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    """A socket that sends one long streaming request and never reads (tests/_server.py stalled_stream)."""
+    return stalled_stream(url, API_KEY, {"model": MODEL, "prompt": _stall_prompt(index), "max_tokens": s.stall_tokens,
+                                         "stream": True, "ignore_eos": True, "temperature": 0})
 
 
 def unread(sock: socket.socket) -> int:
