@@ -60,8 +60,10 @@ def metrics(server: Any, model: str) -> dict[str, float]:
     return out
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0, seen: list[Any] | None = None) -> None:
-    """Polls condition until it holds; seen: the values condition read, shown (changes only) if it never does."""
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0, seen: list[Any] | None = None,
+             period: float = 0.05) -> None:
+    """Polls condition every `period` seconds until it holds; seen: the values condition read, shown (changes
+    only) if it never does."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -69,7 +71,7 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0, se
             if seen:
                 saw = f" (saw {[v for i, v in enumerate(seen) if i == 0 or v != seen[i - 1]]})"
             raise AssertionError(f"timed out waiting for {what}{saw}")
-        time.sleep(0.05)
+        time.sleep(period)
 
 
 IDLE_GAUGES = ("orca_running_requests", "orca_waiting_requests", "orca_kv_allocated_blocks", "orca_kv_used_tokens",

@@ -272,14 +272,9 @@ def engine(m0: dict[str, float], m1: dict[str, float]) -> dict[str, Any]:
     return {"iterations": int(n), "mean_iteration_ms": round(1000 * seconds / n, 2), "mean_batch": round(batch / n, 1)}
 
 
-def poll(condition: Any, what: str, timeout: float, period: float = 0.5) -> None:
-    """wait_for, at a slower pace: each look reads Triton's metrics (~250 KB of text), and on a 2-core host
-    reading them 20 times a second takes CPU time from the streams being measured."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(period)
+# Each look reads Triton's metrics (~250 KB of text): on a 2-core host reading them 20 times a second takes CPU
+# time from the streams being measured, so the waits below look every POLL_S.
+POLL_S = 0.5
 
 
 # -- clients that stop reading -----------------------------------------------------------------------------
@@ -393,7 +388,7 @@ def run_stalled(server: Any, s: StallSize, tmp_path: Path, name: str) -> None:
         # 2. The control: N clients that read, the readers streaming meanwhile. It also brings each process's
         # memory up to what N streams at once take, so that phase 3's growth is what stalling adds.
         with Readers(url, s) as readers:
-            poll(lambda: running(server) >= s.readers, "the readers streaming", s.timeout, 0.05)
+            wait_for(lambda: running(server) >= s.readers, "the readers streaming", s.timeout)
             c0 = time.monotonic()
             control = asyncio.run(read_many(url, s))
             c1 = time.monotonic()
@@ -412,22 +407,23 @@ def run_stalled(server: Any, s: StallSize, tmp_path: Path, name: str) -> None:
             return n
 
         with Peaks(pids) as peaks, Readers(url, s) as readers:
-            poll(lambda: running(server) >= s.readers, "the readers streaming", s.timeout, 0.05)
+            wait_for(lambda: running(server) >= s.readers, "the readers streaming", s.timeout)
             try:
                 t0 = time.monotonic()
                 socks = [stall(url, i, s) for i in range(s.stalled)]
                 sent = time.monotonic()
-                poll(lambda: cancelled() >= s.stalled, f"all {s.stalled} stalled streams cancelled", s.timeout)
+                wait_for(lambda: cancelled() >= s.stalled, f"all {s.stalled} stalled streams cancelled", s.timeout,
+                         period=POLL_S)
                 t_all = time.monotonic()
                 received = [unread(sock) for sock in socks]  # what reached each stalled client
-                poll(lambda: log.read_text().count(STALL_LOG) >= s.stalled,
-                     "orca-openai logging every stalled stream", s.timeout)
+                wait_for(lambda: log.read_text().count(STALL_LOG) >= s.stalled,
+                         "orca-openai logging every stalled stream", s.timeout, period=POLL_S)
                 beside_stalled = readers.stop()
                 # orca-openai lets go of every stalled connection (the readers' are closed by now)
                 held_at_cancel = connections(pids["orca-openai"], port)
-                poll(lambda: connections(pids["orca-openai"], port) == 0,
-                     f"orca-openai letting go of the stalled connections (held {held_at_cancel} once all were "
-                     "cancelled)", min(s.timeout, 120), 0.05)
+                wait_for(lambda: connections(pids["orca-openai"], port) == 0,
+                         f"orca-openai letting go of the stalled connections (held {held_at_cancel} once all were "
+                         "cancelled)", min(s.timeout, 120))
                 t_released = time.monotonic()
             finally:
                 for sock in socks:
