@@ -572,16 +572,26 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:
-    """What dtype "auto" means on `device`: $ORCA_DTYPE when set; else bfloat16 on CUDA (float16 where the
-    GPU lacks bfloat16) and on CPUs with native bfloat16 (cpu_has_native_bf16), float32 on other CPUs."""
+    """What dtype "auto" means on `device` (auto_dtype_and_reason)."""
+    return auto_dtype_and_reason(device)[0]
+
+
+def auto_dtype_and_reason(device: torch.device) -> tuple[torch.dtype, str]:
+    """What dtype "auto" means on `device`, and why: $ORCA_DTYPE when set; else bfloat16 on CUDA (float16
+    where the GPU lacks bfloat16) and on CPUs with native bfloat16 (cpu_has_native_bf16), float32 on other
+    CPUs. The rule's one home (orca/worker/resolution.py states it in docs/OPTIONS.md's table)."""
     forced = os.environ.get("ORCA_DTYPE", "").strip()
     if forced:
         if forced not in DTYPES:
             raise ValueError(f"$ORCA_DTYPE must be one of {', '.join(DTYPES)}, got {forced!r}")
-        return DTYPES[forced]
+        return DTYPES[forced], f"$ORCA_DTYPE is {forced}"
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "bfloat16 on CUDA"
+        return torch.float16, "float16 on CUDA (this GPU lacks bfloat16)"
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return torch.bfloat16, "bfloat16 on a CPU that multiplies it natively (avx512_bf16 or amx_bf16)"
+    return torch.float32, f"float32 on {'a CPU without native bfloat16' if device.type == 'cpu' else device.type}"
 
 
 def _host_from_environment(address: str) -> str:

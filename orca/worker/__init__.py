@@ -4,8 +4,9 @@ Its modules, by concern (this file only re-exports):
 
 - worker.py: class Worker, its construction and the iteration (prepare the flat inputs and the attention
   metadata, run the model, sample, keep the draws that match proposals, LoRA slot loads);
-- backends.py: the linear and attention backends and the K/V dtype resolved for the device, the
-  flex-by-default policy (why_not_flex_by_default), the device's checks;
+- resolution.py: every choice of the load (dtype, linear and attention backends, CUDA graphs, the
+  compiled forward pass, the K/V dtype, quantization) and its reason, resolved for the device before the
+  weights load, with the device's refusals; its rules render into docs/OPTIONS.md;
 - memory.py: the K/V pool's size (n_slots, kv_cache_bytes, or a GPU profiling iteration) and allocation;
 - warmup.py: the load-time warm-up (flex's kernels, CUDA graphs, the compiled forward pass) and its plans;
 - draft.py: the draft model of speculative_method draft, its K/V pool and its drafting;
@@ -14,9 +15,9 @@ Its modules, by concern (this file only re-exports):
   compiled forward pass; __main__.py: ``python -m orca.worker``, a distributed engine's remote ranks.
 """
 
-from orca.worker.backends import why_not_flex_by_default
 from orca.worker.draft import DraftModel
 from orca.worker.memory import PROFILE_TOKENS_WITHOUT_BUDGET, release_cached_memory
+from orca.worker.resolution import why_not_flex_by_default
 from orca.worker.warmup import (
     PROMPT_AND_INCREMENT_SLOTS,
     VERIFICATION_ROWS,

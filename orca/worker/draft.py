@@ -23,8 +23,8 @@ from orca.core.speculative import check_draft_model
 from orca.models.attention import AttentionMetadata, PhaseTimer
 from orca.models.attention.flex import FLEX_MIN_HEAD_DIM
 from orca.models.device import upload
-from orca.worker.backends import Backends
 from orca.worker.kv_cache import KVLayout
+from orca.worker.resolution import ResolvedPlan
 from orca.worker.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__package__)  # "orca.worker": the worker's lines, whichever module says them
@@ -61,7 +61,7 @@ class DraftModel:
         self.scratch_first = 0  # the first scratch block's id in the pool
 
     @classmethod
-    def load(cls, config: EngineConfig, backends: Backends, dtype: torch.dtype, device: torch.device,
+    def load(cls, config: EngineConfig, backends: ResolvedPlan, dtype: torch.dtype, device: torch.device,
              target: ModelConfig, target_layout: KVLayout, max_len: int, load_model: Callable) -> DraftModel:
         """The draft model, with the model's dtype, linear backend and quantization (loaded by the
         worker's `load_model`), checked against the model's config (`target`), and the layout of its K/V

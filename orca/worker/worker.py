@@ -11,8 +11,8 @@ and its tensor-parallel share of their heads, and of their K/V: every rank of ev
 same metadata from the same plan; a stage after the first receives the previous stage's [T, hidden]
 activations and the last stage's first tensor-parallel rank samples (pipeline.py).
 
-The rest of the worker is in the modules beside this one: the backends and the device's checks
-(backends.py), the pool's size and allocation (memory.py), the load-time warm-up (warmup.py), the draft
+The rest of the worker is in the modules beside this one: every choice of the load and its reason
+(resolution.py), the pool's size and allocation (memory.py), the load-time warm-up (warmup.py), the draft
 model of speculative_method draft (draft.py).
 """
 
@@ -38,12 +38,12 @@ from orca.models.lora import LoRAModel
 from orca.models.quantization import QuantizedLinear
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.worker import memory
-from orca.worker.backends import check_attention_support, resolve_backends
-from orca.worker.compiled import CompiledForward, why_not_compiled
-from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for, why_no_graphs
+from orca.worker.compiled import CompiledForward
+from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for
 from orca.worker.draft import DraftModel
 from orca.worker.kv_cache import KVLayout
 from orca.worker.pipeline import StageLink
+from orca.worker.resolution import ResolvedPlan, resolve
 from orca.worker.sampler import SamplingTensors, apply_allowed_tokens, sample, token_logprobs
 from orca.worker.warmup import warm_up
 
@@ -69,12 +69,15 @@ class Worker:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.checkpoint = resolve_checkpoint(config.model)
-        backends = resolve_backends(config, self.device, self.dtype, self.checkpoint,
-                                    1 if par is None else par.tp_size * par.pp_size)
-        self.linear_backend = backends.linear
-        self.no_flex_reason = backends.no_flex_reason
-        self.attention_backend = backends.attention_backend
-        self.attention: type[AttentionMetadata] = backends.attention
+        # Every choice of the load and its reason (resolution.py), before the weights: the device's refusals
+        # come first.
+        self.resolved: ResolvedPlan = resolve(config, self.device, self.checkpoint,
+                                              1 if par is None else par.tp_size * par.pp_size)
+        logger.info("%s", self.resolved.table())
+        self.linear_backend = self.resolved.linear
+        self.no_flex_reason = self.resolved.no_flex_reason
+        self.attention_backend = self.resolved.attention_backend
+        self.attention: type[AttentionMetadata] = self.resolved.attention
         if self.device.type == "cuda":
             memory.release_cached_memory()  # before the weights: none of them in an earlier engine's cached pool
         self.model, self.model_config = load_model(self.checkpoint, self.dtype, self.device, par, self.linear_backend,
@@ -91,25 +94,23 @@ class Worker:
         kinds = Counter(m.kind for m in self.model.modules() if isinstance(m, QuantizedLinear))
         logger.info("quantization %s -> %s", config.quantization,
                     ", ".join(f"{k} ({n} linear layers)" for k, n in sorted(kinds.items())) or "none (float weights)")
-        check_attention_support(backends, self.device, mc.head_dim)
         kv_heads = local_kv_heads(mc.num_kv_heads, self.par.tp_size)
-        self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, backends.kv_dtype, config.block_size)
+        self.kv_layout = KVLayout(len(self.par.layers), kv_heads, mc.head_dim, self.resolved.kv_dtype,
+                                  config.block_size)
         self.kv_pool: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None  # a quantized pool's scales (kv_cache.py)
         # speculative_method draft: the draft model and its K/V pool (draft.py).
         self.draft: DraftModel | None = None
         if config.speculative_method == "draft":
-            self.draft = DraftModel.load(config, backends, self.dtype, self.device, mc, self.kv_layout,
+            self.draft = DraftModel.load(config, self.resolved, self.dtype, self.device, mc, self.kv_layout,
                                          self.max_len(), load_model)
         # CUDA graphs for decode iterations (orca/worker/cuda_graphs.py): captured in init_kv_pool when
         # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
-        self.no_graphs_reason = why_no_graphs(config.cuda_graphs, self.device, self.attention_backend,
-                                              self.par.layout.world_size, any(mc.moe_layers))
+        self.no_graphs_reason = self.resolved.no_graphs_reason
         self.decode_graphs: DecodeGraphs | None = None
         # The compiled forward pass (orca/worker/compiled.py): compiled in init_kv_pool when why_not_compiled
         # finds no reason against.
-        self.no_compile_reason = why_not_compiled(config.effective_torch_compile, self.device,
-                                                  self.attention_backend, self.par.layout.world_size, self.model)
+        self.no_compile_reason = self.resolved.no_compile_reason
         self.compiled: CompiledForward | None = None
         self._requests: dict[str, _RequestState] = {}
         self.stages = StageLink(self.par, mc.hidden_size, self.dtype, self.device)  # pipeline.py

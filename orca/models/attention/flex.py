@@ -53,6 +53,7 @@ from orca import tuning
 from orca.models.attention.base import AttentionMetadata, PhaseTimer, read_blocks, token_slots
 from orca.models.attention.paged_decode import paged_decode_attention
 from orca.models.device import upload, upload_arrays
+from orca.models.quantization import FP8_MIN_CAPABILITY
 
 # The flex backend's tiles: FLEX_Q_BLOCK query rows (a tile of increments spans up to this many requests,
 # whose blocks its kernel program reads) by at least FLEX_KV_BLOCK pool slots (a whole number of K/V blocks).
@@ -85,6 +86,11 @@ class FlexMetadata(AttentionMetadata):
     zeroed_pool = True
     reads_whole_blocks = True
     cuda_graphs = True
+    # What it runs on CUDA (orca/worker/resolution.py refuses the rest at load): inductor's kernels' head
+    # dimension; a float8 e4m3 pool only from the compute capability Triton converts float8 at (its paged
+    # decode kernel reads it).
+    cuda_min_head_dim = FLEX_MIN_HEAD_DIM
+    cuda_fp8_pool_min_capability = FP8_MIN_CAPABILITY
     # Token counts are dynamic, but dynamo specialises a few (tests/test_attention_backend.py counts the
     # graphs): two rows, one row (the worker's prompt and increment), one query tile of more rows, several
     # tiles; and inductor's lowering guards on FLEX_DECODING_ROWS (its decoding kernel below that many query
