@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from orca import LLM
-from orca.frontend.structured_outputs import choice_grammar
+from orca.frontend.grammar import choice_grammar
 from orca.sampling_params import SamplingParams, StructuredOutputs
 from orca.worker.sampler import apply_allowed_tokens
 

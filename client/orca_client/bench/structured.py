@@ -73,7 +73,7 @@ def engines(tokenizer: Any, vocab: int, stop_ids: list[int], batch: int) -> dict
     """Compile and per-token mask times of xgrammar and (when installed) llguidance."""
     import xgrammar
 
-    from orca.frontend.structured_outputs import json_schema_grammar
+    from orca.frontend.grammar import json_schema_grammar
 
     out: dict[str, Any] = {}
     start = time.perf_counter()
@@ -146,7 +146,7 @@ class _MaskTimer:
 
     def __init__(self) -> None:
         import orca.worker
-        from orca.frontend.structured_outputs import GrammarConstraint
+        from orca.frontend.grammar import GrammarConstraint
 
         self.seconds = 0.0
         self._patched = [(GrammarConstraint, "allowed_tokens"), (GrammarConstraint, "accept"),
