@@ -55,7 +55,9 @@ class EngineConfig:
     values and default, where it applies). A Triton model's config.pbtxt gives them as string `parameters`
     (from_parameters: empty = the default). docs/OPTIONS.md is this list rendered by scripts/options_doc.py;
     tests/test_options_doc.py fails when the two differ or a field has no entry. Where a default was chosen
-    by measurement, the entry names the section of docs/BENCHMARKS.md that holds the figures.
+    by measurement, the entry names the section of docs/BENCHMARKS.md that holds the figures. What each
+    "auto" becomes on a worker is decided in one place, orca/worker/resolution.py, whose rules
+    docs/OPTIONS.md renders after the options' table (how auto resolves): the entries point there.
 
     - model: a local Hugging Face checkpoint directory (`config.json` and `*.safetensors`, sharded or not,
       with or without tokenizer files; its `model_type` one of the families README.md lists) or a `.gguf`
@@ -65,63 +67,59 @@ class EngineConfig:
       models elsewhere).
     - device: a torch device ("cpu", "cuda", "cuda:N") or "auto": CUDA when torch sees a GPU, else the CPU.
       With worker processes (tensor or pipeline parallelism) on a GPU host, local rank i uses cuda:i.
-    - dtype: float32, float16, bfloat16 or "auto" (auto_dtype): bfloat16 on CUDA (float16 where the GPU
-      lacks bfloat16) and on CPUs that multiply bfloat16 natively (cpu_has_native_bf16), float32 on other
-      CPUs. $ORCA_DTYPE, when set, is what "auto" means (the tests set float32 to compare with float32
-      references on any host).
+    - dtype: the dtype of the model's weights and activations: float32, float16, bfloat16 or "auto" (what it
+      becomes: docs/OPTIONS.md's table of how auto resolves). $ORCA_DTYPE, when set, is what "auto" means (the tests
+      set float32, to compare with float32 references on any host).
     - linear_backend: how the model's linear layers multiply (orca/models/layers.py). "onednn": each weight
       is packed once at load into oneDNN's blocked layout and multiplied by oneDNN's matmul; CPU only, in
       the dtypes oneDNN packs there. "hybrid": onednn plus second copies where they win: a float32 layer
       keeps the checkpoint's weight for iterations of HYBRID_MIN_ROWS rows or more (F.linear; the linear
       weights' memory twice), a quantized layer a oneDNN-packed float copy for iterations past
       HYBRID_QUANTIZED_MIN_ROWS (both in orca/tuning.py). "reference": torch's F.linear on the
-      checkpoint layout (cuBLAS on CUDA). "auto": resolve_linear_backend decides. An explicit onednn or
-      hybrid where oneDNN cannot run is refused at load. Measured: docs/BENCHMARKS.md, "Results: the fast
-      data plane, first step" and "Results: the fast data plane, fifth step: hybrid linears".
+      checkpoint layout (cuBLAS on CUDA). "auto": as docs/OPTIONS.md's table of how auto resolves say. An explicit
+      onednn or hybrid where oneDNN cannot run is refused at load. Measured: docs/BENCHMARKS.md, "Results:
+      the fast data plane, first step" and "Results: the fast data plane, fifth step: hybrid linears".
     - attention_backend: how attention reads the paged K/V pool (orca/models/attention/). "reference": one
       scaled_dot_product_attention call per request and layer (the transformers-exact oracle). "batched":
       the reference for prompts, and an iteration's increments and short requests in padded batches when
       there are BATCHED_MIN_INCREMENTS or more. "flex": one flex_attention call per layer straight from the
       pool through the block tables (compiled on CUDA; on a CPU unfused: correct, slow), with a paged
-      decode kernel (Triton) on CUDA for iterations of at most VERIFYING_MAX_ROWS rows per request. "auto": flex or
-      batched, as resolve_attention_backend (orca/models/attention/base.py) decides; the load logs why
-      when it is not flex on CUDA. Measured: docs/BENCHMARKS.md, "Results: the fast data plane, fourth
-      step: batched increments" (CPU) and "Results: the CUDA path on an H200, fourth session" (CUDA).
+      decode kernel (Triton) on CUDA for iterations of at most VERIFYING_MAX_ROWS rows per request. "auto":
+      flex or batched, as docs/OPTIONS.md's table of how auto resolves say; the load's table of choices says which
+      and why. Measured: docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched
+      increments" (CPU) and "Results: the CUDA path on an H200, fourth session" (CUDA).
     - cuda_graphs: "auto" captures the decode iteration in CUDA graphs at load, one per batch size (1, 2, 4,
       each multiple of 8 below max_bs, and max_bs; a batch pads to the next size) and replays them, where
-      why_no_graphs (orca/worker/cuda_graphs.py) finds nothing against it; iterations with prompt tokens
-      run eagerly. Elsewhere nothing is captured and nothing costs. "off": never.
-    - torch_compile: "auto" compiles the model's forward pass with torch.compile at load where
-      why_not_compiled (orca/worker/compiled.py, whose docstring says what is compiled) finds nothing against it;
-      never recompiled inside a request. Compiling lengthens the load, with a progress message; a compile
-      that fails (no C++ compiler) serves eagerly and logs why. "off": eager. $ORCA_TORCH_COMPILE, when
-      set, is what "auto" means (the tests set off, so that their many engines load quickly). Measured
-      (speed and load time): docs/BENCHMARKS.md, "Results: the fast data plane, third step: the compiled
-      forward pass" and "Results: decode steps of a few requests in a graph of their own".
+      docs/OPTIONS.md's table of how auto resolves allow it; iterations with prompt tokens run eagerly. Elsewhere
+      nothing is captured and nothing costs. "off": never.
+    - torch_compile: "auto" runs the model's forward pass through the CPU graphs (orca/worker/cpu_graphs/),
+      compiled with torch.compile at load, where docs/OPTIONS.md's table of how auto resolves allow it; never
+      recompiled inside a request. Compiling lengthens the load, with a progress message; a compile that
+      fails (no C++ compiler) serves eagerly and logs why. "off": eager. $ORCA_TORCH_COMPILE, when set, is
+      what "auto" means (the tests set off, so that their many engines load quickly). Measured (speed and
+      load time): docs/BENCHMARKS.md, "Results: the fast data plane, third step: the compiled forward pass"
+      and "Results: decode steps of a few requests in a graph of their own".
     - quantization: how the linear layers' weights are stored and multiplied (orca/models/quantization.py).
-      "auto": the checkpoint's own format (plan_quantization, orca/models/loader.py): a GGUF file's Q8_0 as
-      int8, Q4_0/Q4_1 as int4, a Hugging Face AWQ or GPTQ checkpoint as int4, a compressed-tensors FP8 one
-      as fp8, a float checkpoint as it is. "none": float weights in `dtype` (a quantized checkpoint
-      dequantized at load). "int8": weight-only int8, one scale per output channel. "int4": weight-only
-      int4 in groups of quantization_group_size input columns, a scale and an offset per group. "fp8":
-      float8 e4m3 weights with a scale per output channel, activations scaled per token; CUDA devices of
-      compute capability 8.9 or later only. int8, int4 and fp8 quantize a float checkpoint at load, after
-      tensor-parallel sharding; a quantized checkpoint in another format is dequantized and quantized
-      again. The embedding, norms and a mixture's expert matrices stay float; an LM head tied to the
-      embedding gets a quantized copy (int8 under int4). On a CPU the quantized kernels take bfloat16
-      activations. Speed and quality: docs/BENCHMARKS.md, "Results: quantized weights and K/V" (CPU) and
-      "Results: the CUDA path on an H200, second session" (CUDA, where none was the fastest).
+      "auto": the checkpoint's own format (docs/OPTIONS.md's table of how auto resolves). "none": float weights in
+      `dtype` (a quantized checkpoint dequantized at load). "int8": weight-only int8, one scale per output
+      channel. "int4": weight-only int4 in groups of quantization_group_size input columns, a scale and an
+      offset per group. "fp8": float8 e4m3 weights with a scale per output channel, activations scaled per
+      token; CUDA devices of compute capability 8.9 or later only. int8, int4 and fp8 quantize a float
+      checkpoint at load, after tensor-parallel sharding; a quantized checkpoint in another format is
+      dequantized and quantized again. The embedding, norms and a mixture's expert matrices stay float; an
+      LM head tied to the embedding gets a quantized copy (int8 under int4). On a CPU the quantized kernels
+      take bfloat16 activations. Speed and quality: docs/BENCHMARKS.md, "Results: quantized weights and
+      K/V" (CPU) and "Results: the CUDA path on an H200, second session" (CUDA).
     - quantization_group_size: input columns per scale of int4 weights quantized at load (32, 64, 128 or
       256; it must divide every quantized layer's input size, per tensor-parallel rank); checkpoints
       quantized in groups keep their own.
     - kv_cache_dtype: how the K/V pool stores keys and values (orca/worker/kv_cache.py). "auto": the model's
       dtype. "fp8_e4m3": float8 e4m3 values with a float32 scale per token and K/V head, so a token costs
       head_dim + 4 bytes per K/V head instead of 2 or 4 x head_dim; attention dequantizes what it reads.
-      "int8": the same with int8 values. Every attention backend reads it (fp8_e4m3 in flex's paged decode
-      kernel on GPUs of compute capability 8.9 or later). With a quantized pool attention_backend auto is
-      not flex (resolve_attention_backend): choose flex for CUDA graphs with it. On a CPU torch converts
-      float8 element by element: int8 is the fast choice there (docs/BENCHMARKS.md, "Results: quantized
-      weights and K/V").
+      "int8": the same with int8 values. Every attention backend reads it (fp8_e4m3 with flex: GPUs of
+      compute capability 8.9 or later); what it does to attention_backend auto: the rules of auto in
+      docs/OPTIONS.md. On a CPU int8 is the fast choice (docs/BENCHMARKS.md, "Results: quantized weights
+      and K/V").
     - max_bs: at most this many requests per iteration (Orca's max_bs). In request_level_gpt it is Triton's
       max_batch_size, not a parameter.
     - block_size: tokens per K/V block of the paged pool, the unit in which requests take K/V memory.

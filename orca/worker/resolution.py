@@ -11,7 +11,7 @@ loaded weights, so what the device cannot run is refused before the load. The at
 backend is named here but auto's two candidates. The worker logs the plan's ``table()`` once at load.
 
 ``RULES`` states each rule in words; scripts/options_doc.py renders them into docs/OPTIONS.md, section
-"How `auto` resolves" (``rules_markdown``), the page every other document points to instead of restating.
+"How `auto` resolves", the page every other document points to instead of restating.
 The environment's overrides of ``auto`` ($ORCA_DTYPE, $ORCA_TORCH_COMPILE) are read in orca/config.py.
 """
 
@@ -90,7 +90,7 @@ RULES: dict[str, str] = {
         "linear layer became."
     ),
 }
-"""Each resolved option's rule, in words: docs/OPTIONS.md's "How `auto` resolves" (rules_markdown)."""
+"""Each resolved option's rule, in words: docs/OPTIONS.md's "How `auto` resolves" (scripts/options_doc.py)."""
 
 RULES_HEADING = "How `auto` resolves"
 
@@ -326,16 +326,6 @@ def why_not_compiled(choice: str, device: torch.device, attention_backend: str, 
     if moe:
         return "a mixture-of-experts layer counts its tokens per expert on the host"
     return None
-
-
-def rules_markdown() -> str:
-    """docs/OPTIONS.md's section of the rules (scripts/options_doc.py writes it from RULES)."""
-    rows = "".join(f"| [`{option}`](#{option}) | {text} |\n" for option, text in RULES.items())
-    return (f"\n## {RULES_HEADING}\n\n"
-            "What each option below becomes on a worker is decided in one place, orca/worker/resolution.py "
-            "(`resolve`), before the weights load; the load logs one table of the choices and their reasons "
-            "(logger `orca.worker`). The rules, rendered from that module's `RULES`:\n\n"
-            "| option | rule |\n| --- | --- |\n" + rows)
 
 
 def _trait(attention: type[AttentionMetadata], name: str, default: Any) -> Any:
