@@ -7,11 +7,20 @@ Triton user can move a request between backends without renaming anything.
 from __future__ import annotations
 
 import json
-import math
-import re
-import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from orca.structured_outputs_params import StructuredOutputs
+from orca.validation import (
+    check_int,
+    check_number,
+    check_unicode,
+    json_object,
+    json_type,
+    show_key,
+    show_number,
+    show_value,
+)
 
 DEFAULT_MAX_TOKENS = 16
 """vLLM's default: a request that names no max_tokens gets a short completion, never the whole context."""
@@ -72,47 +81,47 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Every message names the field, what is wrong and the allowed values or range.
-        _check_int("max_tokens", self.max_tokens, low=1, note="and prompt + max_tokens at most the context")
-        _check_number("temperature", self.temperature, ">= 0 (0 = greedy)")
+        check_int("max_tokens", self.max_tokens, low=1, note="and prompt + max_tokens at most the context")
+        check_number("temperature", self.temperature, ">= 0 (0 = greedy)")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {_num(self.temperature)}")
-        _check_int("top_k", self.top_k, low=0, high=MAX_INT64, note="0 = off")
-        _check_number("top_p", self.top_p, "in (0, 1] (1 = off)")
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {show_number(self.temperature)}")
+        check_int("top_k", self.top_k, low=0, high=MAX_INT64, note="0 = off")
+        check_number("top_p", self.top_p, "in (0, 1] (1 = off)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {_num(self.top_p)} (1 = off)")
+            raise ValueError(f"top_p must be in (0, 1], got {show_number(self.top_p)} (1 = off)")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=_SEED_RANGE[0], high=_SEED_RANGE[1], note="or null for a random one")
+            check_int("seed", self.seed, low=_SEED_RANGE[0], high=_SEED_RANGE[1], note="or null for a random one")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a boolean (true or false), got {_show(self.ignore_eos)}")
+            raise ValueError(f"ignore_eos must be a boolean (true or false), got {show_value(self.ignore_eos)}")
         if not isinstance(self.speculate, bool):
-            raise ValueError(f"speculate must be a boolean (true or false), got {_show(self.speculate)}")
+            raise ValueError(f"speculate must be a boolean (true or false), got {show_value(self.speculate)}")
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(
                 f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (0 = the sampled token's only) or null, "
-                f"got {_num(self.logprobs)}"
+                f"got {show_number(self.logprobs)}"
             )
         # Accept lists (JSON gives lists) but store tuples so the object stays hashable and immutable.
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {_show(stop)}")
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {show_value(stop)}")
         for i, s in enumerate(stop):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop[{i}] must be a non-empty string, got {_show(s)}")
-            _check_unicode(f"stop[{i}]", s)
+                raise ValueError(f"stop[{i}] must be a non-empty string, got {show_value(s)}")
+            check_unicode(f"stop[{i}]", s)
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {_show(ids)}")
+            raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {show_value(ids)}")
         for i, token_id in enumerate(ids):
-            _check_int(f"stop_token_ids[{i}]", token_id, low=0)
+            check_int(f"stop_token_ids[{i}]", token_id, low=0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
-        _check_int("n", self.n, low=1, high=MAX_N, note="sequences generated for the prompt")
+        check_int("n", self.n, low=1, high=MAX_N, note="sequences generated for the prompt")
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name.strip()):
             raise ValueError(f"lora_name must be the name of a LoRA adapter the engine serves (a non-empty string) "
-                             f"or null for the base model, got {_show(self.lora_name)}")
+                             f"or null for the base model, got {show_value(self.lora_name)}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             object.__setattr__(self, "structured_outputs", StructuredOutputs.parse(self.structured_outputs))
 
@@ -130,7 +139,7 @@ class SamplingParams:
         naming them and the allowed ones, never silently ignored."""
         unknown = sorted(set(keys) - set(cls.field_names()) - set(VLLM_FIELDS) - {"guided_decoding"})
         if unknown:
-            shown = ", ".join(_key(k) for k in unknown[:5])
+            shown = ", ".join(show_key(k) for k in unknown[:5])
             if len(unknown) > 5:
                 shown += f" (and {len(unknown) - 5} more)"
             raise ValueError(f"unknown {what}(s) {shown}; allowed: {', '.join(cls.field_names())} (and vLLM's other "
@@ -250,8 +259,8 @@ def _from_string(key: str, value: str, kind: type, keep: bool) -> Any:
     except (KeyError, ValueError):
         if keep:
             return value
-        raise ValueError(f"{key} must be {_TYPE_NAMES[kind]}, got string {_num(value)} (a string value is converted "
-                         f"to the type vLLM declares for {key}, as vllm_backend does)") from None
+        raise ValueError(f"{key} must be {_TYPE_NAMES[kind]}, got string {show_number(value)} (a string value is "
+                         f"converted to the type vLLM declares for {key}, as vllm_backend does)") from None
 
 
 def _check_unsupported(key: str, value: Any) -> None:
@@ -260,313 +269,9 @@ def _check_unsupported(key: str, value: Any) -> None:
         return
     shown = " or ".join(json.dumps(a) for a in allowed)
     raise ValueError(f"{key} is not supported: {why}; it is accepted only as {shown} (vLLM's default), "
-                     f"got {_show(value)}")
+                     f"got {show_value(value)}")
 
 
-STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-"""What a structured output constrains to: a JSON schema, any JSON object, a regex, one of several strings,
-or a context-free grammar (EBNF, llama.cpp's GBNF spelling: `root ::= ...`)."""
-MAX_STRUCTURED_OUTPUT_CHARS = 200_000
-"""The longest JSON schema (and all choices together) a request may give, in characters (OpenAI's structured
-outputs allow 120,000 characters of property names, enum and const values in one schema)."""
-MAX_REGEX_CHARS = 16_384
-"""The longest regex a request may give, in characters."""
-MAX_GRAMMAR_CHARS = 65_536
-"""The longest EBNF grammar a request may give, in characters (a whole SQL or JSON grammar is 2-10k)."""
-MAX_SCHEMA_NODES = 25_000
-"""The most JSON values (objects, lists, strings, numbers...) a schema may hold: OpenAI's structured outputs
-allow 5,000 properties, each a few values. Bounds the meta-schema check's work with the character cap."""
-MAX_SCHEMA_DEPTH = 64
-"""The deepest a schema's JSON may nest (OpenAI's structured outputs allow 10 levels of schemas, about 30 of
-JSON)."""
-MAX_REPETITION = 100_000
-"""The largest count a structured output may give: minLength, maxLength, minItems, maxItems, minProperties,
-maxProperties, a regex's or grammar's {n,m}, and the product of nested {n,m} in one regex. vLLM and xgrammar
-bound none of them (xgrammar 0.2.8 compiles a count as a repeat, not unrolled: [a-z]{0,100000} costs what
-{0,1000} does); llama.cpp refuses counts past 2,000 and now reads a larger maximum as unbounded, because
-tool schemas in the wild give maxLength 65536 as "long". 100,000 passes those and refuses what no output within
-a context window could fill (maxLength 1e9 takes seconds to compile: docs/BENCHMARKS.md, "Results: structured
-outputs")."""
-_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-_VALUE_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas: a count there is data
-_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
 
-
-@dataclass(frozen=True)
-class StructuredOutputs:
-    """One request's output constraint, validated in shape here (the front end compiles it and refuses
-    what does not compile: orca/frontend/structured_outputs.py).
-
-    kind is one of STRUCTURED_OUTPUT_KINDS; spec its text: the JSON schema as compact JSON (keys in the
-    client's order, which is the order generated; equal texts share one compiled grammar), the regex, the
-    grammar, or the choices as a JSON list;
-    "" for json_object. any_whitespace: JSON may hold any whitespace between tokens (vLLM's default; its
-    disable_any_whitespace turns it off, for compact JSON)."""
-
-    kind: str
-    spec: str
-    any_whitespace: bool = True
-
-    @classmethod
-    def parse(cls, value: Any) -> StructuredOutputs:
-        """From vLLM's StructuredOutputsParams as JSON: an object (or its JSON text) with exactly one of
-        json, json_object, regex, choice, grammar, and optionally disable_any_whitespace."""
-        what = "structured_outputs"
-        if isinstance(value, str):
-            value = json_object(value, what)
-        if not isinstance(value, dict):
-            raise ValueError(f"{what} must be a JSON object with one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
-                             f"got {_show(value)}")
-        allowed = (*STRUCTURED_OUTPUT_KINDS, "disable_any_whitespace", "backend")
-        unknown = sorted(set(value) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown {what} key(s) {', '.join(_key(k) for k in unknown[:5])}; allowed: "
-                             f"{', '.join(allowed)}")
-        given = [k for k in STRUCTURED_OUTPUT_KINDS if value.get(k) not in (None, False)]
-        if len(given) != 1:
-            got = ", ".join(given) if given else "none"
-            raise ValueError(f"{what} must give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got {got}")
-        backend = value.get("backend")
-        if backend not in (None, "auto", "xgrammar"):
-            raise ValueError(f"{what}.backend must be \"xgrammar\" or \"auto\" (the one grammar engine served), "
-                             f"got {_show(backend)}")
-        flag = value.get("disable_any_whitespace", False)
-        if not isinstance(flag, bool):
-            raise ValueError(f"{what}.disable_any_whitespace must be a boolean, got {_show(flag)}")
-        kind = given[0]
-        raw = value[kind]
-        name = f"{what}.{kind}"
-        if kind == "json":
-            schema = json_object(raw, name) if isinstance(raw, str) else raw
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"{name} must be a JSON schema (an object, or its JSON text), got {_show(schema)}")
-            # Compact, keys in the client's order: a grammar generates properties in the schema's order.
-            spec = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-        elif kind == "json_object":
-            if raw is not True:
-                raise ValueError(f"{name} must be true (any JSON object), got {_show(raw)}")
-            spec = ""
-        elif kind == "choice":
-            if not isinstance(raw, (list, tuple)) or not raw:
-                raise ValueError(f"{name} must be a non-empty list of non-empty strings, got {_show(raw)}")
-            for i, c in enumerate(raw):
-                if not isinstance(c, str) or not c:
-                    raise ValueError(f"{name}[{i}] must be a non-empty string, got {_show(c)}")
-                _check_unicode(f"{name}[{i}]", c)
-            spec = json.dumps(list(raw), ensure_ascii=False)
-        else:  # regex, grammar
-            if not isinstance(raw, str) or not raw.strip():
-                raise ValueError(f"{name} must be a non-empty string, got {_show(raw)}")
-            _check_unicode(name, raw)
-            spec = raw
-        limit = {"regex": MAX_REGEX_CHARS, "grammar": MAX_GRAMMAR_CHARS}.get(kind, MAX_STRUCTURED_OUTPUT_CHARS)
-        if len(spec) > limit:
-            raise ValueError(f"{name} is {len(spec)} characters long; at most {limit} allowed")
-        if kind == "json":
-            check_schema_bounds(schema, name)
-        elif kind in ("regex", "grammar"):
-            check_repetitions(spec, name, grammar=kind == "grammar")
-        return cls(kind, spec, any_whitespace=not flag)
-
-    @property
-    def choices(self) -> list[str]:
-        return json.loads(self.spec) if self.kind == "choice" else []
-
-    def to_dict(self) -> dict[str, Any]:
-        """vLLM's spelling, which parse() reads back."""
-        value: Any = {"json": json.loads(self.spec) if self.kind == "json" else None, "json_object": True,
-                      "regex": self.spec, "choice": self.choices, "grammar": self.spec}[self.kind]
-        out: dict[str, Any] = {self.kind: value}
-        if not self.any_whitespace:
-            out["disable_any_whitespace"] = True
-        return out
-
-
-def check_schema_bounds(schema: Any, what: str) -> None:
-    """ValueError unless a JSON schema is within MAX_SCHEMA_NODES values, MAX_SCHEMA_DEPTH levels and
-    MAX_REPETITION for each count (its keywords and its patterns' {n,m}): one pass over the parsed JSON,
-    stopping at the first bound crossed, so it costs at most what the character cap allows and runs before
-    the meta-schema check or any compile."""
-    nodes = 0
-    stack: list[tuple[Any, str, int, bool]] = [(schema, "", 1, False)]  # (value, path, depth, is data)
-    while stack:
-        value, path, depth, data = stack.pop()
-        nodes += 1
-        if nodes > MAX_SCHEMA_NODES:
-            raise ValueError(f"{what} holds more than {MAX_SCHEMA_NODES} JSON values; at most {MAX_SCHEMA_NODES} "
-                             f"allowed")
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels (at {_clipped(path, 80)}); at most "
-                             f"{MAX_SCHEMA_DEPTH} allowed")
-        if isinstance(value, dict):
-            for key, sub in value.items():
-                where = f"{path}/{key}"
-                if not data:
-                    if key in _COUNT_KEYWORDS and isinstance(sub, (int, float)) and not isinstance(sub, bool):
-                        _check_count(sub, f"{what}: {key} (at {where})")
-                    elif key == "pattern" and isinstance(sub, str):
-                        check_repetitions(sub, f"{what}: the pattern at {where}")
-                    elif key == "patternProperties" and isinstance(sub, dict):
-                        for pattern in sub:
-                            check_repetitions(pattern, f"{what}: the pattern {_clipped(pattern)} at {where}")
-                stack.append((sub, where, depth + 1, data or key in _VALUE_KEYWORDS))
-        elif isinstance(value, list):
-            stack.extend((sub, f"{path}/{i}", depth + 1, data) for i, sub in enumerate(value))
-
-
-def check_repetitions(text: str, what: str, grammar: bool = False) -> None:
-    """ValueError when a regex's (or an EBNF grammar's) {n}, {n,} or {n,m} counts past MAX_REPETITION, alone
-    or multiplied by the counts inside the group it repeats ("(a{1000}){1000}" asks for a million). Character
-    classes, escapes and (in a grammar) quoted strings and comments hold no count; a grammar's rule
-    references are not followed. One pass over the text."""
-    i, n = 0, len(text)
-    inside = [1]  # for each open group (the whole text first): the largest repetition within it so far
-    closed = 0  # the largest repetition within the group that just closed, when a count may follow it
-    while i < n:
-        ch = text[i]
-        after_group, closed = closed, 0
-        if ch == "\\":
-            i += 2
-        elif ch == "[":  # a character class, to its closing ] (which may come first, or escaped)
-            i += 2 if text[i + 1:i + 2] == "^" else 1
-            i += 1 if text[i:i + 1] == "]" else 0
-            while i < n and text[i] != "]":
-                i += 2 if text[i] == "\\" else 1
-            i += 1
-        elif grammar and ch in "\"'":
-            i += 1
-            while i < n and text[i] != ch:
-                i += 2 if text[i] == "\\" else 1
-            i += 1
-        elif grammar and ch == "#":  # a comment, to the line's end
-            while i < n and text[i] != "\n":
-                i += 1
-        elif ch == "(":
-            inside.append(1)
-            i += 1
-        elif ch == ")" and len(inside) > 1:
-            closed = inside.pop()
-            inside[-1] = max(inside[-1], closed)
-            i += 1
-        elif ch == "{" and (m := _REPEAT.match(text, i)):
-            count = max(int(m.group(1)), int(m.group(2) or 0))
-            total = count * max(after_group, 1)
-            if count > MAX_REPETITION:
-                raise ValueError(f"{what} repeats {count} times ({_clipped(m.group(0))}); counts from 0 to "
-                                 f"{MAX_REPETITION} are allowed")
-            if total > MAX_REPETITION:
-                raise ValueError(f"{what} repeats {total} times ({_clipped(m.group(0))} around a group that repeats "
-                                 f"{after_group} times); at most {MAX_REPETITION} repetitions are allowed, nested "
-                                 f"counts multiplied")
-            inside[-1] = max(inside[-1], total)
-            i = m.end()
-        else:
-            i += 1
-
-
-def _check_count(value: float, what: str) -> None:
-    if value > MAX_REPETITION:
-        raise ValueError(f"{what} is {value}; from 0 to {MAX_REPETITION} allowed")
-
-
-def _clipped(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def json_object(text: str, what: str) -> dict[str, Any]:
-    """Parses a JSON object (an empty string is {}); ValueError saying what `what` got wrong."""
-    values = json_value(text, what) if text.strip() else {}
-    if not isinstance(values, dict):
-        raise ValueError(f"{what} must be a JSON object, got {json_type(values)}")
-    return values
-
-
-def json_value(text: str, what: str) -> Any:
-    """json.loads, whose every failure (bad syntax, nesting too deep, a number too long for Python) is a
-    ValueError naming `what`."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ValueError(f"{what} is nested too deeply to parse") from None
-    except ValueError as exc:
-        if "integer string conversion" in str(exc):  # Python's bound on the digits of an int
-            raise ValueError(
-                f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits: no field allows one"
-            ) from None
-        raise ValueError(f"{what} could not be parsed: {exc}") from None
-
-
-def _key(key: Any) -> str:
-    """A key for an error message: as is when plainly printable, else quoted (an empty or blank key)."""
-    if isinstance(key, str) and key and key.isprintable() and key.strip() == key:
-        return _clip(key, 40)
-    return _clip(repr(key), 40)
-
-
-def _clip(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _num(value: Any) -> str:
-    """A value for an error message, clipped (a client may send megabytes): an integer of more than 30
-    digits as its digit count, anything else as its repr."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
-        return f"{'a negative' if value < 0 else 'an'} integer of {len(str(abs(value)))} digits"
-    if isinstance(value, str) and len(value) > 80:
-        return f"{value[:80]!r}... ({len(value)} characters)"
-    return _clip(repr(value))
-
-
-def json_type(value: Any) -> str:
-    """The JSON name of a value's type, for error messages (clients send JSON, not Python)."""
-    if value is None:
-        return "null"
-    for kind, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (dict, "object"),
-                       ((list, tuple), "array")):
-        if isinstance(value, kind):
-            return name
-    return type(value).__name__
-
-
-def _show(value: Any) -> str:
-    """A value of the wrong type for an error message: its JSON type and (clipped) value."""
-    if value is None or isinstance(value, bool):
-        return json.dumps(value)  # null, true, false
-    return f"{json_type(value)} {_num(value)}"
-
-
-def _check_unicode(name: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} is not valid Unicode: {exc.reason} at character {exc.start}") from None
-
-
-def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None, note: str = "") -> None:
-    """ValueError unless value is an int (not a bool) in [low, high]; the message names the range."""
-    bounds = " and ".join(b for b in (
-        f">= {low}" if low is not None else "", f"<= {high}" if high is not None else "") if b)
-    note = f" ({note})" if note else ""
-    # bool is an int subclass in Python; `max_tokens: true` is a type error, not 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer {bounds}{note}, got {_show(value)}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be {bounds}{note}, got {_num(value)}")
-
-
-def _check_number(name: str, value: Any, allowed: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number {allowed}, got {_show(value)}")
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int beyond any float
-        finite = False
-    if not finite:
-        raise ValueError(f"{name} must be a finite number {allowed}, got {_num(value)}")
-
-
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "MAX_STRUCTURED_OUTPUT_CHARS",
-           "STRUCTURED_OUTPUT_KINDS", "UNSUPPORTED_VLLM_FIELDS", "VLLM_FIELDS", "VLLM_SAMPLING_PARAMS_COMMIT",
-           "VLLM_SCALAR_TYPES", "SamplingParams", "StructuredOutputs", "json_object", "json_type", "json_value"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_INT64", "MAX_LOGPROBS", "UNSUPPORTED_VLLM_FIELDS", "VLLM_FIELDS",
+           "VLLM_SAMPLING_PARAMS_COMMIT", "VLLM_SCALAR_TYPES", "SamplingParams"]

@@ -51,7 +51,8 @@ from orca.core.engine import MAX_CACHE_SALT_CHARS
 from orca.frontend.generation_config import with_sampling_defaults
 from orca.frontend.output_processor import Logprob, RequestOutput
 from orca.frontend.tokenizer import check_stop_strings
-from orca.sampling_params import SamplingParams, json_object, json_type, json_value
+from orca.sampling_params import SamplingParams
+from orca.validation import json_object, json_type, json_value
 
 PROMPT_INPUTS = ("input_ids", "text_input", "messages")
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")

@@ -16,7 +16,7 @@ import xgrammar
 
 from orca.core.engine import QueueFullError
 from orca.frontend.structured_outputs import StructuredOutputCompiler
-from orca.sampling_params import (
+from orca.structured_outputs_params import (
     MAX_GRAMMAR_CHARS,
     MAX_REGEX_CHARS,
     MAX_REPETITION,

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # orca.tuning (the measured thresholds) imports nothing from orca, so every layer may import it.
 ALLOWED = {
     "orca.core": {"orca.config", "orca.sampling_params", "orca.checkpoint", "orca.executor", "orca.tuning"},
-    "orca.frontend": {"orca.config", "orca.sampling_params", "orca.checkpoint", "orca.core", "orca.executor",
-                      "orca.tuning"},
+    "orca.frontend": {"orca.config", "orca.sampling_params", "orca.structured_outputs_params", "orca.checkpoint",
+                      "orca.core", "orca.executor", "orca.tuning"},
     "orca.executor": {"orca.config", "orca.sampling_params", "orca.checkpoint", "orca.core.plan", "orca.parallel",
                       "orca.tuning"},
     "orca.tuning": set(),

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 from orca import LLM
 from orca.frontend.grammar import choice_grammar
-from orca.sampling_params import SamplingParams, StructuredOutputs
+from orca.sampling_params import SamplingParams
+from orca.structured_outputs_params import StructuredOutputs
 from orca.worker.sampler import apply_allowed_tokens
 
 # Every field bounded, so that even a random model's output completes within max_tokens.

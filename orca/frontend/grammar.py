@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from orca.sampling_params import StructuredOutputs
+from orca.structured_outputs_params import StructuredOutputs
 
 UNSUPPORTED_SCHEMA_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas")
 """JSON Schema keywords the grammar engine would accept and not enforce (measured: a value they forbid

@@ -20,7 +20,7 @@ from typing import Any
 from orca.core.engine import QueueFullError
 from orca.frontend.compile_process import CompileProcess
 from orca.frontend.grammar import GrammarConstraint
-from orca.sampling_params import StructuredOutputs
+from orca.structured_outputs_params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from orca.sampling_params import (
     ORCA_SCALAR_TYPES,
     VLLM_SCALAR_TYPES,
     SamplingParams,
-    StructuredOutputs,
 )
+from orca.structured_outputs_params import StructuredOutputs
 from orca_triton.generate import (
     INPUT_NAMES,
     PROMPT_INPUTS,
