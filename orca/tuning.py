@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-# -- linear layers (orca/models/layers.py, orca/models/quantization.py, orca/worker/compiled.py) --------------
+# -- linear layers (orca/models/layers.py, orca/models/quantization.py, orca/worker/cpu_graphs/) --------------
 # hybrid float32 linears: F.linear on the checkpoint's weights from this many rows, oneDNN's packed matmul below
 # "The linears at prompt sizes"
 HYBRID_MIN_ROWS = 384
@@ -34,13 +34,13 @@ HYBRID_QUANTIZED_MIN_ROWS = {
 # above): "Results: the LM head's compiled graph (2026-11-27, midday)"
 COMPILED_HEAD_FLOAT_ROWS = 5
 
-# -- attention and the compiled steps (orca/models/attention/, orca/worker/) -------------------------------------
-# a decode step of 2 to this many requests runs FewStep's compiled graph, attention inside it (a CPU):
+# -- attention and the CPU graphs' steps (orca/models/attention/, orca/worker/cpu_graphs/) ------------------------
+# a decode step of 2 to this many requests runs the CPU graphs' few step, attention inside its graph:
 # "Results: decode steps of a few requests in a graph of their own; the trace with the int4 default (2026-11-28)"
 FEW_MAX_ROWS = 5
 # a verifying request's rows: a request of up to this many new tokens after cached ones (num_speculative_tokens
-# proposals and the token before them; a short prompt on CUDA too) takes the few-row paths: LoneStep's
-# verifying graph, the batched backend's short groups, the paged decode kernel on CUDA.
+# proposals and the token before them; a short prompt on CUDA too) takes the few-row paths: the CPU graphs'
+# lone verification, the batched backend's short groups, the paged decode kernel on CUDA.
 # "The paged decode kernel (`orca/models/attention/paged_decode.py`)",
 # "Results: speculative decoding (n-gram), 2026-11-26" (its bullet: Verifying requests batched),
 # "Results: a single stream's step in a graph of its own (2026-11-27, evening)"

@@ -195,3 +195,17 @@ def drain(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput
                 assert out.request_id not in final, f"{out.request_id} finished twice"
                 final[out.request_id] = out
     raise AssertionError(f"the engine did not finish its requests in {max_steps} steps")
+
+
+def cpu_graphs(worker: Any) -> Any:
+    """The worker's CPU graphs runner (orca/worker/cpu_graphs/), None when another runner runs it."""
+    from orca.worker.cpu_graphs import CPUGraphs
+
+    return worker.runner if isinstance(worker.runner, CPUGraphs) else None
+
+
+def decode_graphs(worker: Any) -> Any:
+    """The worker's CUDA graphs runner (orca/worker/cuda_graphs.py), None when another runner runs it."""
+    from orca.worker.cuda_graphs import DecodeGraphs
+
+    return worker.runner if isinstance(worker.runner, DecodeGraphs) else None

@@ -24,11 +24,16 @@ from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_referenc
 from checkpoints import make_llama, make_mistral, make_mixtral
 
 from orca import EngineConfig, LLMEngine, SamplingParams
-from orca.models.attention import AttentionMetadata, resolve_attention_backend, selective_attention
-from orca.models.attention.base import FewDecode, LoneDecode
+from orca.models.attention import (
+    AttentionMetadata,
+    IterationLayout,
+    get_backend,
+    selective_attention,
+)
 from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
-from orca.tuning import BATCHED_MIN_INCREMENTS, FEW_MAX_ROWS, VERIFYING_MAX_ROWS
+from orca.tuning import BATCHED_MIN_INCREMENTS, VERIFYING_MAX_ROWS
 from orca.worker import Worker, flex_warm_up_plans, why_not_flex_by_default
+from orca.worker.cpu_graphs.decode_attention import FewDecode, LoneDecode, few_inputs, lone_inputs
 from orca.worker.warmup import warm_up_flex
 
 BLOCK_SIZES = (1, 4, 16)
@@ -152,9 +157,12 @@ def test_a_lone_step_attends_over_its_cached_blocks_and_its_own_keys(heads: int,
     for p in range(past):
         pool[:, :, :, table[p // block_size] * block_size + p % block_size] = torch.randn(3, 2, kv_heads, dim).to(dtype)
     before = pool.clone()
-    meta = AttentionMetadata.build([new], [past], [table], block_size, pool.clone(), backend="reference")
-    assert meta.lone_table.tolist() == table[: -(-past // block_size)] and meta.block_size == block_size
-    lone = LoneDecode(pool.unflatten(3, (-1, block_size)), meta.lone_table, torch.tensor(past))
+    layout = IterationLayout(get_backend("reference"), [new], [past], [table], block_size, pool.clone())
+    meta, inputs = layout.metadata(), lone_inputs(layout)
+    (lone_table,) = inputs.tables
+    assert lone_table.tolist() == table[: -(-past // block_size)]
+    assert torch.equal(inputs.slot_mapping, meta.slot_mapping)
+    lone = LoneDecode(pool.unflatten(3, (-1, block_size)), lone_table, torch.tensor(past))
     _attends_as_the_backend(lone, meta, (0, 2), new, heads, kv_heads, dim, dtype, pool, before)
 
 
@@ -168,26 +176,23 @@ def test_a_few_step_attends_each_request_over_its_cached_blocks_and_its_own_key(
     backend's output for the same step (the new keys and values written first), reading its request's
     cached keys and values through its padded row of the metadata's few_tables (scattered blocks; the pool
     NaN everywhere else, each table's last block's slots past its cached keys and the padding blocks'
-    included), without writing the pool: the new keys and values come back in `written`. No few_tables
-    for a step with a prompt in it, one request, or more than FEW_MAX_ROWS."""
+    included), without writing the pool: the new keys and values come back in `written`. (Which steps take
+    it: tests/test_compiled.py.)"""
     block_size, dim, num_blocks = 4, 8, 64
     n = len(pasts)
     torch.manual_seed(n)
     _, _, tables, pool = _nan_pool_outside([(1, past) for past in pasts], random.Random(n), block_size, num_blocks,
                                            kv_heads, dim, dtype)
     before = pool.clone()
-    meta = AttentionMetadata.build([1] * n, pasts, tables, block_size, pool.clone(), backend=backend)
+    layout = IterationLayout(get_backend(backend), [1] * n, pasts, tables, block_size, pool.clone())
+    meta, inputs = layout.metadata(), few_inputs(layout)
+    few_tables, few_past = inputs.tables
     width = max(-(-past // block_size) for past in pasts)
-    assert meta.few_tables.tolist() == [t[: -(-p // block_size)] + [t[0]] * (width - -(-p // block_size))
-                                        for t, p in zip(tables, pasts)]
-    assert meta.few_past.tolist() == pasts
-    few = FewDecode(pool.unflatten(3, (-1, block_size)), meta.few_tables, meta.few_past)
+    assert few_tables.tolist() == [t[: -(-p // block_size)] + [t[0]] * (width - -(-p // block_size))
+                                   for t, p in zip(tables, pasts)]
+    assert few_past.tolist() == pasts and torch.equal(inputs.slot_mapping, meta.slot_mapping)
+    few = FewDecode(pool.unflatten(3, (-1, block_size)), few_tables, few_past)
     _attends_as_the_backend(few, meta, (1, 0), n, heads, kv_heads, dim, dtype, pool, before)
-    for lengths, context in (([2] + [1] * (n - 1), pasts), ([1], pasts[:1]),
-                             ([1] * (FEW_MAX_ROWS + 1), (pasts * FEW_MAX_ROWS)[: FEW_MAX_ROWS + 1])):
-        tabs = [list(range(i * 16, i * 16 + 16)) for i in range(len(lengths))]
-        other = AttentionMetadata.build(lengths, list(context), tabs, block_size, pool.clone(), backend=backend)
-        assert other.few_tables is None and other.few_past is None
 
 
 def _nan_pool_outside(shape: list[tuple[int, int]], rng: random.Random, block_size: int, num_blocks: int,
@@ -537,12 +542,14 @@ def test_what_earlier_requests_left_in_the_pool_harms_no_later_one(backend: str)
 
 
 def test_auto_is_the_measured_choice_and_bad_names_are_refused() -> None:
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "batched"
-    assert resolve_attention_backend("auto", torch.device("cuda")) == "flex"  # with its CUDA graphs, on an H200
-    assert resolve_attention_backend("auto", torch.device("cuda"), "cuda_graphs is off") == "batched"
+    from orca.worker.resolution import resolve_attention_backend
+
+    assert resolve_attention_backend("auto", torch.device("cpu"), "the device is cpu")[0] == "batched"
+    assert resolve_attention_backend("auto", torch.device("cuda"), None)[0] == "flex"  # with its CUDA graphs
+    assert resolve_attention_backend("auto", torch.device("cuda"), "cuda_graphs is off")[0] == "batched"
     for device in ("cpu", "cuda"):
         for backend in ("reference", "batched", "flex"):
-            assert resolve_attention_backend(backend, torch.device(device)) == backend
+            assert resolve_attention_backend(backend, torch.device(device), None)[0] == backend
     with pytest.raises(ValueError, match="must be one of auto, reference, batched, flex, got 'fused'"):
         EngineConfig(attention_backend="fused")
     cfg = EngineConfig.from_parameters({"attention_backend": "flex"})

@@ -1,4 +1,4 @@
-"""The compiled forward pass (orca/worker/compiled.py): where it applies and why not, and that it is the
+"""The CPU graphs runner (orca/worker/cpu_graphs/): where it applies and why not, and that it is the
 eager engine's numbers: logits within 1e-4 of the eager twin and transformers' greedy tokens on mixed
 iterations (chunked prompts, increments at different positions and batched, preemptions, GQA), with no compilation
 after load (torch.compile's fail_on_recompile stance: every iteration ran the graph compiled at
@@ -16,18 +16,21 @@ from typing import Any
 
 import pytest
 import torch
-from _fixtures import FAMILIES, drain, hf_greedy, record_logits, tiny_checkpoint, tiny_reference
+from _fixtures import FAMILIES, cpu_graphs, drain, hf_greedy, record_logits, tiny_checkpoint, tiny_reference
 from checkpoints import make_mixtral
 
 from orca import LLM, EngineConfig, LLMEngine, SamplingParams
-from orca.models.attention import AttentionMetadata, iteration_scope
+from orca.checkpoint import read_model_config
+from orca.models.attention import AttentionMetadata, IterationLayout, get_backend
 from orca.models.layers import onednn_packs
-from orca.models.loader import load_model
 from orca.models.lora import LoRABatch
 from orca.models.quantization import QuantizedLinear, quantize
 from orca.tuning import COMPILED_HEAD_FLOAT_ROWS, FEW_MAX_ROWS, HYBRID_QUANTIZED_MIN_ROWS
 from orca.worker import Worker
-from orca.worker.compiled import CompiledForward, CompiledHead, why_not_compiled
+from orca.worker.cpu_graphs import CPUGraphs
+from orca.worker.cpu_graphs.head import CompiledHead
+from orca.worker.cpu_graphs.views import iteration_scope
+from orca.worker.resolution import why_not_compiled
 
 # Paged blocks of 4 tokens, a budget of 8 tokens per iteration (prompts in chunks, mixed with increments)
 # and a pool of 10 blocks for 5 requests at a time (preemptions).
@@ -58,7 +61,7 @@ def compiled_engine(request: pytest.FixtureRequest) -> LLMEngine:
     """An engine of the family with torch_compile auto as shipped (the suite's $ORCA_TORCH_COMPILE=off
     lifted while it loads); after load any compilation fails the test."""
     engine = _shipped(str(tiny_checkpoint(request.param)), **OPTIONS)
-    compiled = engine.executor.worker.compiled
+    compiled = cpu_graphs(engine.executor.worker)
     assert compiled is not None and compiled.ready and compiled.compile_seconds > 0
     assert engine.executor.worker.attention_backend == "batched"  # auto on a CPU: max_bs 5 batches increments
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
@@ -69,11 +72,11 @@ def compiled_engine(request: pytest.FixtureRequest) -> LLMEngine:
 def test_the_compiled_engine_is_the_eager_one(compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     family = compiled_engine.family
     eager = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), **OPTIONS))
-    assert eager.executor.worker.compiled is None
+    assert cpu_graphs(eager.executor.worker) is None
     final, logits = _run(compiled_engine, monkeypatch)
     want_final, want_logits = _run(eager, monkeypatch)
     assert compiled_engine.stats().preemptions > 0
-    assert compiled_engine.executor.worker.compiled.few.steps > 0  # (decode steps of 2-5 requests: FewStep)
+    assert cpu_graphs(compiled_engine.executor.worker).few.steps > 0  # (decode steps of 2-5 requests: FewStep)
     reference = tiny_reference(family)
     for i, (prompt, n) in enumerate(_jobs()):
         assert final[f"r{i}"].token_ids == want_final[f"r{i}"].token_ids == hf_greedy(reference, prompt, n), f"r{i}"
@@ -87,7 +90,7 @@ def test_the_compiled_engine_is_the_eager_one(compiled_engine: LLMEngine, monkey
 def test_the_shipped_guards_run_the_same_graph(compiled_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """As shipped, after load only the guards that tell graphs apart run (compiled.py, Guards): the
     same iterations give transformers' tokens, and afterwards every guard passes on them."""
-    compiled = compiled_engine.executor.worker.compiled
+    compiled = cpu_graphs(compiled_engine.executor.worker)
     compiled.all_guards = False
     try:
         final = _run(compiled_engine, monkeypatch)[0]
@@ -106,7 +109,7 @@ def test_single_stream_decode_runs_the_lone_step_graph(family: str) -> None:
     block from the prefix cache, its others elsewhere in the pool (the cached blocks after the first are
     kept), it runs LoneStep at every increment too, through its block table."""
     engine = _shipped(str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 64})
-    compiled = engine.executor.worker.compiled
+    compiled = cpu_graphs(engine.executor.worker)
     assert compiled.lone is not None and compiled.lone.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
     prompt = [5, 17, 33, 2, 9, 4, 71, 8]
@@ -132,7 +135,7 @@ def test_decode_steps_of_a_few_requests_run_the_few_step_graph(family: str) -> N
     FewStep's graph, compiled at load (the stance fails any compilation), at every row count and context,
     with transformers' greedy tokens each; a lone request's steps still run LoneStep's."""
     engine = _shipped(str(tiny_checkpoint(family)), **{**OPTIONS, "n_slots": 96})
-    compiled = engine.executor.worker.compiled
+    compiled = cpu_graphs(engine.executor.worker)
     assert compiled.few is not None and compiled.few.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
     reference = tiny_reference(family)
@@ -156,7 +159,7 @@ def test_a_speculating_single_stream_verifies_in_the_lone_graph_of_several_rows(
     compiled at load, at every row count and context; its tokens are transformers' greedy ones."""
     engine = _shipped(str(tiny_checkpoint(family)), speculative_method="ngram", num_speculative_tokens=3,
                       **{**OPTIONS, "n_slots": 64})
-    compiled = engine.executor.worker.compiled
+    compiled = cpu_graphs(engine.executor.worker)
     assert compiled.lone_rows is not None and compiled.lone_rows.ready and compiled.lone.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
     prompt = [5, 17, 33, 2, 9] * 3
@@ -177,7 +180,7 @@ def test_int8_models_of_the_same_shapes_each_run_their_own_weights_in_their_froz
 
     paths = [make_llama(tmp_path / f"seed{seed}", seed=seed) for seed in (0, 1)]
     engines = [_shipped(str(p), quantization="int8", **{**OPTIONS, "n_slots": 64}) for p in paths]
-    lone = [e.executor.worker.compiled.lone for e in engines]
+    lone = [cpu_graphs(e.executor.worker).lone for e in engines]
     assert all(step is not None and step.ready and step.frozen for step in lone)
     prompt = [5, 17, 33, 2, 9]
     for i, engine in enumerate(engines):
@@ -201,7 +204,7 @@ def test_a_speculating_engine_with_float_copies_compiles_both_lone_graphs() -> N
     several rows is compiled as well (once, it was left out, and verifications ran the opaque op)."""
     engine = _shipped(str(tiny_checkpoint("llama")), quantization="int8", linear_backend="hybrid",
                       speculative_method="ngram", **OPTIONS)
-    compiled = engine.executor.worker.compiled
+    compiled = cpu_graphs(engine.executor.worker)
     assert compiled.float_rows is not None
     assert compiled.lone.ready and compiled.lone_rows is not None and compiled.lone_rows.ready
 
@@ -215,50 +218,57 @@ def test_lone_and_few_steps_are_left_to_the_graph_of_every_count_where_they_do_n
     from checkpoints import make_mistral
 
     windowed = _shipped(str(make_mistral(tmp_path / "mistral")), **OPTIONS)
-    assert windowed.executor.worker.compiled is not None and windowed.executor.worker.compiled.lone is None
-    assert windowed.executor.worker.compiled.few is None
+    assert cpu_graphs(windowed.executor.worker) is not None and cpu_graphs(windowed.executor.worker).lone is None
+    assert cpu_graphs(windowed.executor.worker).few is None
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), n_slots=64, block_size=4))
-    forward = CompiledForward(worker.model, verifies=True)
+    forward = CPUGraphs(worker.model, verifies=True)
     pool = torch.zeros(worker.kv_layout.num_layers, 2, 2, 64, 16)
+    batched = get_backend("batched")
 
-    def step(new: int, table: list[int], past: int = 5) -> AttentionMetadata:
-        return AttentionMetadata.build([new], [past], [table], 4, pool, backend="batched")
+    def picked(layout: IterationLayout) -> Any:
+        chosen = forward._step(layout, sum(layout.lengths))
+        return None if chosen is None else chosen[0]
 
-    assert forward._lone_step(step(1, [3, 4])) is forward.lone
-    assert forward._lone_step(step(3, [3, 4])) is forward.lone_rows
-    assert forward._lone_step(step(1, [7, 3])) is forward.lone  # not consecutive: through the table
+    def step(new: int, table: list[int], past: int = 5) -> IterationLayout:
+        return IterationLayout(batched, [new], [past], [table], 4, pool)
+
+    assert picked(step(1, [3, 4])) is forward.lone
+    assert picked(step(3, [3, 4])) is forward.lone_rows
+    assert picked(step(1, [7, 3])) is forward.lone  # not consecutive: through the table
     scales = torch.ones(worker.kv_layout.num_layers, 2, 2, 64)
-    quantized = AttentionMetadata.build([1], [5], [[3, 4]], 4, pool, backend="batched", kv_scales=scales)
-    assert forward._lone_step(quantized) is None
-    assert forward._lone_step(step(9, [3, 4, 5, 6])) is None  # more rows than VERIFYING_MAX_ROWS
-    assert forward._lone_step(step(2, [3], past=0)) is None  # a prompt
+    quantized = IterationLayout(batched, [1], [5], [[3, 4]], 4, pool, kv_scales=scales)
+    assert picked(quantized) is None
+    assert picked(step(9, [3, 4, 5, 6])) is None  # more rows than VERIFYING_MAX_ROWS
+    assert picked(step(2, [3], past=0)) is None  # a prompt
 
-    def steps(lengths: list[int], backend: str = "batched", **kw: Any) -> AttentionMetadata:
+    def steps(lengths: list[int], backend: str = "batched", **kw: Any) -> IterationLayout:
         n = len(lengths)
-        return AttentionMetadata.build(lengths, [5] * n, [[2 * i, 2 * i + 1] for i in range(n)], 4, pool,
-                                       backend=backend, **kw)
+        return IterationLayout(get_backend(backend), lengths, [5] * n, [[2 * i, 2 * i + 1] for i in range(n)], 4,
+                               pool, **kw)
 
-    assert forward._lone_step(steps([1, 1], "reference")) is forward.few  # (the reference's metadata: 2 rows)
-    assert all(forward._lone_step(steps([1] * n)) is forward.few for n in range(2, FEW_MAX_ROWS + 1))
-    assert forward._lone_step(steps([1] * (FEW_MAX_ROWS + 1))) is None
-    assert forward._lone_step(steps([1, 2])) is None  # a request of two rows among them
-    assert forward._lone_step(steps([1, 1], kv_scales=scales)) is None  # a quantized pool
+    assert picked(steps([1, 1], "reference")) is forward.few
+    assert all(picked(steps([1] * n)) is forward.few for n in range(2, FEW_MAX_ROWS + 1))
+    assert picked(steps([1] * (FEW_MAX_ROWS + 1))) is None
+    assert picked(steps([1, 2])) is None  # a request of two rows among them
+    assert picked(steps([1, 1], kv_scales=scales)) is None  # a quantized pool
     forward.float_rows = 3  # (a model with float copies: 3 rows take their graph)
-    assert forward._lone_step(steps([1, 1])) is forward.few and forward._lone_step(steps([1, 1, 1])) is None
+    assert picked(steps([1, 1])) is forward.few and picked(steps([1, 1, 1])) is None
     forward.float_rows = None
     forward.lora_batch = LoRABatch()
     forward.lora_batch.active = True  # an adapter row
-    assert forward._lone_step(step(1, [3, 4])) is None and forward._lone_step(steps([1, 1])) is None
+    assert picked(step(1, [3, 4])) is None and picked(steps([1, 1])) is None
     forward.lora_batch.active = False
-    for meta in (step(1, [3, 4]), steps([1, 1])):
-        meta.timer = object()
-        assert forward._lone_step(meta) is None
+    for layout in (step(1, [3, 4]), steps([1, 1])):
+        layout.timer = object()
+        assert picked(layout) is None
 
 
 def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    dense, _ = load_model(tiny_checkpoint("llama"), torch.float32, cpu)
-    moe, _ = load_model(make_mixtral(tmp_path / "mixtral"), torch.float32, cpu)
+    # moe: the model config's mixture-of-experts layers, as a mixture's checkpoint declares them
+    dense = any(read_model_config(tiny_checkpoint("llama"))[0].moe_layers)
+    moe = any(read_model_config(make_mixtral(tmp_path / "mixtral"))[0].moe_layers)
+    assert not dense and moe
     assert why_not_compiled("auto", cpu, "reference", 1, dense) is None
     assert why_not_compiled("auto", cpu, "batched", 1, dense) is None
     assert why_not_compiled("off", cpu, "reference", 1, dense) == "torch_compile is off"
@@ -283,7 +293,7 @@ def test_compiling_applies_only_where_it_can(tmp_path: Path, monkeypatch: pytest
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("gpt2")), block_size=2, n_slots=2))
     assert worker.no_compile_reason is None
     worker.init_kv_pool(1)
-    assert worker.compiled is None and "fewer than the 3 slots" in worker.no_compile_reason
+    assert cpu_graphs(worker) is None and "fewer than the 3 slots" in worker.no_compile_reason
 
 
 def test_the_attention_op_needs_an_iteration_in_scope() -> None:
@@ -307,11 +317,12 @@ def _generate_in_a_subprocess(tmp_path: Path, quantization: str = "none", **env:
         "from orca import SamplingParams\n"
         "from orca.frontend.llm import LLM\n"
         f"llm = LLM({str(tiny_checkpoint('gpt2'))!r}, block_size=4, n_slots=64, quantization={quantization!r})\n"
+        "from orca.worker.cpu_graphs import CPUGraphs\n"
         "worker = llm.engine.executor.worker\n"
         "print('REASON', worker.no_compile_reason)\n"
         "head = worker.model.lm_head\n"
-        "compiled_head = worker.compiled is not None and worker.compiled.head is not None\n"
-        "assert (getattr(head, 'int_kernel', None) is not None) == compiled_head\n"
+        "compiled_head = isinstance(worker.runner, CPUGraphs) and worker.runner.head is not None\n"
+        "assert ('matmul' in vars(head)) == compiled_head\n"
         "out = llm.generate([[5, 17, 33, 2]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))\n"
         "print('TOKENS', out[0].token_ids)\n"
     )
@@ -358,7 +369,8 @@ def test_models_of_one_class_in_one_process_keep_their_own_graphs(monkeypatch: p
         variants.append(dict(dtype="bfloat16", quantization="int8"))
     path = str(tiny_checkpoint("llama"))
     engines = [LLMEngine(EngineConfig(model=path, max_bs=2, **v)) for v in variants]
-    assert all(e.executor.worker.compiled is not None and not e.executor.worker.compiled.all_guards for e in engines)
+    runners = [cpu_graphs(e.executor.worker) for e in engines]
+    assert all(r is not None and not r.all_guards for r in runners)
     prompts = [[5, 17, 33, 2, 9], [40, 41]]
     for i, engine in enumerate(engines):
         for j, prompt in enumerate(prompts):
@@ -380,7 +392,7 @@ def test_models_of_one_class_in_one_process_keep_their_own_graphs(monkeypatch: p
 def test_an_int8_head_is_compiled_in_a_graph_of_its_own_with_the_eager_numbers(
         dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantized model's int8 LM head runs a graph of its own, compiled at load, installed as the layer's
-    int_kernel; its logits are the eager kernel's up to the bfloat16 rounding of the kernel's output (a
+    matmul; its logits are the eager kernel's up to the bfloat16 rounding of the kernel's output (a
     float32 model's head computes in bfloat16, its output rounded so as eagerly), at any row count below the
     float copy's, with no compilation after load."""
     monkeypatch.delenv("ORCA_TORCH_COMPILE")
@@ -389,22 +401,23 @@ def test_an_int8_head_is_compiled_in_a_graph_of_its_own_with_the_eager_numbers(
     worker = engine.executor.worker
     head = worker.model.lm_head
     assert isinstance(head, QuantizedLinear) and head.kind == "int8"
-    assert isinstance(worker.compiled.head, CompiledHead) and worker.compiled.head.ready
-    assert head.int_kernel is worker.compiled.head
+    assert isinstance(cpu_graphs(worker).head, CompiledHead) and cpu_graphs(worker).head.ready
+    assert head.matmul is cpu_graphs(worker).head
+    float_rows = cpu_graphs(worker).head.float_rows
     if head.float_packed is not None:  # hybrid: its rows up to the template's pass of 4, or its dtype's more
-        assert head.float_min_rows == max(HYBRID_QUANTIZED_MIN_ROWS[dtype]["int8"], COMPILED_HEAD_FLOAT_ROWS)
-    worker.compiled.stance, worker.compiled.all_guards = "fail_on_recompile", True
+        assert float_rows == max(HYBRID_QUANTIZED_MIN_ROWS[dtype]["int8"], COMPILED_HEAD_FLOAT_ROWS)
+    cpu_graphs(worker).stance, cpu_graphs(worker).all_guards = "fail_on_recompile", True
     torch.manual_seed(0)
     with torch.inference_mode():
-        for rows in range(1, (head.float_min_rows if head.float_packed is not None else 8)):
+        for rows in range(1, (float_rows if head.float_packed is not None else 8)):
             x = torch.randn(rows, head.in_features, dtype=dtype)
-            got, want = head(x).float(), head.int_linear(x).float()
+            got, want = head(x).float(), head.quantized_matmul(x).float()
             step = want.abs().amax().bfloat16().float() * 2.0**-7  # bfloat16's step at the largest logit
             torch.testing.assert_close(got, want, atol=step.item(), rtol=0)
             assert torch.equal(got, got.bfloat16().float())  # rounded to bfloat16 as eagerly, then float32
     # a float32 model without the quantized head has none (nothing to compile)
     plain = LLMEngine(EngineConfig(model=str(tiny_checkpoint("llama")), max_bs=4))
-    assert plain.executor.worker.compiled.head is None
+    assert cpu_graphs(plain.executor.worker).head is None
 
 
 def test_int8_heads_of_the_same_shapes_each_run_their_own_weights() -> None:
@@ -420,14 +433,14 @@ def test_int8_heads_of_the_same_shapes_each_run_their_own_weights() -> None:
         for head in heads:
             model = torch.nn.Module()
             model.lm_head = head
-            forward = CompiledForward(model)
+            forward = CPUGraphs(model)
             forward.head(torch.randn(1, 64, dtype=torch.bfloat16))  # its warm-up: compiles
             forward.ready = True
             compiled.append(forward)
         x = torch.randn(2, 64, dtype=torch.bfloat16)
         for _ in range(2):
             for head in heads:
-                torch.testing.assert_close(head(x).float(), head.int_linear(x).float(), atol=0.07, rtol=0)
+                torch.testing.assert_close(head(x).float(), head.quantized_matmul(x).float(), atol=0.07, rtol=0)
 
 
 def test_a_warm_up_that_never_reaches_the_head_leaves_it_eager() -> None:
@@ -436,8 +449,8 @@ def test_a_warm_up_that_never_reaches_the_head_leaves_it_eager() -> None:
     head = QuantizedLinear(quantize(torch.randn(64, 32), "int8"), None, torch.device("cpu"), torch.bfloat16)
     model = torch.nn.Module()
     model.lm_head = head
-    forward = CompiledForward(model)
-    assert head.int_kernel is forward.head
+    forward = CPUGraphs(model)
+    assert head.matmul is forward.head
     with pytest.raises(RuntimeError, match="never reached the LM head"):
         forward.compile(lambda: None, torch.device("cpu"))
-    assert head.int_kernel is None and not forward.ready
+    assert "matmul" not in vars(head) and not forward.ready

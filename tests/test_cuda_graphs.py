@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fixtures import FAMILIES, drain, hf_greedy, tiny_checkpoint, tiny_reference
+from _fixtures import FAMILIES, decode_graphs, drain, hf_greedy, tiny_checkpoint, tiny_reference
 from checkpoints import make_mixtral
 
-import orca.worker.worker
+import orca.worker.resolution
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.checkpoint import read_model_config
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan
 from orca.worker import Worker
-from orca.worker.cuda_graphs import graph_size_for, graph_sizes, why_no_graphs
+from orca.worker.cuda_graphs import graph_size_for, graph_sizes
+from orca.worker.resolution import why_no_graphs
 
 GREEDY = SamplingSpec(0.0, 0, 1.0, 0)
 
@@ -27,7 +28,7 @@ GREEDY = SamplingSpec(0.0, 0, 1.0, 0)
 @pytest.fixture
 def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers built from here on take the decode-graph path on the CPU (uncaptured)."""
-    monkeypatch.setattr(orca.worker.worker, "why_no_graphs", lambda *args: None)
+    monkeypatch.setattr(orca.worker.resolution, "why_no_graphs", lambda *args: None)
 
 
 def test_sizes_and_the_size_a_batch_runs_in() -> None:
@@ -63,7 +64,7 @@ def test_graphs_apply_only_where_they_can(tmp_path: Path) -> None:
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("llama")), attention_backend="flex", block_size=4,
                                  n_slots=64))
     worker.init_kv_pool(16)
-    assert worker.no_graphs_reason is not None and worker.decode_graphs is None
+    assert worker.no_graphs_reason is not None and decode_graphs(worker) is None
     assert worker.kv_pool.shape[3] == 16 * 4
 
 
@@ -90,15 +91,15 @@ def test_a_padded_decode_iteration_equals_the_unpadded_one(
     options = dict(model=str(tiny_checkpoint("llama")), attention_backend="flex", block_size=4, n_slots=64, max_bs=6)
     padded = Worker(EngineConfig(**options))
     padded.init_kv_pool(16)
-    assert padded.decode_graphs is not None and padded.decode_graphs.sizes == (1, 2, 4, 6)
+    assert decode_graphs(padded) is not None and decode_graphs(padded).sizes == (1, 2, 4, 6)
     assert padded.kv_pool.shape[3] == 17 * 4  # one block more, for the padding rows
-    monkeypatch.setattr(orca.worker.worker, "why_no_graphs", lambda *args: "off for the comparison")
+    monkeypatch.setattr(orca.worker.resolution, "why_no_graphs", lambda *args: "off for the comparison")
     plain = Worker(EngineConfig(**options))
     plain.init_kv_pool(16)
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5, 4], [11]]
     got = _prompts_then_decode(padded, prompts)
     want = _prompts_then_decode(plain, prompts)
-    assert padded.decode_graphs.replays == 2
+    assert decode_graphs(padded).replays == 2
     for g, w in zip(got, want):
         assert g.error is None and w.error is None
         assert sorted(g.sampled) == ["r0", "r1", "r2"]
@@ -112,7 +113,7 @@ def test_only_decode_iterations_that_fit_take_the_graph_path(graphs_on_cpu: None
     worker = Worker(EngineConfig(model=str(tiny_checkpoint("gpt2")), attention_backend="flex", block_size=4,
                                  n_slots=64, max_bs=2))
     worker.init_kv_pool(16)
-    graphs = worker.decode_graphs
+    graphs = decode_graphs(worker)
     worker.execute(StepPlan(0, (PlannedRequest("a", (1, 2), 0, (0,), GREEDY, sample_step=0),)))
     assert graphs.replays == 0  # a prompt
     worker.execute(StepPlan(1, (PlannedRequest("a", (3,), 2, sample_step=1),
@@ -140,7 +141,7 @@ def test_generation_through_the_graph_path_is_transformers_greedy(graphs_on_cpu:
     jobs = [([rng.randrange(0, 190) for _ in range(rng.randint(1, 20))], rng.randint(1, 14)) for _ in range(10)]
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint(family)), max_bs=5, attention_backend="flex",
                                     **KV_CONFIGS[kv]))
-    graphs = engine.executor.worker.decode_graphs
+    graphs = decode_graphs(engine.executor.worker)
     assert graphs is not None and graphs.sizes == (1, 2, 4, 5)
     for i, (prompt, n) in enumerate(jobs):
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

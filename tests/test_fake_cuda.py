@@ -90,6 +90,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.attention.flex_attention
+from _fixtures import decode_graphs
 from checkpoints import (
     make_gpt2,
     make_llama,
@@ -501,7 +502,8 @@ def _check_iteration(worker: Worker, plan: StepPlan, fake: FakeCuda, seen: dict[
     cfg, par = worker.model_config, worker.par
     num_tokens = sum(len(pr.token_ids) for pr in plan.requests)
     num_sampled = sum(pr.sample_step is not None for pr in plan.requests)
-    ids, positions, meta, sample_rows = seen["_prepare"]
+    ids, positions, layout, sample_rows = seen["_prepare"]
+    meta = layout.metadata()  # (what the runner built: the same object)
     graph_size = seen["_prepare args"][2]
     rows = num_tokens if graph_size is None else graph_size  # a decode iteration on CUDA graphs: padded
     for what, t in (("input ids", ids), ("positions", positions), *((f"meta{n}", t) for n, t in _tensors(meta))):
@@ -551,7 +553,7 @@ def _run_on_fake_cuda(worker: Worker, fake: FakeCuda, monkeypatch: pytest.Monkey
             assert t.dtype == DTYPE, f"{name} is {t.dtype}"
     with fake.mode:
         worker.init_kv_pool(worker.determine_num_blocks())
-    graphs = worker.decode_graphs is not None
+    graphs = decode_graphs(worker) is not None
     pool, layout = worker.kv_pool, worker.kv_layout
     slots = (NUM_BLOCKS + graphs) * BLOCK_SIZE  # with CUDA graphs, one more block for padding rows
     assert pool.device.type == "cuda" and pool.dtype == layout.dtype
@@ -573,7 +575,7 @@ def _run_on_fake_cuda(worker: Worker, fake: FakeCuda, monkeypatch: pytest.Monkey
         history.append(dict(seen))
     assert fake.staging.pinned > 0  # upload took its CUDA branch: pinned staging, non-blocking copy
     if graphs:
-        assert history[2]["_prepare args"][2] == 8 and worker.decode_graphs.replays == 1  # 5 rows padded to 8
+        assert history[2]["_prepare args"][2] == 8 and decode_graphs(worker).replays == 1  # 5 rows padded to 8
     return history
 
 
@@ -588,7 +590,7 @@ def test_a_mixed_iteration_runs_on_fake_cuda(
     assert worker.device.type == "cuda" and worker.attention_backend == backend
     history = _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
     # The mixed iteration took each backend's own path over the scattered and consecutive block tables.
-    meta = history[1]["_prepare"][2]
+    meta = history[1]["_prepare"][2].metadata()
     assert type(meta).name == backend
     if backend == "batched":  # the three increments, batched; then e's 3-token chunk as a short request
         assert [(g.rows, g.queries) for g in meta.increments] == [(3, 1), (1, 3)]
@@ -596,12 +598,12 @@ def test_a_mixed_iteration_runs_on_fake_cuda(
     if backend == "reference":
         assert meta.gather_index is not None and any(view is not None for view in meta.views)
     # CUDA graphs for flex on one rank (their static buffers; nothing captured); none otherwise.
-    assert (worker.decode_graphs is not None) == (backend == "flex" and tp == 1)
+    assert (decode_graphs(worker) is not None) == (backend == "flex" and tp == 1)
     if backend == "flex":  # the decode iteration through the paged decode kernel (the stand-in), the
-        assert history[-1]["_prepare"][2].flex.paged  # mixed one (a 12-token prompt) through flex_attention
+        assert history[-1]["_prepare"][2].metadata().flex.paged  # mixed one (a 12-token prompt) through flex_attention
         # Every captured size's static layout is paged: no CUDA graph calls flex_attention (whose compiled
         # guards made a new graph per size when graphs did), so capturing compiles no flex graph.
-        graphs = worker.decode_graphs
+        graphs = decode_graphs(worker)
         assert tp > 1 or (graphs.sizes and all(graphs._metas[n].flex.paged for n in graphs.sizes))
         assert not meta.flex.paged and _paged_decode_on_the_device.calls > 0
     if tp > 1:
@@ -633,12 +635,13 @@ def test_a_quantized_kv_pool_runs_on_fake_cuda(
     scaled_calls = _paged_decode_on_the_device.scaled_calls
     history = _run_on_fake_cuda(worker, fake_cuda, monkeypatch)
     if backend == "flex":
-        mixed = history[1]["_prepare"][2]
+        mixed = history[1]["_prepare"][2].metadata()
         assert not mixed.flex.paged and mixed.gather_blocks.device.type == "cuda"
-        graphs = worker.decode_graphs
+        graphs = decode_graphs(worker)
         assert all(graphs._metas[n].kv_scales is worker.kv_scales and graphs._metas[n].flex.paged
                    for n in graphs.sizes)
-        assert history[-1]["_prepare"][2].flex.paged and _paged_decode_on_the_device.scaled_calls > scaled_calls
+        assert history[-1]["_prepare"][2].metadata().flex.paged
+        assert _paged_decode_on_the_device.scaled_calls > scaled_calls
 
 
 def test_flex_over_an_fp8_pool_is_refused_below_compute_capability_8_9(

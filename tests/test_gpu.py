@@ -20,7 +20,7 @@ import random
 
 import pytest
 import torch
-from _fixtures import FAMILIES, drain, tiny_checkpoint
+from _fixtures import FAMILIES, decode_graphs, drain, tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from orca import EngineConfig, LLMEngine, SamplingParams
@@ -251,10 +251,10 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(family: str) -> None:
         worker = engine.executor.worker
         tokens[graphs] = _run(engine, jobs, temperature=0)
         if graphs == "auto":
-            assert worker.decode_graphs is not None and worker.decode_graphs.captured
-            assert worker.decode_graphs.replays > 0
+            assert decode_graphs(worker) is not None and decode_graphs(worker).captured
+            assert decode_graphs(worker).replays > 0
         else:
-            assert worker.decode_graphs is None and worker.no_graphs_reason == "cuda_graphs is off"
+            assert decode_graphs(worker) is None and worker.no_graphs_reason == "cuda_graphs is off"
     assert tokens["auto"] == tokens["off"]
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     assert tokens["auto"] == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
@@ -272,7 +272,8 @@ def test_auto_is_flex_with_cuda_graphs_on_cuda(family: str) -> None:
     jobs = _workload(5, n=16)
     tokens = _run(engine, jobs, temperature=0)
     if CUDA:
-        assert worker.decode_graphs is not None and worker.decode_graphs.captured and worker.decode_graphs.replays > 0
+        graphs = decode_graphs(worker)
+        assert graphs is not None and graphs.captured and graphs.replays > 0
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     assert tokens == [_hf_greedy(ref, prompt, n) for prompt, n in jobs]
 
@@ -362,7 +363,7 @@ def test_the_prefix_cache_reads_cached_kv_on_cuda_and_keeps_the_tokens(backend: 
     ref = _reference(path)
     assert tokens == [_hf_greedy(ref, prompt, 8) for prompt in prompts]
     if backend == "flex" and CUDA:
-        assert engine.executor.worker.decode_graphs.replays > 0
+        assert decode_graphs(engine.executor.worker).replays > 0
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
@@ -400,7 +401,7 @@ def test_flex_over_a_quantized_kv_pool_on_cuda_generates_what_batched_does(
     for rid, want in want_rows.items():
         torch.testing.assert_close(torch.stack(rows[rid]), torch.stack(want), atol=1e-3, rtol=0)
     if CUDA:
-        assert engine.executor.worker.decode_graphs.replays > 0
+        assert decode_graphs(engine.executor.worker).replays > 0
 
 
 SPEC_POOL = dict(n_slots=256, block_size=4, max_num_batched_tokens=32, max_bs=8)
@@ -465,7 +466,7 @@ def test_lora_adapters_on_cuda_match_peft(backend: str, tmp_path) -> None:
             model = PeftModel.from_pretrained(model, adapters[name]).merge_and_unload()
         assert final[f"r{i}"].token_ids == _hf_greedy(model.to(DEVICE).eval(), prompt, n), (i, name)
     if backend == "flex" and CUDA:
-        assert engine.executor.worker.decode_graphs is not None and engine.executor.worker.decode_graphs.captured
+        assert decode_graphs(engine.executor.worker) is not None and decode_graphs(engine.executor.worker).captured
 
 
 def test_the_structured_output_mask_on_cuda_is_the_cpus() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _fixtures import drain, record_logits, tiny_checkpoint
+from _fixtures import cpu_graphs, drain, record_logits, tiny_checkpoint
 
 from orca import EngineConfig, LLMEngine, SamplingParams
 from orca.models.attention import AttentionMetadata, selective_attention
@@ -344,11 +344,11 @@ def test_the_compiled_forward_pass_over_an_fp8_pool_is_the_eager_one(monkeypatch
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("ORCA_TORCH_COMPILE")
         compiled = _engine(**options)
-    assert compiled.executor.worker.compiled is not None
-    compiled.executor.worker.compiled.stance = "fail_on_recompile"
-    compiled.executor.worker.compiled.all_guards = True
+    assert cpu_graphs(compiled.executor.worker) is not None
+    cpu_graphs(compiled.executor.worker).stance = "fail_on_recompile"
+    cpu_graphs(compiled.executor.worker).all_guards = True
     eager = _engine(**options)
-    assert eager.executor.worker.compiled is None
+    assert cpu_graphs(eager.executor.worker) is None
     tokens, rows, _ = _generate(compiled, monkeypatch, longest=20, max_tokens=14)  # each fits the 40 slots
     want_tokens, want_rows, _ = _generate(eager, monkeypatch, longest=20, max_tokens=14)
     assert compiled.stats().preemptions > 0

@@ -517,5 +517,5 @@ def test_model_repository_serves_every_model(triton_server: TritonServer) -> Non
     # Both shipped models (torch_compile auto on this CPU) compiled their forward pass at load, inside the
     # stub, and said so in the server's log; the tiny ones run eagerly (tests/_server.py).
     log = triton_server.log_path.read_text(errors="replace")
-    assert log.count("orca.worker.compiled: forward pass compiled in") == len(names), log[-3000:]
+    assert log.count("orca.worker.cpu_graphs.runner: forward pass compiled in") == len(names), log[-3000:]
     assert "runs eagerly: compiling failed" not in log

@@ -85,3 +85,20 @@ def test_the_worker_package_only_re_exports() -> None:
             continue
         defined.append(ast.dump(node)[:80])
     assert defined == []
+
+
+def test_the_models_know_nothing_of_the_runners() -> None:
+    """orca/models/ (layers, attention backends, model families) imports nothing from the worker, where the
+    runners are (eager, CUDA graphs, CPU graphs), at any level, and never asks whether it is being compiled:
+    a runner gives a layer what it calls (a metadata object, a matmul), the layer does not choose by mode."""
+    wrong = []
+    for path in sorted((ROOT / "orca" / "models").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and within(node.module, "orca.worker"):
+                wrong.append(f"{module_name(path)} imports {node.module}")
+            elif isinstance(node, ast.Import):
+                wrong += [f"{module_name(path)} imports {a.name}" for a in node.names if within(a.name, "orca.worker")]
+            elif isinstance(node, ast.Attribute) and node.attr in ("is_compiling", "is_dynamo_compiling"):
+                wrong.append(f"{module_name(path)} asks {node.attr}")
+    assert wrong == []

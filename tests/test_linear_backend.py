@@ -19,8 +19,10 @@ from torch import nn
 from orca import LLM, EngineConfig, SamplingParams, tuning
 from orca.models import layers
 from orca.models.attention import AttentionMetadata
-from orca.models.layers import PackedLinear, onednn_packs, resolve_linear_backend
+from orca.models.layers import PackedLinear, onednn_packs
 from orca.worker import Worker
+from orca.worker.cpu_graphs.views import graph_view
+from orca.worker.resolution import resolve_linear_backend as resolve_with_reason
 
 pytestmark = pytest.mark.skipif(not onednn_packs(torch.float32), reason="this torch has no oneDNN")
 
@@ -88,7 +90,7 @@ def test_hybrid_runs_onednn_below_its_row_threshold_and_f_linear_from_it(
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 32), torch.randn(48)
     hybrid, onednn = PackedLinear(weight, bias, keep_weight=True), PackedLinear(weight, bias)
-    run = torch.compile(hybrid, dynamic=True) if compiled else hybrid
+    run = torch.compile(graph_view(hybrid), dynamic=True) if compiled else hybrid  # (as the CPU graphs compile it)
     with torch.inference_mode():
         for rows, expected in ((1, "mkldnn"), (7, "mkldnn"), (8, "aten"), (40, "aten")):
             x = torch.randn(rows, 32)
@@ -171,3 +173,7 @@ def test_hybrid_keeps_float_weights_beside_the_packed_ones_in_float32_only(tmp_p
         model, _ = load_model(path, dtype, cpu, linear_backend="hybrid")
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
         assert packed and all((m.weight is not None) == (dtype == torch.float32) for m in packed), dtype
+
+
+def resolve_linear_backend(*args: object) -> str:
+    return resolve_with_reason(*args)[0]  # (the choice; its reason: tests/test_resolution.py)

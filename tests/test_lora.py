@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _fixtures import hf_greedy, tiny_checkpoint
+from _fixtures import cpu_graphs, hf_greedy, tiny_checkpoint
 from checkpoints import make_llama, make_lora_adapter
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
@@ -260,17 +260,17 @@ def test_a_compiled_engine_compiles_adapter_iterations_too(adapter_root: str, mo
     # base-only and mixed iterations alike, with PEFT's tokens.
     monkeypatch.delenv("ORCA_TORCH_COMPILE")
     engine = lora_engine("llama", adapter_root, max_loras=3)
-    compiled = engine.executor.worker.compiled
+    compiled = cpu_graphs(engine.executor.worker)
     assert compiled is not None and compiled.ready
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
     calls = {"compiled": 0}
-    original = type(compiled).__call__
+    original = type(compiled).forward
 
     def counting(self: Any, *args: Any) -> Any:
         calls["compiled"] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(type(compiled), "__call__", counting)
+    monkeypatch.setattr(type(compiled), "forward", counting)
     base_only = [("b0", [1, 2, 3], None), ("b1", [4, 5], None)]
     check("llama", adapter_root, base_only, run(engine, base_only))
     assert calls["compiled"] == MAX_TOKENS  # every iteration of the base-only run

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _fixtures import _root, greedy_with_first_logits
+from _fixtures import _root, cpu_graphs, greedy_with_first_logits
 from checkpoints import make_gpt2, make_llama
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
@@ -243,13 +244,10 @@ def test_a_tied_head_gets_a_quantized_copy_and_the_embedding_stays_float() -> No
 def test_the_compiled_forward_pass_gives_the_eager_tokens(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The quantized kernels inside the compiled graph (the suite's $ORCA_TORCH_COMPILE=off lifted), with
     linear_backend hybrid: two graphs compiled at load, the int kernels' and the float copies' (from 12 rows
-    of int4 layers in float32, 6 in bfloat16: FloatCopyRows), each taking the iterations of its row counts;
+    of int4 layers in float32, 6 in bfloat16: the float view's graph), each taking the iterations of its row counts;
     every guard run and no compilation after load."""
     if not onednn_packs(dtype):
         pytest.skip(f"oneDNN packs no {dtype} on this CPU")
-    from orca.models.quantization import FLOAT_COPY_ROWS
-    from orca.worker.compiled import CompiledForward
-
     options = dict(model=str(_checkpoint("llama")), dtype=str(dtype).removeprefix("torch."), quantization="int4",
                    linear_backend="hybrid")
     lone = [PROMPTS[0]]  # alone: one-row iterations
@@ -257,19 +255,20 @@ def test_the_compiled_forward_pass_gives_the_eager_tokens(dtype: torch.dtype, mo
     want = _run(eager), greedy_with_first_logits(eager, lone, max_tokens=4)
     monkeypatch.delenv("ORCA_TORCH_COMPILE")
     engine = LLMEngine(EngineConfig(**options))
-    compiled = engine.executor.worker.compiled
+    compiled = cpu_graphs(engine.executor.worker)
     assert compiled is not None and compiled.ready
     assert compiled.float_rows == (12 if dtype == torch.float32 else 6)
     compiled.stance, compiled.all_guards = "fail_on_recompile", True
     graphs: list[tuple[int, bool]] = []
-    original = CompiledForward.__call__
 
-    def recording(self: CompiledForward, input_ids: torch.Tensor, *args: object) -> torch.Tensor:
-        out = original(self, input_ids, *args)
-        graphs.append((input_ids.shape[0], FLOAT_COPY_ROWS.on))
-        return out
+    def recording(graph: Any, floats: bool) -> Any:
+        def call(input_ids: torch.Tensor, *args: object) -> torch.Tensor:
+            graphs.append((input_ids.shape[0], floats))
+            return graph(input_ids, *args)
+        return call
 
-    monkeypatch.setattr(CompiledForward, "__call__", recording)
+    compiled.compiled = recording(compiled.compiled, False)
+    compiled.compiled_float = recording(compiled.compiled_float, True)
     got = _run(engine), greedy_with_first_logits(engine, lone, max_tokens=4)
     assert {on for _, on in graphs} == {False, True}
     assert all(on == (rows >= compiled.float_rows) for rows, on in graphs)

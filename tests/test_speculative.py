@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from _fixtures import drain, hf_greedy, tiny_checkpoint, tiny_core, tiny_engine, tiny_reference
+from _fixtures import decode_graphs, drain, hf_greedy, tiny_checkpoint, tiny_core, tiny_engine, tiny_reference
 from checkpoints import make_gpt2, make_llama
 
 from orca import EngineConfig, SamplingParams
@@ -540,7 +540,7 @@ def test_the_draft_runs_outside_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> 
     """With decode iterations on CUDA graphs (their reasons lifted on a CPU, flex attention): a decode
     iteration replays the model's graph (padded) and runs the draft over its own rows, unpadded; the
     tokens are speculation off's."""
-    import orca.worker.worker
+    import orca.worker.resolution
 
     prompts = _prompts(3, seed=9, vocab=150)
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, speculate=i > 0) for i in range(3)]
@@ -548,14 +548,14 @@ def test_the_draft_runs_outside_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> 
     off_engine = tiny_engine("llama", **options)
     off = _run(off_engine, prompts, params)
     off_engine.shutdown()
-    monkeypatch.setattr(orca.worker.worker, "why_no_graphs", lambda *args: None)
+    monkeypatch.setattr(orca.worker.resolution, "why_no_graphs", lambda *args: None)
     engine = tiny_engine("llama", **options, **_draft(str(tiny_checkpoint("llama"))))
     worker = engine.core.executor.worker
     on = _run(engine, prompts, params)
     stats = engine.core.stats()
     engine.shutdown()
     assert on == off
-    assert worker.decode_graphs.replays > 0 and stats.spec_accepted_tokens > 0
+    assert decode_graphs(worker).replays > 0 and stats.spec_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("bad, message", [

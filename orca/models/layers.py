@@ -138,27 +138,13 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype,
-                           weight_bytes: int | None = None) -> str:
-    """EngineConfig.linear_backend to what runs: "hybrid", "onednn" or "reference". auto = hybrid on a CPU
-    that packs `dtype` when `weight_bytes` (the weights a second copy would hold) are at most
-    tuning.HYBRID_MEMORY_SHARE of the available memory, onednn there otherwise, reference elsewhere; an explicit
-    onednn or hybrid where oneDNN cannot run is refused with the reason. (hybrid's second copies are where
-    they were measured to win: F.linear's for float32 layers at prompt sizes, tuning.HYBRID_MIN_ROWS; oneDNN's
-    float copies of quantized layers from a few rows, orca/models/quantization.py. A 16-bit model without
-    quantized layers holds none: hybrid is onednn there.)"""
-    packs = device.type == "cpu" and onednn_packs(dtype)
-    if choice in ("onednn", "hybrid") and not packs:
-        where = f"device {device}" if device.type != "cpu" else f"{dtype} on this CPU"
-        raise ValueError(f"linear_backend {choice} cannot run {where} (oneDNN packs CPU weights only, float32 "
-                         f"always, bfloat16/float16 where the CPU has the instructions): use auto or reference")
-    if choice != "auto":
-        return choice
-    if not packs:
-        return "reference"
-    available = available_memory_bytes()
-    fits = weight_bytes is not None and available is not None and weight_bytes <= tuning.HYBRID_MEMORY_SHARE * available
-    return "hybrid" if fits else "onednn"
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor | None,
+                  bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """PackedLinear's matmul: F.linear on the kept weight from tuning.HYBRID_MIN_ROWS rows, else oneDNN's
+    on the packed one."""
+    if weight is not None and x.shape[0] >= tuning.HYBRID_MIN_ROWS:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
@@ -182,14 +168,13 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.par = par
 
+    kernel = staticmethod(packed_linear)  # the matmul (an instance may be given another of its signature)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         bias_in_matmul = self.bias if self.par is None else None
-        if torch.compiler.is_compiling():  # inductor cannot lower oneDNN's op on a packed weight it is given
-            y = torch.ops.orca.packed_linear(x, self.packed_weight, self.weight, bias_in_matmul, self.out_features)
-        else:
-            y = _packed_linear(x, self.packed_weight, self.weight, bias_in_matmul, self.out_features)
+        y = self.kernel(x, self.packed_weight, self.weight, bias_in_matmul, self.out_features)
         if self.par is not None:
             y = self.par.all_reduce(y)
             if self.bias is not None:
@@ -199,29 +184,6 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"keep_weight={self.weight is not None}")
-
-
-def _packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor | None,
-                   bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    if weight is not None and x.shape[0] >= tuning.HYBRID_MIN_ROWS:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-
-
-def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Tensor | None,
-                         bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-# PackedLinear inside a compiled forward pass (orca/worker/compiled.py): oneDNN's matmul (or, hybrid, F.linear
-# at prompt sizes) as an opaque op, which the compiled graph calls as it is (inductor's own lowering of
-# oneDNN's op wants weights it packed itself, at freezing, and refuses one given as an input; the row count
-# is a dynamic size the graph cannot branch on). `out_features` gives the output's shape: the packed
-# weight's layout is oneDNN's.
-_OPS = torch.library.Library("orca", "FRAGMENT")
-_OPS.define("packed_linear(Tensor x, Tensor packed_weight, Tensor? weight, Tensor? bias, int out_features) -> Tensor")
-_OPS.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
-torch.library.register_fake("orca::packed_linear", _packed_linear_shape, lib=_OPS)
 
 
 def prepack_linears(model: nn.Module, keep_weights: bool = False) -> None:

@@ -34,12 +34,10 @@ Rows of the base model are in neither. An iteration without adapter rows runs th
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
 import re
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -276,8 +274,6 @@ class LoRALinear(nn.Module):
         # Rows of each slot its adapter fills: its parts' ranks, packed from the slot's first row (0: the
         # adapter leaves this layer alone). The deltas read only these.
         self.used = [0] * num_slots
-        self.key = next(_KEYS)  # how the compiled graph's opaque op finds this layer
-        _LAYERS[self.key] = self
 
     def load_slot(self, slot: int, adapter: LoRAAdapter | None, prefix: str, tp_rank: int, tp_size: int) -> None:
         """Puts the adapter's matrices for this layer into the slot, the parts it adapts one after the other
@@ -306,12 +302,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.batch.active:
-            return y
-        if torch.compiler.is_compiling():  # the compiled graph of adapter iterations: one opaque op (below)
-            torch.ops.orca.lora_add_(y, x, self.lora_a, self.lora_bt, self.key)
-            return y
-        self.add_deltas(y, x)
+        if self.batch.active:
+            self.add_deltas(y, x)
         return y
 
     def add_deltas(self, y: torch.Tensor, x: torch.Tensor) -> None:
@@ -349,25 +341,6 @@ class LoRALinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"parts={[p.inner for p in self.parts]}, slots={self.num_slots}, max_rank={self.max_rank}, "
                 f"row_parallel={self.row_parallel}")
-
-
-# Adapter iterations inside the compiled forward pass (orca/worker/compiled.py): each adapted linear's
-# deltas are one opaque op, which the graph calls as it is (the grouping of rows changes with every mix of
-# adapters: data the graph cannot hold), as it calls attention. The op finds its layer by key and the
-# iteration's rows in the layer's LoRABatch, and adds in place to the base layer's output. The graph of
-# base-only iterations has no such op (LoRALinear.forward returns before it).
-_KEYS = itertools.count()
-_LAYERS: weakref.WeakValueDictionary[int, LoRALinear] = weakref.WeakValueDictionary()
-
-
-@torch.library.custom_op("orca::lora_add_", mutates_args=("y",))
-def _lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor, key: int) -> None:
-    _LAYERS[key].add_deltas(y, x)
-
-
-@_lora_add.register_fake
-def _lora_add_fake(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor, key: int) -> None:
-    return None
 
 
 class LoRAModel:

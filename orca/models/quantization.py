@@ -22,14 +22,13 @@ activations to bfloat16 around each quantized layer (and the result back).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import orca.models.layers  # noqa: F401 - registers orca::packed_linear, which the float copies run under compile
 from orca import tuning
 from orca.parallel import ParallelContext, Shard, shard_tensor
 
@@ -201,101 +200,69 @@ def kernel_dtype(kind: str, device: torch.device, dtype: torch.dtype) -> torch.d
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ b), W quantized (QuantizedWeight), packed once at construction into the layout of the
-    kernel for its kind and device. With `par` (a row-parallel layer) the partial products are
-    all-reduced before the bias is added once, as RowParallelLinear does."""
+    """y = x W^T (+ b), W quantized (QuantizedWeight), packed once at construction into the layout of its
+    format's kernel: one subclass per format (Int8Linear, Int4Linear, Fp8Linear), each packing the weight
+    (`_pack`) and multiplying by it (`quantized_matmul`). `QuantizedLinear(weight, ...)` builds the class of
+    weight.kind. With `par` (a row-parallel layer) the partial products are all-reduced before the bias is
+    added once, as RowParallelLinear does.
+
+    The row policy (`matmul`, per call): with `float_copy` (linear_backend hybrid on a CPU) the dequantized
+    weight is kept too, packed for oneDNN, and inputs of tuning.HYBRID_QUANTIZED_MIN_ROWS[dtype][kind] rows
+    or more multiply it (`float_matmul`): there the int kernels, compute-bound, stop winning. An instance may
+    be given another `matmul` of the same signature (a CPU graph fixes one of the two)."""
+
+    kind: ClassVar[str]
+    FORMATS: ClassVar[dict[str, type[QuantizedLinear]]] = {}
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        QuantizedLinear.FORMATS[cls.kind] = cls
+
+    def __new__(cls, weight: QuantizedWeight | None = None, *args: object, **kwargs: object) -> QuantizedLinear:
+        if cls is QuantizedLinear and weight is not None:  # the format's class (copy.copy passes no weight)
+            cls = QuantizedLinear.FORMATS[weight.kind]
+        return super().__new__(cls)
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, device: torch.device,
                  dtype: torch.dtype, par: ParallelContext | None = None, float_copy: bool = False) -> None:
         super().__init__()
         check_supported(weight.kind, device)
-        if weight.kind != "int4":
+        if weight.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} takes {self.kind} weights, not {weight.kind}")
+        if self.kind != "int4":
             weight = weight.to_per_channel()
-        self.kind, self.group_size = weight.kind, weight.group_size
+        self.group_size = weight.group_size
         self.out_features, self.in_features = weight.shape
         self.dtype, self.compute_dtype = dtype, kernel_dtype(weight.kind, device, dtype)
         self.par = par
         self.pad_columns = 0
-        cuda = device.type == "cuda"
-        # Buffers, not parameters: packed layouts are opaque (no state_dict round trip).
-        if weight.kind == "int4":
-            if weight.group_size not in INT4_GROUP_SIZES:
-                raise ValueError(f"int4 group size {weight.group_size} is not one torch's kernels take "
-                                 f"({', '.join(map(str, INT4_GROUP_SIZES))})")
-            # The kernels want the output rows in whole tiles of 16: zero rows pad them, sliced off the output.
-            pad = -self.out_features % INT4_ROW_TILE
-            q, scales, zeros = weight.qweight, weight.scales, weight.zeros
-            if pad:
-                q, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
-            q = q.to(device)
-            if cuda:  # two values per byte, the even column in the high nibble
-                tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
-                packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), tiles)
-            else:
-                packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            # (in / group, out, 2): each group's scale and offset, in the activations' dtype.
-            scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1)  # type: ignore[union-attr]
-            self.register_buffer("packed", packed, persistent=False)
-            self.register_buffer("scales", scales_zeros.to(device, self.compute_dtype).contiguous(), persistent=False)
-        elif weight.kind == "int8":
-            # torch's CPU kernel reads the input columns 8 at a time (and crashes on a remainder): zero
-            # columns pad them, and the activations get as many zeros (INT8_COLUMN_TILE).
-            self.pad_columns = -self.in_features % INT8_COLUMN_TILE if not cuda else 0
-            q = F.pad(weight.qweight, (0, self.pad_columns)) if self.pad_columns else weight.qweight
-            self.register_buffer("packed", q.to(device).contiguous(), persistent=False)
-            self.register_buffer("scales", weight.scales.view(-1).to(device, self.compute_dtype), persistent=False)
-        else:  # fp8
-            # torch._scaled_mm takes a weight whose both dimensions are multiples of FP8_DIM_MULTIPLE: zero
-            # columns pad the input (and the activations as many zeros), zero rows the output (sliced off).
-            self.pad_columns = -self.in_features % FP8_DIM_MULTIPLE
-            pad_rows = -self.out_features % FP8_DIM_MULTIPLE
-            q = weight.qweight
-            if self.pad_columns or pad_rows:  # through float32: e4m3 values and zeros are exact there
-                q = F.pad(q.float(), (0, self.pad_columns, 0, pad_rows)).to(FP8_DTYPE)
-            scales = F.pad(weight.scales.view(-1).float(), (0, pad_rows), value=1.0)
-            self.register_buffer("packed", q.to(device).contiguous(), persistent=False)
-            self.register_buffer("scales", scales.view(1, -1).to(device), persistent=False)
+        self._pack(weight, device)  # (buffers, not parameters: packed layouts are opaque)
         self.register_buffer("bias", None if bias is None else bias.detach().to(device, dtype), persistent=False)
-        self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
-            "aten::_weight_int8pack_mm", "CUDA")
-        # linear_backend hybrid on a CPU: the dequantized weight as well, packed for oneDNN, for iterations of
-        # HYBRID_QUANTIZED_MIN_ROWS[dtype][kind] rows or more (orca/tuning.py): where the int kernels stop
-        # winning, since their time grows with every row (they are compute-bound there, oneDNN is not).
         float_packed = None
-        if float_copy and not cuda and weight.kind != "fp8":
+        if float_copy and device.type == "cpu" and self.kind != "fp8":
             float_packed = torch.ops.mkldnn._reorder_linear_weight(weight.dequantize(dtype).to(device), None)
             self.float_min_rows = tuning.HYBRID_QUANTIZED_MIN_ROWS[dtype][weight.kind]
         self.register_buffer("float_packed", float_packed, persistent=False)
-        # Called eagerly (outside a compiled graph), the int kernel's matmul through this instead of
-        # _int_linear when set: the LM head's, compiled by the compiled forward pass (CompiledHead in
-        # orca/worker/compiled.py). Takes and returns what int_linear does.
-        self.int_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def int_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, in) times the int8 or int4 weight through torch's weight-only kernel (_int_linear), the
-        result (T, out) in x's dtype."""
-        return _int_linear(x, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
-                           self.out_features)
+    def _pack(self, weight: QuantizedWeight, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) times the quantized weight through the format's kernel, (T, out) in x's dtype."""
+        raise NotImplementedError
+
+    def float_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, in) times the float copy (oneDNN)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.float_packed, None, "none", [], "")
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float_packed is not None and x.shape[0] >= self.float_min_rows:
+            return self.float_matmul(x)
+        return self.quantized_matmul(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        compiling = torch.compiler.is_compiling()
-        if self.kind == "fp8":
-            if self.pad_columns:
-                x2 = F.pad(x2, (0, self.pad_columns))
-            y = _fp8_linear(x2, self.packed, self.scales, self.dtype)[:, :self.out_features]
-        elif compiling and self.float_packed is not None and FLOAT_COPY_ROWS.on:
-            # (a compiled graph cannot branch on its dynamic row count: FloatCopyRows)
-            y = torch.ops.orca.packed_linear(x2, self.float_packed, None, None, self.out_features)
-        elif not compiling and self.float_packed is not None and x2.shape[0] >= self.float_min_rows:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.float_packed, None, "none", [], "")
-        elif not compiling and self.int_kernel is not None:
-            y = self.int_kernel(x2)
-        elif self.kind == "int4" or self._int8_kernel:
-            y = self.int_linear(x2)
-        else:  # CUDA without torch's int8 weight-only kernel: dequantize inside the matmul
-            y = (F.linear(x2, self.packed.to(x2.dtype)) * self.scales).to(self.dtype)
+        y = self.matmul(x.reshape(-1, self.in_features))
         if self.par is not None:
             y = self.par.all_reduce(y)
         if self.bias is not None:
@@ -307,6 +274,84 @@ class QuantizedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}{group}, "
                 f"compute_dtype={str(self.compute_dtype).removeprefix('torch.')}, bias={self.bias is not None}"
                 + (", float_copy=True" if self.float_packed is not None else ""))
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights, a scale per output channel: torch._weight_int8pack_mm (on CUDA where torch lacks it, a
+    matmul that dequantizes)."""
+
+    kind = "int8"
+
+    def _pack(self, weight: QuantizedWeight, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        # torch's CPU kernel reads the input columns 8 at a time (and crashes on a remainder): zero columns
+        # pad them, and the activations get as many zeros (INT8_COLUMN_TILE).
+        self.pad_columns = -self.in_features % INT8_COLUMN_TILE if not cuda else 0
+        q = F.pad(weight.qweight, (0, self.pad_columns)) if self.pad_columns else weight.qweight
+        self.register_buffer("packed", q.to(device).contiguous(), persistent=False)
+        self.register_buffer("scales", weight.scales.view(-1).to(device, self.compute_dtype), persistent=False)
+        self._int8_kernel = not cuda or torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::_weight_int8pack_mm", "CUDA")
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._int8_kernel:
+            return (F.linear(x, self.packed.to(x.dtype)) * self.scales).to(self.dtype)
+        return _int_linear(x, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
+                           self.out_features)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights, a scale and an offset per group of input columns: torch's int4 kernels (tinygemm on
+    CUDA)."""
+
+    kind = "int4"
+
+    def _pack(self, weight: QuantizedWeight, device: torch.device) -> None:
+        if weight.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size {weight.group_size} is not one torch's kernels take "
+                             f"({', '.join(map(str, INT4_GROUP_SIZES))})")
+        # The kernels want the output rows in whole tiles of 16: zero rows pad them, sliced off the output.
+        pad = -self.out_features % INT4_ROW_TILE
+        q, scales, zeros = weight.qweight, weight.scales, weight.zeros
+        if pad:
+            q, scales, zeros = (F.pad(t, (0, 0, 0, pad)) for t in (q, scales, zeros))
+        q = q.to(device)
+        if device.type == "cuda":  # two values per byte, the even column in the high nibble
+            tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), tiles)
+        else:
+            packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # (in / group, out, 2): each group's scale and offset, in the activations' dtype.
+        scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1)  # type: ignore[union-attr]
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales_zeros.to(device, self.compute_dtype).contiguous(), persistent=False)
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _int_linear(x, self.packed, self.scales, self.kind, self.group_size, self.pad_columns,
+                           self.out_features)
+
+
+class Fp8Linear(QuantizedLinear):
+    """float8 e4m3 weights, a scale per output channel, activations scaled per token: torch._scaled_mm."""
+
+    kind = "fp8"
+
+    def _pack(self, weight: QuantizedWeight, device: torch.device) -> None:
+        # torch._scaled_mm takes a weight whose both dimensions are multiples of FP8_DIM_MULTIPLE: zero
+        # columns pad the input (and the activations as many zeros), zero rows the output (sliced off).
+        self.pad_columns = -self.in_features % FP8_DIM_MULTIPLE
+        pad_rows = -self.out_features % FP8_DIM_MULTIPLE
+        q = weight.qweight
+        if self.pad_columns or pad_rows:  # through float32: e4m3 values and zeros are exact there
+            q = F.pad(q.float(), (0, self.pad_columns, 0, pad_rows)).to(FP8_DTYPE)
+        scales = F.pad(weight.scales.view(-1).float(), (0, pad_rows), value=1.0)
+        self.register_buffer("packed", q.to(device).contiguous(), persistent=False)
+        self.register_buffer("scales", scales.view(1, -1).to(device), persistent=False)
+
+    def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_columns:
+            x = F.pad(x, (0, self.pad_columns))
+        return _fp8_linear(x, self.packed, self.scales, self.dtype)[:, :self.out_features]
 
 
 def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kind: str, group_size: int,
@@ -327,24 +372,10 @@ def _int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, kin
     return y.to(x.dtype)
 
 
-class FloatCopyRows:
-    """linear_backend hybrid inside a compiled forward pass (orca/worker/compiled.py). Eagerly each call
-    picks the int kernel or the float copy by its row count; a compiled graph's row count is dynamic and
-    it cannot branch on it. So the compiled forward pass says before each call whether the iteration's
-    rows take the float copies (`on`: at least its model's float_rows), and dynamo keeps a graph for each
-    answer, a guard on this flag telling them apart. (An opaque op choosing at run time, as before, cost
-    the graph a Python call per layer.)"""
-
-    on = False
-
-
-FLOAT_COPY_ROWS = FloatCopyRows()
-
-
 def float_rows(model: nn.Module) -> int | None:
-    """From how many rows an iteration takes the float copies of `model`'s quantized layers inside its
-    compiled forward pass (FloatCopyRows): the least of their thresholds, its LM head's left out (it runs
-    after the graph, on the sampled rows alone, choosing by their count). None: no float copies."""
+    """From how many rows an iteration takes the float copies of `model`'s quantized layers: the least of
+    their thresholds, its LM head's left out (it runs after the forward pass, on the sampled rows alone,
+    choosing by their count). None: no float copies."""
     head = getattr(model, "lm_head", None)
     rows = [m.float_min_rows for m in model.modules()
             if isinstance(m, QuantizedLinear) and m.float_packed is not None and m is not head]

@@ -30,7 +30,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from orca.models.attention import AttentionMetadata, get_backend
+from orca.core.plan import PlannedRequest
+from orca.models.attention import AttentionMetadata, IterationLayout
+from orca.worker.runners import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -50,33 +52,17 @@ def graph_size_for(num_rows: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) and num_rows > 0 else None
 
 
-def why_no_graphs(choice: str, device: torch.device, attention_backend: str, world_size: int,
-                  moe: bool) -> str | None:
-    """Why decode iterations are not captured (EngineConfig.cuda_graphs and the conditions above), or None
-    when they are. `moe`: the model has mixture-of-experts layers (its config's moe_layers, which the
-    worker's auto attention backend reads too, before the weights load)."""
-    if choice == "off":
-        return "cuda_graphs is off"
-    if device.type != "cuda":
-        return f"the device is {device.type}, not CUDA"
-    if not get_backend(attention_backend).cuda_graphs:
-        return f"attention_backend is {attention_backend} (graphs need flex's fixed shapes)"
-    if world_size > 1:
-        return "the worker is one of several ranks (tensor or pipeline parallelism)"
-    if moe:
-        return "the model has mixture-of-experts layers (their routing reads token counts on the host)"
-    return None
-
-
 class DecodeGraphs:
-    """Static buffers for decode iterations of up to max(sizes) rows and, with `capture`, one CUDA graph of
-    the model's forward pass per size over them. `run` copies an iteration's inputs in and replays (or, when
-    not captured, runs the model eagerly on the same buffers)."""
+    """The CUDA graphs runner (orca/worker/runners.py): static buffers for decode iterations of up to
+    max(sizes) rows and, with `capture`, one CUDA graph of the model's forward pass per size over them.
+    A decode iteration padded to a size (padded_size) has its inputs copied in and replays (or, when not
+    captured, runs the model eagerly on the same buffers); any other runs through `eager`."""
 
     def __init__(self, model: nn.Module, attention: type[AttentionMetadata], kv_pool: torch.Tensor, block_size: int,
                  pad_slot: int, sizes: Sequence[int], capture: bool, max_blocks: int,
-                 kv_scales: torch.Tensor | None = None) -> None:
+                 kv_scales: torch.Tensor | None = None, eager: Runner | None = None) -> None:
         self.model, self.kv_pool, self.sizes = model, kv_pool, tuple(sizes)
+        self.eager = eager
         self.pad_slot = pad_slot
         device, rows = kv_pool.device, self.sizes[-1]
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -115,6 +101,18 @@ class DecodeGraphs:
             self._graphs[n] = graph
         torch.cuda.synchronize(self.kv_pool.device)
         logger.info("captured %d CUDA graphs in %.1f s", len(self._graphs), time.perf_counter() - t0)
+
+    def padded_size(self, ordered: list[PlannedRequest]) -> int | None:
+        """The size a decode iteration of these requests pads to; None when some request feeds more than
+        one token (or none after a cached prefix), or runs an adapter (captured without adapter rows)."""
+        if not all(len(pr.token_ids) == 1 and pr.start > 0 and pr.lora_slot < 0 for pr in ordered):
+            return None
+        return graph_size_for(len(ordered), self.sizes)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: IterationLayout) -> torch.Tensor:
+        if layout.padded_to is None:
+            return self.eager.forward(input_ids, positions, layout)
+        return self.run(input_ids, positions, layout.metadata())
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The (n, E) hidden states of a decode iteration already padded to a captured size n (its

@@ -20,7 +20,7 @@ from orca.checkpoint import ModelConfig, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepResult
 from orca.core.speculative import check_draft_model
-from orca.models.attention import AttentionMetadata, PhaseTimer
+from orca.models.attention import AttentionMetadata, IterationLayout, PhaseTimer
 from orca.models.attention.flex import FLEX_MIN_HEAD_DIM
 from orca.models.device import upload
 from orca.worker.kv_cache import KVLayout
@@ -106,19 +106,21 @@ class DraftModel:
 
     # -- the iteration -----------------------------------------------------------------------------
     def follow(self, ids: torch.Tensor, pos: torch.Tensor, ordered: list[PlannedRequest], tables: list[list[int]],
-               meta: AttentionMetadata, padded: bool, timer: PhaseTimer | None) -> None:
+               layout: IterationLayout, timer: PhaseTimer | None) -> None:
         """Runs the draft over the iteration's tokens (`ids`, `pos`: the model's padding rows, if any, left
         out), so that it has its keys and values of every token the model has; `tables` are the ordered
         requests' block tables."""
-        self.model(ids, pos, self._metadata(ordered, tables, meta, padded, timer))
+        self.model(ids, pos, self._metadata(ordered, tables, layout, timer))
 
-    def _metadata(self, ordered: list[PlannedRequest], tables: list[list[int]], meta: AttentionMetadata,
-                  padded: bool, timer: PhaseTimer | None) -> AttentionMetadata:
+    def _metadata(self, ordered: list[PlannedRequest], tables: list[list[int]], layout: IterationLayout,
+                  timer: PhaseTimer | None) -> AttentionMetadata:
         """The iteration's attention metadata over the draft's pool: the model's with the pool swapped
         where nothing else in it depends on the pool (reference and batched: the same slots and blocks),
         else (flex's layout spans the pool; padding rows of a CUDA graph) built again."""
-        if not padded and meta.flex is None:
-            return dataclasses.replace(meta, kv_pool=self.pool, kv_scales=self.scales)
+        if layout.padded_to is None:
+            meta = layout.metadata()
+            if meta.flex is None:
+                return dataclasses.replace(meta, kv_pool=self.pool, kv_scales=self.scales)
         return self.attention.for_iteration(
             [len(pr.token_ids) for pr in ordered], [pr.start for pr in ordered], tables, self.layout.block_size,
             self.pool, timer, kv_scales=self.scales,

@@ -31,19 +31,18 @@ from orca import tuning
 from orca.checkpoint import ModelConfig, resolve_checkpoint
 from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepPlan, StepResult
-from orca.models.attention import AttentionMetadata, PhaseTimer
+from orca.models.attention import AttentionMetadata, IterationLayout, PhaseTimer
 from orca.models.device import upload
 from orca.models.loader import load_model
 from orca.models.lora import LoRAModel
 from orca.models.quantization import QuantizedLinear
 from orca.parallel import ParallelContext, local_kv_heads
 from orca.worker import memory
-from orca.worker.compiled import CompiledForward
-from orca.worker.cuda_graphs import DecodeGraphs, graph_size_for
 from orca.worker.draft import DraftModel
 from orca.worker.kv_cache import KVLayout
 from orca.worker.pipeline import StageLink
 from orca.worker.resolution import ResolvedPlan, resolve
+from orca.worker.runners import EagerRunner, Runner
 from orca.worker.sampler import SamplingTensors, apply_allowed_tokens, sample, token_logprobs
 from orca.worker.warmup import warm_up
 
@@ -104,16 +103,14 @@ class Worker:
         if config.speculative_method == "draft":
             self.draft = DraftModel.load(config, self.resolved, self.dtype, self.device, mc, self.kv_layout,
                                          self.max_len(), load_model)
-        # CUDA graphs for decode iterations (orca/worker/cuda_graphs.py): captured in init_kv_pool when
-        # why_no_graphs finds no reason against; the pool then has one block more, for padding rows.
+        # The runner (runners.py), chosen by the warm-up: CUDA graphs where the plan finds no reason against
+        # them (the pool then has one block more, for padding rows), else the CPU graphs where it finds none
+        # against compiling, else eager.
         self.no_graphs_reason = self.resolved.no_graphs_reason
-        self.decode_graphs: DecodeGraphs | None = None
-        # The compiled forward pass (orca/worker/compiled.py): compiled in init_kv_pool when why_not_compiled
-        # finds no reason against.
         self.no_compile_reason = self.resolved.no_compile_reason
-        self.compiled: CompiledForward | None = None
         self._requests: dict[str, _RequestState] = {}
         self.stages = StageLink(self.par, mc.hidden_size, self.dtype, self.device)  # pipeline.py
+        self.runner: Runner = EagerRunner(self.model, self.par, self.stages)
         self._fault: str | None = None  # inject_fault: the next plan raises this message mid-iteration
         # The thread that loaded the model, and so ran its first OpenMP parallel regions (on a CPU), is the
         # one that must run its iterations (_foreign_thread's docstring); iterations on any other are counted.
@@ -206,17 +203,11 @@ class Worker:
             self._requests.pop(request_id, None)
         lora_seconds = self._load_loras(plan) if plan.lora_loads or plan.lora_removed or plan.lora_added else {}
         ordered = execution_order(plan.requests)
-        graph_size = self._graph_size(ordered) if timer is None else None
-        ids, pos, meta, sample_rows = self._prepare(ordered, timer, graph_size)
+        graph_size = self.runner.padded_size(ordered) if timer is None else None
+        ids, pos, layout, sample_rows = self._prepare(ordered, timer, graph_size)
         t1 = time.perf_counter()
         par = self.par
-        if graph_size is not None:
-            hidden = self.decode_graphs.run(ids, pos, meta)  # (graph_size, E), padding rows last
-        elif self.compiled is not None:
-            hidden = self.compiled(ids, pos, meta)  # (T, E); with LoRA, a graph with and one without adapter rows
-        else:
-            received = None if par.is_first_stage else self.stages.receive(ids.shape[0])
-            hidden = self.model(ids, pos, meta, hidden=received)  # (T, E)
+        hidden = self.runner.forward(ids, pos, layout)  # (T, E); padded: (graph_size, E), padding rows last
         if self._fault is not None:
             message, self._fault = self._fault, None
             raise RuntimeError(message)
@@ -245,7 +236,7 @@ class Worker:
             num_tokens = sum(len(pr.token_ids) for pr in ordered)
             states = [self._requests[pr.request_id] for pr in ordered]
             tables = [state.block_table for state in states]
-            self.draft.follow(ids[:num_tokens], pos[:num_tokens], ordered, tables, meta, graph_size is not None, timer)
+            self.draft.follow(ids[:num_tokens], pos[:num_tokens], ordered, tables, layout, timer)
             self.draft.propose(ordered, tables, [state.sampling for state in states], result)
         if timer is not None:
             timer.sync()
@@ -298,19 +289,10 @@ class Worker:
             logger.info("LoRA adapter %s into slot %d in %.1f ms", load.name, load.slot, 1e3 * seconds[load.lora_id])
         return seconds
 
-    def _graph_size(self, ordered: list[PlannedRequest]) -> int | None:
-        """The CUDA graph size a decode iteration of these requests pads to; None when graphs are off or
-        some request feeds more than one token (or none after a cached prefix)."""
-        if self.decode_graphs is None or not all(len(pr.token_ids) == 1 and pr.start > 0 for pr in ordered):
-            return None
-        if any(pr.lora_slot >= 0 for pr in ordered):  # captured without adapter rows: those run eagerly
-            return None
-        return graph_size_for(len(ordered), self.decode_graphs.sizes)
-
     def _prepare(
         self, ordered: list[PlannedRequest], timer: PhaseTimer | None, padded_to: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, tuple | None]:
-        """Flat input ids and positions (T,), the attention metadata, and the sampling rows: (row indices
+    ) -> tuple[torch.Tensor, torch.Tensor, IterationLayout, tuple | None]:
+        """Flat input ids and positions (T,), the iteration's layout, and the sampling rows: (row indices
         (B,), specs, steps, request ids, the (sampling row, bitmask) of the constrained ones, each request's
         proposed tokens) of the requests that draw a token (a request with k proposed tokens draws at its
         last k + 1 rows), or None when none does. With
@@ -367,9 +349,9 @@ class Worker:
         padding = 0 if padded_to is None else padded_to - len(input_ids)
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
-        pad_slot = self.decode_graphs.pad_slot if padding else 0
-        meta = self.attention.for_iteration(lengths, context_lens, tables, self.kv_layout.block_size, self.kv_pool,
-                                            timer, padding=padding, pad_slot=pad_slot, kv_scales=self.kv_scales)
+        layout = IterationLayout(self.attention, lengths, context_lens, tables, self.kv_layout.block_size,
+                                 self.kv_pool, self.kv_scales, timer, padded_to,
+                                 self.runner.pad_slot if padding else 0)  # type: ignore[attr-defined]
         if self.lora is not None:
             self.lora.batch.set_rows(lora_rows, self.device, self.dtype)
         elif lora_rows:
@@ -380,7 +362,7 @@ class Worker:
         sample_rows = None
         if rows:
             sample_rows = (upload(rows, torch.int64, self.device), specs, steps, sampled_ids, masks, proposals)
-        return ids, pos, meta, sample_rows
+        return ids, pos, layout, sample_rows
 
 
 def execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:

@@ -12,7 +12,7 @@ its own way. The slot arithmetic is done once per iteration (the backend's metad
 layer.
 
 What the model layers and the worker see is base.py's interface (AttentionMetadata, selective_attention,
-resolve_attention_backend, get_backend); one module per implementation (EngineConfig.attention_backend)
+get_backend); one module per implementation (EngineConfig.attention_backend)
 holds its metadata, its builder and its layer call:
 
 - reference.py, ``reference``: one ``scaled_dot_product_attention`` call per request and layer (the
@@ -22,21 +22,20 @@ holds its metadata, its builder and its layer call:
 - flex.py, ``flex``: one ``flex_attention`` call per layer for every token of the iteration, straight from
   the pool (compiled on CUDA; CUDA graphs).
 
-What ``auto`` picks is resolve_attention_backend's rule (base.py).
+What ``auto`` picks: orca/worker/resolution.py (docs/OPTIONS.md, its generated table).
 """
 
 # The backends register themselves (under their names) when their modules are imported here.
 from orca.models.attention import batched, flex, reference  # noqa: F401
 from orca.models.attention.base import (
     AttentionMetadata,
+    IterationLayout,
     PhaseTimer,
     get_backend,
-    iteration_scope,
-    resolve_attention_backend,
     selective_attention,
 )
 
 __all__ = [
-    "AttentionMetadata", "PhaseTimer", "get_backend", "iteration_scope", "resolve_attention_backend",
+    "AttentionMetadata", "IterationLayout", "PhaseTimer", "get_backend",
     "selective_attention",
 ]

@@ -5,7 +5,7 @@ softmax per group (grouped-query attention as query rows of the shared K/V head,
 increment's attention is a few thousand multiply-adds, and as its own SDPA call it pays a call's fixed
 cost; batched, the increments' attention is faster per layer, and the engine the fastest measured on a CPU
 (docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"). When `auto` picks
-it: resolve_attention_backend (base.py).
+it: orca/worker/resolution.py.
 
 Short requests (up to VERIFYING_MAX_ROWS tokens after a cached prefix: speculating requests verifying their
 proposals) are batched too, in groups of their own after the increments' (each request's query rows padded

@@ -10,7 +10,7 @@ CUDA the call is compiled (Triton) with dynamic token counts, and warmed up at l
 request (warm_up_rows); on a CPU it runs PyTorch's unfused flex implementation, which evaluates the mask
 over the whole pool: correct, for checking the fused path on a CPU, not fast.
 
-When `auto` picks it: resolve_attention_backend (base.py).
+When `auto` picks it: orca/worker/resolution.py.
 
 On CUDA, iterations in which every request feeds at most VERIFYING_MAX_ROWS rows (orca/tuning.py; every
 decode iteration, hence every CUDA graph; speculative verifications; short prompts) do not call
@@ -23,8 +23,8 @@ through its table), on a `paged` FlexLayout: rows and tables only.
 
 Limits: the pool must be allocated zeroed (zeroed_pool): the kernels weigh every slot of a tile they
 visit, the masked ones by 0, and 0 x NaN would poison a row; for the same reason the worker zeroes each
-block it hands to a request (reads_whole_blocks). The compiled forward pass of a CPU (orca/worker/
-compiled.py) does not run with it.
+block it hands to a request (reads_whole_blocks). The CPU graphs (orca/worker/cpu_graphs/) do not
+run with it.
 
 A quantized pool (kv_cache_dtype fp8_e4m3 or int8: values and a scale per slot and K/V head,
 orca/worker/kv_cache.py): the paged decode kernel reads the values and scales as they are (every decode

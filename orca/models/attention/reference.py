@@ -9,7 +9,7 @@ prompt attends causally to itself, a later chunk to every cached key and its own
 sliding window keeps each query's last `window` keys. A quantized pool (kv_cache_dtype) is dequantized as
 it is read: a request's keys and values, view or gather, become a float copy of the model's dtype.
 
-`auto` never picks it (resolve_attention_backend).
+`auto` never picks it (orca/worker/resolution.py).
 
 Limits: every request is its own SDPA call at every layer, each paying a fixed cost whatever its size, so
 an increment's tiny attention costs a whole call (the batched backend batches the increments for that;
@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from orca import tuning
 from orca.models.attention.base import (
     AttentionMetadata,
     PhaseTimer,
@@ -43,8 +42,7 @@ class ReferenceMetadata(AttentionMetadata):
     are increments. Request i's keys and values (its `context_lens[i] + lengths[i]` tokens) are pool slots
     `views[i] = (s0, s1)` when its blocks are consecutive (views[i] is None otherwise); the others' slots
     are concatenated in `gather_index`, split by `gather_sizes`: built from their `gather_tables` when the
-    iteration first reads them (a lone request's step that LoneStep runs, orca/worker/compiled.py, reads
-    its table instead, so building an index of every cached slot up front would be wasted)."""
+    iteration first reads them."""
 
     name = "reference"
     in_compiled_forward = True
@@ -59,16 +57,7 @@ class ReferenceMetadata(AttentionMetadata):
     # view, which attend reads with no per-request bookkeeping (docs/BENCHMARKS.md, "Results: where a
     # single-stream step still goes"); None otherwise.
     lone_view: tuple[int, int] | None = None
-    # One request of new tokens after cached ones, an unquantized pool on a CPU: the blocks that hold its cached
-    # tokens, in order, for the compiled forward pass's graph of a lone step (LoneStep,
-    # orca/worker/compiled.py), which reads them through this table wherever they are; None otherwise.
-    lone_table: torch.Tensor | None = None
-    # A decode step of 2 to tuning.FEW_MAX_ROWS requests, an unquantized pool on a CPU: each request's blocks
-    # of cached tokens (padded with its first block to the longest) and its cached tokens, for the compiled
-    # forward pass's graph of such steps (FewStep, orca/worker/compiled.py); None otherwise.
-    few_tables: torch.Tensor | None = None  # (n, width) int64
-    few_past: torch.Tensor | None = None  # (n,) int64
-    block_size: int = 0  # (the pool's: the gathers' slots and LoneStep's blocks)
+    block_size: int = 0  # (the pool's: the gathers' slots)
     # The masks of the requests of several new tokens after a cached prefix, by (request, window): the same
     # at every layer, so built once per iteration, not once per layer (the time saved on a CPU was within
     # the host's jitter: docs/BENCHMARKS.md, "Where lookup misses").
@@ -128,21 +117,9 @@ class ReferenceMetadata(AttentionMetadata):
                 gather_tables.append(table)
                 gather_sizes.append(total)
         device = kv_pool.device
-        few_tables = few_past = None
-        if (device.type == "cpu" and kv_scales is None and 2 <= len(lengths) <= tuning.FEW_MAX_ROWS
-                and all(n == 1 for n in lengths) and all(context_lens)):
-            cached = [table[: -(-past // block_size)] for table, past in zip(block_tables, context_lens)]
-            width = max(map(len, cached))
-            few_tables = upload([list(c) + [c[0]] * (width - len(c)) for c in cached], torch.int64, device)
-            few_past = upload(list(context_lens), torch.int64, device)
-        alone = len(lengths) == 1 and not elsewhere and kv_scales is None
-        lone = alone and num_increment == 1
-        past = context_lens[0] if alone and device.type == "cpu" else 0  # (LoneStep: a CPU's compiled pass)
+        lone = len(lengths) == 1 and not elsewhere and kv_scales is None and num_increment == 1
         return cls(
             lone_view=views[0] if lone else None,
-            lone_table=upload(block_tables[0][: -(-past // block_size)], torch.int64, device) if past else None,
-            few_tables=few_tables,
-            few_past=few_past,
             block_size=block_size,
             lengths=list(lengths),
             context_lens=list(context_lens),
