@@ -7,7 +7,9 @@ model_repository/*/1/model.py adapt it.
 
 from orca.checkpoint import ModelConfig
 from orca.config import EngineConfig
-from orca.core.engine import EngineCore, EngineCoreOutput, EngineFailedError, IterationStats, QueueFullError
+from orca.core.engine import EngineCore
+from orca.core.errors import EngineFailedError, QueueFullError
+from orca.core.outputs import EngineCoreOutput, IterationStats
 from orca.frontend.llm import LLM, CompletionOutput
 from orca.frontend.llm_engine import LLMEngine
 from orca.frontend.output_processor import Logprob, OutputProcessor, RequestOutput

@@ -15,7 +15,7 @@ MAX_COMPLETIONS_LOGPROBS = 5
 """OpenAI's bound for the completions API's logprobs (top_logprobs of chat: 20)."""
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
-"""cache_salt's bound, the engine's (orca.core.engine.MAX_CACHE_SALT_CHARS; orca_gpt checks it again)."""
+"""cache_salt's bound, the engine's (orca.core.request_checks.MAX_CACHE_SALT_CHARS; orca_gpt checks it again)."""
 MAX_TOKEN_ID = 2**31 - 1
 """A prompt's token ids are int32 on their way to the engine (which checks them against its vocabulary):
 a larger one would wrap around (4294967301 became token 5) or fail to convert (2**70: a 500)."""

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from orca.core.engine import MAX_CACHE_SALT_CHARS
+from orca.core.request_checks import MAX_CACHE_SALT_CHARS
 from orca.frontend.generation_config import with_sampling_defaults
 from orca.frontend.output_processor import Logprob, RequestOutput
 from orca.frontend.tokenizer import check_stop_strings

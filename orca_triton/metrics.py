@@ -12,7 +12,7 @@ from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
-from orca.core.engine import EngineStats
+from orca.core.outputs import EngineStats
 
 COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]

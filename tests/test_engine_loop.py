@@ -15,8 +15,8 @@ import pytest
 from _fixtures import RequestOutputs, tiny_core, tiny_engine
 
 from orca import QueueFullError, RequestOutput, SamplingParams
-from orca.core.engine import EngineStats, IterationStats
 from orca.core.engine_loop import EngineLoop
+from orca.core.outputs import EngineStats, IterationStats
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

@@ -29,8 +29,8 @@ from checkpoints import make_gpt2
 
 from orca import EngineFailedError, SamplingParams
 from orca.config import FAULT_INJECTION_ENV, EngineConfig
-from orca.core.engine import fatal_error
 from orca.core.engine_loop import EngineLoop, fault_from_env
+from orca.core.errors import fatal_error
 from orca.executor.distributed import _injected_fault
 from orca_server.server import TritonServer
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import xgrammar
 
-from orca.core.engine import QueueFullError
+from orca.core.errors import QueueFullError
 from orca.frontend.structured_outputs import StructuredOutputCompiler
 from orca.structured_outputs_params import (
     MAX_GRAMMAR_CHARS,

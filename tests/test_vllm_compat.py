@@ -180,7 +180,7 @@ def metrics_module(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def test_vllm_series_beside_orca_series_with_vllm_backend_labels(metrics_module: Any) -> None:
-    from orca.core.engine import EngineStats
+    from orca.core.outputs import EngineStats
 
     labels = {"model": "orca_gpt", "version": "1"}
     m = metrics_module.Metrics(labels)
@@ -210,7 +210,7 @@ def test_vllm_series_beside_orca_series_with_vllm_backend_labels(metrics_module:
 def test_a_scrape_between_two_gauge_sets_never_overstates(metrics_module: Any) -> None:
     """A scrape reads each gauge on its own: falling gauges are set before rising ones and the running count
     last, so no state between two sets shows more requests than there are, or running ones without their K/V."""
-    from orca.core.engine import EngineStats
+    from orca.core.outputs import EngineStats
 
     m = metrics_module.Metrics({"model": "m", "version": "1"})
     m.publish(EngineStats(running=1, waiting=7, kv_total_blocks=512, kv_allocated_blocks=1, block_size=16))
@@ -235,7 +235,7 @@ def test_a_scrape_between_two_gauge_sets_never_overstates(metrics_module: Any) -
 
 def test_report_vllm_off_makes_no_vllm_series(metrics_module: Any) -> None:
     """REPORT_CUSTOM_METRICS off: no vllm:* family is made; the calls the model makes still work."""
-    from orca.core.engine import EngineStats
+    from orca.core.outputs import EngineStats
 
     m = metrics_module.Metrics({"model": "m", "version": "1"}, report_vllm=False)
     m.vllm.engine_loaded(2048)

@@ -1,23 +1,17 @@
 """The engine core: token ids in, one iteration at a time, token ids out.
 
 ``EngineCore`` is single-threaded and synchronous: ``add_request`` and ``abort_request`` change the request
-pool, ``step`` runs one iteration and reports, for every request it touched, what changed: its new token
-ids, their log-probabilities, and how it finished (``EngineCoreOutput``, a delta: never the history).
+pool, ``step`` runs one iteration and reports each touched request's delta (``EngineCoreOutput``).
 
     schedule (OrcaScheduler: which requests, how many tokens each, which K/V blocks)
       -> plan (plain data: StepPlan) -> submit to the executor's workers (up to n_workers in flight)
       -> collect the oldest StepResult -> complete (append tokens, token-level stop rules, free K/V blocks)
 
-The core holds no tokenizer: text (tokenizing, chat templates, detokenizing, stop strings) and each
-request's accumulated output (ids, logprob entries, RequestOutput) are the front end's
-(orca/frontend/output_processor.py), on the thread that consumes outputs. So an iteration's host-side cost here
-grows with the batch, never with how long a request's history is. The core alone mutates Request
-objects; workers see plans. It knows nothing of tensors (the workers own the device) and nothing of
-Triton. With ``EngineConfig.trace`` set it records the iteration timeline (orca/core/timeline.py) through
-``self.timeline``; off (None), each hook costs one ``is not None`` check.
-``LLMEngine`` (orca/frontend/llm_engine.py) puts the front end around it for synchronous callers (orca.LLM, the
-request-level baseline); ``EngineLoop`` (engine_loop.py) drives it from a background thread for the
-Triton model.
+It holds no tokenizer, tensors or Triton: text and each request's accumulated output are the front end's
+(orca/frontend/output_processor.py), so an iteration's host cost grows with the batch, not with history.
+``EngineConfig.trace`` records the iteration timeline (orca/core/timeline.py) through ``self.timeline``.
+``LLMEngine`` (orca/frontend/llm_engine.py) wraps it for synchronous callers; ``EngineLoop``
+(engine_loop.py) drives it from a background thread for the Triton model.
 """
 
 from __future__ import annotations
@@ -27,16 +21,19 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from orca.checkpoint import ModelConfig, read_model_config, resolve_checkpoint
 from orca.config import EngineConfig, parse_lora_modules
+from orca.core.adapters import LoRAAdapters
 from orca.core.block_manager import BlockManager
 from orca.core.constraint import TokenConstraint
+from orca.core.errors import EngineFailedError, QueueFullError, fatal_error
 from orca.core.lora import LoRARequest, LoRASlots
-from orca.core.plan import LoRALoad, PlannedRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
+from orca.core.outputs import EngineCoreOutput, EngineStats, IterationStats
+from orca.core.plan import LoRALoad, PlannedRequest, SamplingSpec, StepPlan, StepResult
 from orca.core.request import FinishReason, Request
+from orca.core.request_checks import RequestChecks
 from orca.core.scheduler import OrcaScheduler, ScheduledBatch, ScheduledRequest
 from orca.core.speculative import check_draft_model, make_proposer
 from orca.core.timeline import TimelineRecorder
@@ -46,106 +43,7 @@ from orca.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-MAX_CACHE_SALT_CHARS = 1024
-"""The longest cache_salt a request may give."""
-
-
-FATAL_ERROR_MARKERS = (
-    "CUDA error", "AcceleratorError", "device-side assert", "illegal memory access", "unspecified launch failure",
-    "CUBLAS_STATUS_", "CUDNN_STATUS_", "NCCL error", "misaligned address", "illegal instruction",
-)
-"""Words of an iteration's error (the worker's "ExceptionType: message") that say the device itself is
-broken: after a CUDA error the context is unusable (every later kernel launch fails with it), so the engine
-fails at once rather than after max_consecutive_failures iterations. An out-of-memory error is not among
-them: a smaller batch may fit."""
-
-
-def fatal_error(error: str) -> bool:
-    """Whether an iteration's error is fatal by its kind (FATAL_ERROR_MARKERS)."""
-    return any(marker in error for marker in FATAL_ERROR_MARKERS)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound (EngineConfig.max_queue): retry later."""
-
-
-class EngineFailedError(RuntimeError):
-    """The engine's workers failed (died, hung, an iteration raised in a worker process, a device error,
-    or max_consecutive_failures iterations in a row failed): it serves no more requests. Its message says
-    what happened."""
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one iteration (or an abort, or a failure) did to one request: a delta, O(new tokens).
-
-    ``new_token_ids`` were generated in this iteration (none for a prompt chunk, a cancellation or an
-    error); ``new_logprobs`` has their TokenLogprobs when the request asked for logprobs (else None).
-    ``finish_reason`` is set on the request's last output; ``time`` is when the iteration completed
-    (time.monotonic()); ``logits`` the (V,) float32 row sampled from, when logits capture is on."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    time: float = 0.0
-    logits: Any = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the request's first admission
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class IterationStats:
-    """What the last completed iteration did, for metrics and benchmarks."""
-
-    batch_id: int = -1  # the plan's id (StepPlan.batch_id)
-    batch_size: int = 0
-    num_tokens: int = 0
-    num_initiation: int = 0  # members feeding prompt tokens (a whole prompt, a chunk, or a recomputation)
-    num_preempted: int = 0  # requests preempted by this iteration's selection
-    duration: float = 0.0  # submit to collect
-    kv_used_tokens: int = 0  # after the iteration, before finished requests free their blocks
-    kv_allocated_blocks: int = 0  # same moment
-    num_proposed: int = 0  # speculative decoding: proposed tokens this iteration verified
-    num_accepted: int = 0  # ... and of them, accepted
-    timings: dict[str, float] = field(default_factory=dict)  # per phase, when profiling is on
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's state."""
-
-    running: int = 0  # admitted requests (holding K/V blocks)
-    waiting: int = 0  # requests not admitted (new or preempted)
-    kv_total_blocks: int = 0
-    kv_allocated_blocks: int = 0
-    kv_used_tokens: int = 0  # tokens whose keys and values the pool holds
-    block_size: int = 0
-    preemptions: int = 0  # cumulative
-    prefix_cache_queries: int = 0  # cumulative: tokens of the requests looked up in the prefix cache at admission
-    prefix_cache_hits: int = 0  # cumulative: ... and of them, tokens whose K/V the cache held
-    prefix_cache_blocks: int = 0  # blocks holding reusable K/V now (referenced or not)
-    spec_proposed_tokens: int = 0  # cumulative: speculative decoding's proposed tokens, verified
-    spec_accepted_tokens: int = 0  # cumulative: ... and of them, accepted
-    spec_verifications: int = 0  # cumulative: request-iterations that verified at least one proposal
-    lora_resident: int = 0  # LoRA adapters in the workers' slots now
-    lora_active: int = 0  # ... of them, used by admitted requests
-    lora_loads: int = 0  # cumulative: adapters put into a slot
-
-    @property
-    def n_slots(self) -> int:
-        return self.kv_total_blocks * self.block_size
-
-    @property
-    def kv_allocated_slots(self) -> int:
-        return self.kv_allocated_blocks * self.block_size
-
-
-class EngineCore:
+class EngineCore(LoRAAdapters, RequestChecks):
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None) -> None:
         """`executor` replaces the default worker(s) (it must serve this config's model): the in-process
         worker, or worker processes when tensor or pipeline parallelism is on (orca/executor/distributed.py)."""
@@ -228,56 +126,6 @@ class EngineCore:
             self.executor.shutdown()
             raise
 
-    # -- LoRA adapters ---------------------------------------------------------------------------
-    def add_lora(self, name: str, path: str, adapter: Any = None) -> LoRARequest:
-        """Serves the adapter in directory `path` under `name`, after reading it whole and checking it
-        against the model (orca/models/lora.py read_adapter: LoRAError, a ValueError naming the adapter and
-        the reason), on the caller's thread; `adapter`: that read, done already (EngineLoop.add_lora reads
-        on its caller's thread, before the call comes to the loop's). A name already served is refused:
-        remove it first. The host copy goes to the workers with the next plan (StepPlan.lora_added): they
-        never read the files."""
-        self.check_new_lora(name, path)
-        if adapter is None:
-            adapter = self.read_lora(name, path)
-        lora = self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
-        self._lora_added.append((lora.lora_id, adapter))
-        logger.info("LoRA adapter %s (id %d) from %s", name, lora.lora_id, path)
-        return lora
-
-    def check_new_lora(self, name: str, path: str) -> None:
-        """ValueError when add_lora(name, path) would be refused before reading anything (LoRA off, no name
-        or path, a name already served). Reads only the served names: any thread may call it (add_lora
-        checks again)."""
-        if self.lora_slots is None:
-            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora true")
-        if not isinstance(name, str) or not name.strip() or not isinstance(path, str) or not path.strip():
-            raise ValueError(f"a LoRA adapter needs a name and a path, got {name!r} and {path!r}")
-        served = self.loras.get(name)
-        if served is not None:
-            raise ValueError(f"LoRA adapter {name!r} is already served (from {served.path}): remove it "
-                             "first to replace it")
-
-    def read_lora(self, name: str, path: str) -> Any:
-        """The adapter in `path` read and checked for this engine's model and max_lora_rank, on the caller's
-        thread (orca/models/lora.py read_adapter; LoRAError names the adapter and the reason)."""
-        from orca.models.lora import read_adapter  # reads files and tensors only: no model code
-
-        return read_adapter(name, path, self.model_config, self.config.max_lora_rank)
-
-    def remove_lora(self, name: str) -> bool:
-        """Stops serving an adapter: new requests naming it are refused; requests already holding it run
-        to their end. False if no adapter has that name."""
-        lora = self.loras.pop(name, None)
-        if lora is None:
-            return False
-        self.lora_slots.forget(lora.lora_id)  # type: ignore[union-attr]
-        self._lora_added = [(i, a) for i, a in self._lora_added if i != lora.lora_id]  # never handed over
-        self._lora_removed.append(lora.lora_id)
-        return True
-
-    def list_loras(self) -> list[LoRARequest]:
-        return list(self.loras.values())
-
     # -- requests --------------------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
@@ -287,61 +135,6 @@ class EngineCore:
     def block_size(self) -> int:
         return self.blocks.block_size
 
-    def validate(self, prompt_token_ids: Any, params: SamplingParams, cache_salt: Any = None) -> None:
-        """Raises ValueError naming what is wrong with a request and the allowed range (EngineFailedError
-        once the engine has failed). Reads only immutable configuration, so any thread may call it: the
-        front end calls it before add_request, which does not check again."""
-        if self.failed is not None:
-            raise EngineFailedError(f"the engine has failed and serves no more requests: {self.failed}")
-        if cache_salt is not None and (
-            not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= MAX_CACHE_SALT_CHARS
-        ):
-            got = f"{len(cache_salt)} characters" if isinstance(cache_salt, str) else type(cache_salt).__name__
-            raise ValueError(
-                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got {got}"
-            )
-        if params.n != 1:
-            raise ValueError(f"n must be 1 in the engine core, got n={params.n}: a front end fans n > 1 out into n "
-                             "requests (orca/frontend/parallel_sampling.py; orca_gpt serves it)")
-        if params.lora_name is not None:
-            self._lora(params.lora_name)
-        vocab = self.model_config.vocab_size
-        if not isinstance(prompt_token_ids, (list, tuple)) or len(prompt_token_ids) == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        for t in prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token id {t!r} is out of range: ids must be integers in [0, {vocab - 1}]")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; the context holds {self.max_model_len}, so a prompt may have "
-                f"at most {self.max_model_len - 1}"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} is too large: prompt ({n} tokens) + max_tokens must be <= "
-                f"{self.max_model_len}, so max_tokens must be in [1, {self.max_model_len - n}]"
-            )
-        if n >= self.n_slots:
-            raise ValueError(
-                f"the prompt has {n} tokens; the K/V cache holds {self.n_slots} slots, so a prompt may have at "
-                f"most {self.n_slots - 1}"
-            )
-        if n + params.max_tokens > self.n_slots:
-            raise ValueError(
-                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the K/V cache of "
-                f"{self.n_slots} slots: max_tokens must be in [1, {self.n_slots - n}]"
-            )
-
-    def _lora(self, name: str) -> LoRARequest:
-        """The adapter a request names; ValueError naming the adapters served when it is none of them."""
-        if self.lora_slots is None:
-            raise ValueError(f"lora_name {name!r}: this model serves no LoRA adapters (enable_lora is off)")
-        lora = self.loras.get(name)
-        if lora is None:
-            served = ", ".join(sorted(self.loras)) or "none"
-            raise ValueError(f"lora_name {name!r} is not an adapter this model serves (served: {served})")
-        return lora
 
     def add_request(
         self,

@@ -34,14 +34,9 @@ from typing import Any
 
 from orca.config import fault_spec
 from orca.core.constraint import TokenConstraint
-from orca.core.engine import (
-    EngineCore,
-    EngineCoreOutput,
-    EngineFailedError,
-    EngineStats,
-    IterationStats,
-    QueueFullError,
-)
+from orca.core.engine import EngineCore
+from orca.core.errors import EngineFailedError, QueueFullError
+from orca.core.outputs import EngineCoreOutput, EngineStats, IterationStats
 from orca.core.request import FinishReason
 from orca.sampling_params import SamplingParams
 

@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from orca.config import EngineConfig
-from orca.core.engine import EngineCore, EngineStats, IterationStats
+from orca.core.engine import EngineCore
+from orca.core.outputs import EngineStats, IterationStats
 from orca.executor import Executor
 from orca.frontend.generation_config import describe_sampling_defaults, read_sampling_defaults
 from orca.frontend.output_processor import OutputProcessor, RequestOutput

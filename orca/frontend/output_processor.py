@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca.core.engine import EngineCoreOutput
+from orca.core.outputs import EngineCoreOutput
 from orca.core.plan import TokenLogprobs
 from orca.core.request import FinishReason
 from orca.frontend.detokenizer import IncrementalDetokenizer

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orca.core.engine import QueueFullError
+from orca.core.errors import QueueFullError
 from orca.frontend.compile_process import CompileProcess
 from orca.frontend.grammar import GrammarConstraint
 from orca.structured_outputs_params import StructuredOutputs

@@ -49,8 +49,8 @@ from orca import (
     QueueFullError,
     RequestOutput,
 )
-from orca.core.engine import IterationStats
 from orca.core.engine_loop import EngineLoop, fault_from_env
+from orca.core.outputs import IterationStats
 from orca.frontend.generation_config import describe_sampling_defaults, read_sampling_defaults
 from orca.frontend.parallel_sampling import ParentRequest, child_params
 from orca.frontend.structured_outputs import DEFAULT_MAX_PENDING, StructuredOutputCompiler
