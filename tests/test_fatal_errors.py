@@ -31,7 +31,7 @@ from orca import EngineFailedError, SamplingParams
 from orca.config import FAULT_INJECTION_ENV, EngineConfig
 from orca.core.engine_loop import EngineLoop, fault_from_env
 from orca.core.errors import fatal_error
-from orca.executor.distributed import _injected_fault
+from orca.executor.worker_process import _injected_fault
 from orca_server.server import TritonServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "reliability"))

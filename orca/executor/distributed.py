@@ -1,24 +1,12 @@
 """Distributed execution (Orca's distributed serving): one worker process per rank, driven by the engine.
 
-The driver is the engine's process (the Triton model's stub): tokenizer, scheduler, block accounting,
-responses. It initialises no CUDA. Each rank is a worker process (``python -m orca.worker``) with one
-device: the driver starts its local ranks itself (fresh interpreters, never a fork of the driver), and
-ranks on other nodes start the same command with the driver's address (Kubernetes LeaderWorkerSet).
-
-Control plane: one authenticated TCP connection (multiprocessing.connection) between the driver and each
-worker. Every iteration the driver pickles its StepPlan once and writes it to every worker (a write to a
-socket buffer: the driver does not wait for the workers to read), so every stage prepares its metadata
-before its activations arrive; the last stage's first tensor-parallel rank answers with the StepResult.
-A worker's exception is reported on the same connection; a dead worker closes it.
-
-Data plane: torch.distributed among the workers only (NCCL on GPUs, gloo on CPUs), rendezvous through a
-TCPStore the driver hosts on a port it picks, bound to control_address's host like the control port:
-all-reduces and all-gathers inside each stage's tensor-parallel group, [tokens, hidden] activations from
-each rank to the same tensor-parallel rank of the next stage.
-
-Failures end in errors, never hangs: a worker that dies, reports an exception, or gives no result within
-worker_timeout makes the executor raise WorkerFailure (the engine fails every request and refuses new
-ones); the driver kills its local workers; a worker exits when its connection to the driver closes.
+The driver (the Triton model's stub) holds the scheduler and initialises no CUDA; each rank is a worker
+process (``python -m orca.worker``, orca/executor/worker_process.py) with one device, started by the driver
+for local ranks and by the same command elsewhere (Kubernetes LeaderWorkerSet). Control plane: one
+authenticated TCP connection per worker (orca/executor/control.py); every plan is written to every worker,
+the last stage's first tensor-parallel rank answers. Data plane: torch.distributed among the workers only,
+rendezvous through a TCPStore the driver hosts on the control host. A worker that dies, fails or gives no
+result within worker_timeout makes the executor raise WorkerFailure: errors, never hangs.
 """
 
 from __future__ import annotations
@@ -30,58 +18,28 @@ import pickle
 import queue
 import socket
 import subprocess
-import sys
 import threading
 import time
-import traceback
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge, wait
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from typing import Any
 
 from orca.checkpoint import read_model_config, resolve_checkpoint
-from orca.config import EngineConfig, fault_spec
+from orca.config import EngineConfig
 from orca.core.plan import StepPlan, StepResult
 from orca.executor import WorkerFailure
+from orca.executor.control import AUTHKEY_ENV, Assignment, Hello, StageTiming, listen, no_delay, python_executable, shut
+from orca.executor.worker_process import run_worker  # noqa: F401 - orca/worker/__main__.py imports it from here
 from orca.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)
 
-AUTHKEY_ENV = "ORCA_WORKER_AUTHKEY"
-FAULT_ENV = "ORCA_WORKER_FAULT"
 HANDSHAKE_TIMEOUT_S = 20.0  # a connection to the control port must authenticate within this
 START_TIMEOUT_FACTOR = 10  # start-up (connect, load weights, size the pool) may take this x worker_timeout
 _KILL_GRACE_S = 5.0
 
-
-@dataclass(frozen=True)
-class Hello:
-    """A worker's first message: where it runs. Ranks go by (node_index, local_index)."""
-
-    node_index: int
-    local_index: int
-    hostname: str
-    pid: int
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """The driver's answer to Hello: everything a worker needs to join."""
-
-    config: EngineConfig
-    rank: int
-    store_port: int  # the driver's TCPStore, on the host the worker connected to
-
-
-@dataclass(frozen=True)
-class StageTiming:
-    """When a rank ran a plan (plan.profile only): lets tests and benchmarks see batches overlap."""
-
-    rank: int
-    batch_id: int
-    start: float  # time.time(), wall clock (comparable across processes on one host)
-    end: float
 
 
 # -- the driver's side ------------------------------------------------------------------------------
@@ -127,11 +85,11 @@ class DistributedExecutor:
         import torch.distributed as dist
 
         host, _, port = config.control_address.rpartition(":")
-        self._listener = _listen(host, int(port), max(8, self.layout.world_size))
+        self._listener = listen(host, int(port), max(8, self.layout.world_size))
         address = self._listener.getsockname()[:2]
         # The TCPStore binds every interface when it opens its own port: hand it one bound to the control
         # host (the pod's address), so the rendezvous is reachable where the control port is and nowhere else.
-        store_socket = _listen(host, 0, max(8, self.layout.world_size))
+        store_socket = listen(host, 0, max(8, self.layout.world_size))
         store_port = store_socket.getsockname()[1]
         try:
             self._store = dist.TCPStore(
@@ -147,7 +105,7 @@ class DistributedExecutor:
         env = {**os.environ, AUTHKEY_ENV: secret}  # in the environment, never on a command line
         for i in range(local):
             cmd = [
-                _python_executable(), "-m", "orca.worker", "--driver", f"{address[0]}:{address[1]}",
+                python_executable(), "-m", "orca.worker", "--driver", f"{address[0]}:{address[1]}",
                 "--node-index", "0", "--local-index", str(i), "--num-ranks", str(local),
                 "--cpu-threads", str(threads),
             ]
@@ -181,7 +139,7 @@ class DistributedExecutor:
         def handshake(sock: socket.socket, peer: Any) -> None:
             conn = Connection(os.dup(sock.fileno()))
             # Past the deadline the socket is shut down: a peer that never answers the challenge gets EOF.
-            timer = threading.Timer(HANDSHAKE_TIMEOUT_S, _shut, args=(sock,))
+            timer = threading.Timer(HANDSHAKE_TIMEOUT_S, shut, args=(sock,))
             timer.start()
             try:
                 deliver_challenge(conn, authkey)
@@ -203,7 +161,7 @@ class DistributedExecutor:
                 logger.warning("a connection to the control port from %s sent no Hello: closed", peer)
                 conn.close()
                 return
-            _no_delay(conn)
+            no_delay(conn)
             accepted.put((conn, hello))
 
         def accept_loop() -> None:
@@ -235,7 +193,7 @@ class DistributedExecutor:
             if isinstance(item, BaseException):
                 raise WorkerFailure(f"accepting workers failed: {item}")
             got.append(item)
-        _shut(server)  # every rank has joined: nobody else may connect (shutdown wakes the blocked accept)
+        shut(server)  # every rank has joined: nobody else may connect (shutdown wakes the blocked accept)
         server.close()
         self._listener = None
         keys = [(h.node_index, h.local_index) for _, h in got]
@@ -343,7 +301,7 @@ class DistributedExecutor:
                 proc.wait()
         self._procs = []
         if self._listener is not None:
-            _shut(self._listener)
+            shut(self._listener)
             self._listener.close()
             self._listener = None
         self._store = None
@@ -353,50 +311,6 @@ class DistributedExecutor:
         """Local worker processes (tests use them to inject failures)."""
         return [p.pid for p in self._procs]
 
-
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
-    """A TCP socket listening on host:port (port 0: a free one), as multiprocessing's Listener binds."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=backlog)
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _no_delay(conn: Connection) -> None:
-    """Small messages go out at once: with Nagle's algorithm a message written right after another waits
-    for the peer's delayed ACK (40 ms on Linux)."""
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    finally:
-        sock.close()
-
-
-def _injected_fault(rank: int) -> tuple[int, str] | None:
-    """Fault injection for the failure tests, read only with $ORCA_ENABLE_FAULT_INJECTION=1 (local workers
-    inherit the driver's environment): $ORCA_WORKER_FAULT = "RANK:ITERATION:KIND" makes that rank raise
-    (KIND raise), exit at once (exit) or stop answering (hang) when it gets that iteration's plan."""
-    spec = fault_spec(FAULT_ENV)
-    if not spec:
-        return None
-    r, batch_id, kind = spec.split(":")
-    return (int(batch_id), kind) if int(r) == rank else None
-
-
-def _inject(kind: str) -> None:
-    if kind == "raise":
-        raise RuntimeError(f"fault injected by ${FAULT_ENV}")
-    if kind == "exit":
-        os._exit(3)
-    if kind == "hang":
-        while True:
-            time.sleep(3600)
-    raise ValueError(f"${FAULT_ENV}: unknown fault kind {kind!r} (raise, exit, hang)")
 
 
 def _check_devices(config: EngineConfig, local: int) -> None:
@@ -411,119 +325,3 @@ def _check_devices(config: EngineConfig, local: int) -> None:
                 f"pipeline_parallel_size, set local_workers and start the other ranks on other nodes, or use "
                 f"device cpu"
             )
-
-
-def _python_executable() -> str:
-    """The interpreter for worker processes. Inside Triton's Python backend stub sys.executable may be
-    the stub itself; the environment's python is next to the stdlib's prefix."""
-    exe = sys.executable
-    if exe and os.path.basename(exe).startswith("python"):
-        return exe
-    for candidate in (os.path.join(sys.prefix, "bin", "python3"), os.path.join(sys.base_prefix, "bin", "python3")):
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return "python3"
-
-
-# -- the worker's side ------------------------------------------------------------------------------
-def run_worker(
-    host: str, port: int, authkey: bytes, node_index: int, local_index: int, cpu_threads: int,
-    connect_timeout: float = 0.0,
-) -> int:
-    """The body of one worker process: join (retrying for connect_timeout seconds while the driver does
-    not listen yet), load, then carry out plans until the driver says stop or goes away. Returns the
-    process's exit code."""
-    deadline = time.monotonic() + connect_timeout
-    while True:  # the driver may not listen yet (a LeaderWorkerSet starts followers with the leader)
-        try:
-            conn = Client((host, port), authkey=authkey)
-            _no_delay(conn)
-            break
-        except AuthenticationError:
-            print(f"[orca.worker] the driver at {host}:{port} refused ${AUTHKEY_ENV}", file=sys.stderr, flush=True)
-            return 1
-        except OSError as exc:
-            if time.monotonic() > deadline:
-                print(f"[orca.worker] cannot reach the driver at {host}:{port} within {connect_timeout:g} s: {exc}",
-                      file=sys.stderr, flush=True)
-                return 1
-            time.sleep(1.0)
-    try:
-        conn.send(Hello(node_index, local_index, socket.gethostname(), os.getpid()))
-        assignment: Assignment = conn.recv()
-        return _serve(conn, host, assignment, local_index, cpu_threads)
-    except (EOFError, OSError):
-        return 0  # the driver went away: nothing left to serve
-    except BaseException:  # noqa: BLE001 - tell the driver why, then exit
-        message = traceback.format_exc(limit=8)
-        print(f"[orca.worker] {message}", file=sys.stderr, flush=True)
-        try:
-            conn.send(("error", message.strip().splitlines()[-1] + "\n" + message))
-        except (OSError, ValueError):
-            pass
-        return 1
-    finally:
-        conn.close()
-
-
-def _serve(conn: Connection, host: str, a: Assignment, local_index: int, cpu_threads: int) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from orca.parallel import ParallelContext
-    from orca.worker import Worker
-
-    config = a.config
-    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
-    device = config.torch_device
-    if device.type == "cuda":
-        device = torch.device("cuda", local_index)
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(cpu_threads)
-    backend = config.distributed_backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=config.worker_timeout)
-    store = dist.TCPStore(host, a.store_port, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=a.rank, world_size=layout.world_size, timeout=timeout)
-    try:
-        tp = layout.tensor_parallel_size
-        tp_group = None
-        for stage in range(layout.pipeline_parallel_size):  # every rank creates every group, in order
-            ranks = [layout.rank(stage, t) for t in range(tp)]
-            group = dist.new_group(ranks) if tp > 1 else None
-            if a.rank in ranks:
-                tp_group = group
-        num_layers = read_model_config(resolve_checkpoint(config.model))[0].num_layers
-        par = ParallelContext(layout, a.rank, num_layers, tp_group)
-        worker = Worker(config, par=par, device=device)
-        conn.send(("ready", worker.determine_num_blocks()))
-        msg = conn.recv()
-        worker.init_kv_pool(msg[1])
-        conn.send(("pool_ready",))
-        stage, tp_rank = layout.coords(a.rank)
-        answers = stage == layout.pipeline_parallel_size - 1 and tp_rank == 0
-        fault = _injected_fault(a.rank)
-        while True:
-            msg = pickle.loads(conn.recv_bytes())
-            if msg[0] == "shutdown":
-                return 0
-            plan: StepPlan = msg[1]
-            start = time.time()
-            if fault is not None and plan.batch_id == fault[0]:
-                _inject(fault[1])
-            result = worker.execute(plan)
-            if result.error is not None:
-                # The data plane is in an unknown state (peers may wait on this rank): the engine stops.
-                conn.send(("error", f"iteration {plan.batch_id}: {result.error}"))
-                return 1
-            if plan.profile:
-                conn.send(("timing", StageTiming(a.rank, plan.batch_id, start, time.time())))
-            if answers:
-                conn.send(("result", result))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a peer may be gone already
-            pass

@@ -127,7 +127,7 @@ def _gib(n: int) -> str:
 
 
 def _python_executable() -> str:
-    from orca.executor.distributed import _python_executable as python
+    from orca.executor.control import python_executable as python
 
     return python()
 
