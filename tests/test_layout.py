@@ -73,7 +73,8 @@ def test_the_driver_loads_no_model_code() -> None:
 
 def test_the_worker_package_only_re_exports() -> None:
     """orca/worker/__init__.py defines nothing: its docstring, imports from its modules and __all__ (each
-    concern is a module of its own: worker.py, backends.py, memory.py, warmup.py, draft.py, pipeline.py)."""
+    concern is a module of its own: worker.py, resolution.py, runners.py, memory.py, warmup.py, draft.py,
+    pipeline.py)."""
     body = ast.parse((ROOT / "orca" / "worker" / "__init__.py").read_text()).body
     defined = []
     for i, node in enumerate(body):

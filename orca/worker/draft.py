@@ -21,10 +21,9 @@ from orca.config import EngineConfig
 from orca.core.plan import PlannedRequest, SamplingSpec, StepResult
 from orca.core.speculative import check_draft_model
 from orca.models.attention import AttentionMetadata, IterationLayout, PhaseTimer
-from orca.models.attention.flex import FLEX_MIN_HEAD_DIM
 from orca.models.device import upload
 from orca.worker.kv_cache import KVLayout
-from orca.worker.resolution import ResolvedPlan
+from orca.worker.resolution import ResolvedPlan, check_attention_support
 from orca.worker.sampler import SamplingTensors, sample
 
 logger = logging.getLogger(__package__)  # "orca.worker": the worker's lines, whichever module says them
@@ -70,9 +69,8 @@ class DraftModel:
         model, dc = load_model(checkpoint, dtype, device, None, backends.linear, config.quantization,
                                config.quantization_group_size)
         check_draft_model(dc, target, max_len, checkpoint)
-        if backends.attention_backend == "flex" and device.type == "cuda" and dc.head_dim < FLEX_MIN_HEAD_DIM:
-            raise ValueError(f"attention_backend flex on CUDA needs head_dim >= {FLEX_MIN_HEAD_DIM}; the draft "
-                             f"model's (speculative_model) is {dc.head_dim}: choose batched or reference")
+        check_attention_support(backends.attention, device, dc.head_dim, backends.kv_dtype,
+                                whose="the draft model's (speculative_model)")
         layout = KVLayout(dc.num_layers, dc.num_kv_heads, dc.head_dim, backends.kv_dtype, config.block_size)
         # Draft steps write up to num_speculative_tokens positions past what a request's blocks hold:
         # at most that many blocks more, for each of max_bs requests.

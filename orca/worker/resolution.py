@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -258,7 +257,7 @@ def why_not_flex_by_default(config: EngineConfig, device: torch.device, checkpoi
     if config.enable_lora:
         return "enable_lora (iterations with an adapter run without CUDA graphs)"
     flex = get_backend(AUTO_ATTENTION_ON_CUDA)
-    min_head_dim = _trait(flex, "cuda_min_head_dim", 0)
+    min_head_dim = flex.cuda_min_head_dim
     configs = [model_config or read_model_config(checkpoint)[0]]
     if config.speculative_method == "draft" and config.speculative_model:
         configs.append(read_model_config(resolve_checkpoint(config.speculative_model))[0])
@@ -278,11 +277,11 @@ def check_attention_support(attention: type[AttentionMetadata], device: torch.de
     capability a float8 e4m3 pool needs."""
     if device.type != "cuda":
         return
-    min_head_dim = _trait(attention, "cuda_min_head_dim", 0)
+    min_head_dim = attention.cuda_min_head_dim
     if head_dim < min_head_dim:
         raise ValueError(f"attention_backend {attention.name} on CUDA needs head_dim >= {min_head_dim} (torch's "
                          f"{attention.name} kernels); {whose} is {head_dim}: choose batched or reference")
-    fp8_capability = _trait(attention, "cuda_fp8_pool_min_capability", None)
+    fp8_capability = attention.cuda_fp8_pool_min_capability
     if fp8_capability is not None and kv_dtype == torch.float8_e4m3fn:
         capability = torch.cuda.get_device_capability(device)
         if capability < fp8_capability:  # (Triton converts float8 e4m3 from compute capability 8.9 on)
@@ -326,11 +325,6 @@ def why_not_compiled(choice: str, device: torch.device, attention_backend: str, 
     if moe:
         return "a mixture-of-experts layer counts its tokens per expert on the host"
     return None
-
-
-def _trait(attention: type[AttentionMetadata], name: str, default: Any) -> Any:
-    """A backend's trait, `default` where the backend declares none."""
-    return getattr(attention, name, default)
 
 
 def _name(dtype: torch.dtype) -> str:

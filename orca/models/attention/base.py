@@ -120,6 +120,9 @@ class AttentionMetadata:
     # Its tensors' shapes depend on the token count only: decode iterations padded to a size can replay a
     # CUDA graph (orca/worker/cuda_graphs.py: graph_buffers, head, copy_).
     cuda_graphs: ClassVar[bool] = False
+    # On CUDA: the least head_dim its kernels take; the compute capability a float8 e4m3 pool needs (None: any).
+    cuda_min_head_dim: ClassVar[int] = 0
+    cuda_fp8_pool_min_capability: ClassVar[tuple[int, int] | None] = None
     # Where compiles_at_load: the token rows of the iterations that compile its kernels at load (after a
     # two-token prompt and its increment).
     warm_up_rows: ClassVar[tuple[int, ...]] = ()
