@@ -32,7 +32,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # beside the dequantized weights (write_gguf_quantized).
 GGUF_SOURCE_FILE = "orca_gguf_source.json"
 # The GGUF file's quantized blocks, unpacked into orca's canonical layout at conversion, so that the loader
-# reads them as they are (orca/models/quantized_checkpoints.py GgufCheckpoint) without parsing the GGUF file
+# reads them as they are (orca/models/gguf_checkpoint.py GgufCheckpoint) without parsing the GGUF file
 # at each load. In a subdirectory: the loader's "*.safetensors" of the checkpoint are its float weights.
 GGUF_QUANTIZED_FILE = "orca_quantized/weights.safetensors"
 # Part of a converted directory's cache key: bumped whenever what a conversion writes changes, so that
@@ -271,7 +271,7 @@ def write_gguf_quantized(gguf_path: Path, directory: Path) -> dict[str, Any]:
     GGUF_SOURCE_FILE, which this returns: gguf_source, "converted_format" (CONVERTED_FORMAT),
     "architecture", "quantized" (GGUF_QUANTIZED_FILE or None) and "dequantized_only" ({GGUF tensor: type}
     of the quantized tensors orca reads as the converted float weights only: K-quants and the like)."""
-    from orca.models.quantized_checkpoints import export_gguf_quantized
+    from orca.models.gguf_checkpoint import export_gguf_quantized
 
     marker = {**gguf_source(gguf_path), "converted_format": CONVERTED_FORMAT,
               **export_gguf_quantized(gguf_path, directory)}

@@ -30,7 +30,8 @@ from orca.checkpoint import (
     resolve_checkpoint,
     write_gguf_quantized,
 )
-from orca.models.quantized_checkpoints import open_quantized_checkpoint, pack_int4, unpack_int4
+from orca.models.gguf_checkpoint import pack_int4, unpack_int4
+from orca.models.quantized_checkpoints import open_quantized_checkpoint
 
 LAYERS = 2
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
