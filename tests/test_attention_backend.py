@@ -30,7 +30,8 @@ from orca.models.attention import (
     get_backend,
     selective_attention,
 )
-from orca.models.attention.flex import FLEX_DECODING_ROWS, FLEX_Q_BLOCK, FlexLayout
+from orca.models.attention.flex import FLEX_DECODING_ROWS
+from orca.models.attention.flex_layout import FLEX_Q_BLOCK, FlexLayout
 from orca.tuning import BATCHED_MIN_INCREMENTS, VERIFYING_MAX_ROWS
 from orca.worker import Worker, flex_warm_up_plans, why_not_flex_by_default
 from orca.worker.cpu_graphs.decode_attention import FewDecode, LoneDecode, few_inputs, lone_inputs
@@ -330,7 +331,7 @@ def test_a_paged_layout_has_the_rows_and_tables_and_copies_into_the_static_one()
     """The layout the paged decode kernel reads (CUDA's iterations of few rows per request): the same rows
     and tables as flex's, no block-sparse structure; CUDA graphs' static paged layout takes a padded
     decode iteration's (copy_, head), and a paged and an unpaged layout do not mix."""
-    from orca.models.attention.flex import PADDING_ROW
+    from orca.models.attention.flex_layout import PADDING_ROW
 
     cpu, block_size, max_blocks = torch.device("cpu"), 4, 6
     tables = [[7, 3], [11, 12, 13], [0]]
@@ -623,7 +624,7 @@ def test_compiled_flex_makes_a_bounded_number_of_graphs_whatever_the_batch(pool:
     row, one for a single query tile, one for more; the worker's warm-up plans run each of those shapes, after
     which nothing compiles again. `compact`: a quantized pool's iterations, each over its own blocks
     (compact_blocks: keys of a length that changes every iteration); with duck sizing 2 graphs more."""
-    from orca.models.attention.flex import compact_blocks
+    from orca.models.attention.flex_layout import compact_blocks
 
     compiled, graphs = _counting_compiled_flex()
     block_size, slots = 4, 512

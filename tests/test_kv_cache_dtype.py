@@ -151,7 +151,7 @@ def test_flex_over_a_quantized_pool_reads_the_iteration_s_blocks_dequantized(
     attention as flex over a float pool of the dequantized values. The compact pool holds the requests'
     blocks, padded to whole slot tiles, not the pool's. (The paged decode kernel, CUDA's path for
     decode iterations, reads the scales itself: tests/test_paged_decode.py.)"""
-    from orca.models.attention.flex import compact_blocks
+    from orca.models.attention.flex_layout import compact_blocks
 
     qdtype = KV_QUANTIZED_DTYPES[name]
     requests = SHAPES[shape]
