@@ -139,7 +139,7 @@ class EngineConfig:
     - worker_timeout: seconds an iteration may take (default 120) before the engine counts the device or a worker
       as hung, fails every request and stops. Worker processes get 10x that to start.
     - max_consecutive_failures: iterations in a row that may fail before the engine counts its device as broken
-      and stops; a success restarts the count, a fatal error (orca.core.engine.FATAL_ERROR_MARKERS) stops it at
+      and stops; a success restarts the count, a fatal error (orca.core.errors.FATAL_ERROR_MARKERS) stops it at
       once. At least 1; default 3.
     - control_address: host:port where the driver listens for worker processes; port 0 (the default
       127.0.0.1:0) picks a free one, for this host's workers only. For other nodes give a reachable host (or

@@ -31,7 +31,6 @@ from orca.config import EngineConfig
 from orca.core.plan import StepPlan, StepResult
 from orca.executor import WorkerFailure
 from orca.executor.control import AUTHKEY_ENV, Assignment, Hello, StageTiming, listen, no_delay, python_executable, shut
-from orca.executor.worker_process import run_worker  # noqa: F401 - orca/worker/__main__.py imports it from here
 from orca.parallel import ParallelLayout
 
 logger = logging.getLogger(__name__)

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = _num_ranks(args.num_ranks)
     threads = args.cpu_threads or max(1, (os.cpu_count() or 1) // ranks)
     if args.local_index is not None:
-        from orca.executor.distributed import run_worker
+        from orca.executor.worker_process import run_worker
 
         return run_worker(host, port, secret.encode(), node, args.local_index, threads, args.connect_timeout)
     # One process per local rank, each a fresh interpreter.

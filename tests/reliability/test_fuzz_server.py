@@ -469,7 +469,8 @@ def test_malformed_requests_refused_while_valid_streams_run(orca_server: Any, al
 # traceback through the request path.
 CRASH = re.compile(r"is not healthy|[Ss]tub process.*(died|unhealthy|restart|exit)|Segmentation fault|core dumped|"
                    r"could not submit a request|sending a response for .* failed")
-REQUEST_PATH = ("orca_triton/generate.py", "orca/sampling_params.py", "in _submit", "in execute")
+REQUEST_PATH = ("orca_triton/generate.py", "orca/sampling_params.py", "orca/validation.py",
+                "orca/structured_outputs_params.py", "in _submit", "in execute")
 
 
 def assert_no_crash(log: str) -> None:
