@@ -1,35 +1,12 @@
 """LoRA adapters in PEFT's format, and the layers that add their deltas to a batch of mixed adapters.
 
-An adapter directory holds ``adapter_config.json`` (peft_type LORA, r, lora_alpha, target_modules, ...)
-and ``adapter_model.safetensors``: for each adapted linear layer of the base model, A (r, in) and B
-(out, r) under ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``. The layer's output
-becomes x W^T + s (x A^T) B^T with s = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora): what PEFT
-computes unmerged, and merged (W + s B A) up to rounding. ``read_adapter`` reads one and refuses what
-orca does not serve, naming the adapter and the reason.
-
-Targets: attention q/k/v/o and the dense MLP's gate/up/down (Llama-style families), c_attn, c_proj and
-c_fc (GPT-2); not embeddings, the LM head or a mixture's experts. Our fused linears (q|k|v, gate|up,
-GPT-2's c_attn) are adapted part by part: each part's A and B go into the fused layer's slot side by
-side (its delta's rows are the part's output rows).
-
-Slots (orca/core/lora.py decides which adapter sits in which): every adapted linear holds, for each of
-max_loras slots, room for P parts of rank r_max: the A of each part the adapter adapts, stacked from the
-slot's first row, (sum of their ranks, in), and their B transposed over each part's output columns,
-(same rows, out), B scaled by s. The deltas read only the rows an adapter fills: an adapter of rank 8 on
-q and v costs 16 rows of the fused q|k|v layer's 3 x r_max. Under tensor parallelism a
-slot holds this rank's share: a column-parallel layer's B splits like its weight's output rows and A is
-whole; a row-parallel layer's A splits like its weight's input columns, B is whole, and the (T, P r)
-products x A^T are all-reduced before B (a few columns, where the base layer all-reduces its whole
-output).
-
-One iteration's rows are grouped by slot (LoRABatch, built once per iteration by the worker) and every
-adapted linear computes, after its base:
-- grouped (the rows of each slot gathered into a padded (slots, rows, in) block): two batched matmuls
-  over the range of slots the iteration uses, each slot's weights read once, then one scatter-add;
-- per slot (segments), when the iteration has one adapter, or one slot has far more rows than the others
-  (a long prompt), where padding every slot to its rows would waste more than the few ops per slot cost;
-  a slot whose rows are contiguous (a prompt; a one-adapter batch) is read and updated in place.
-Rows of the base model are in neither. An iteration without adapter rows runs the base layers alone.
+An adapter (``adapter_config.json`` + ``adapter_model.safetensors``) holds A (r, in) and B (out, r) per
+adapted linear; the output becomes x W^T + s (x A^T) B^T, s = lora_alpha / r (/ sqrt(r) with use_rslora).
+Targets: attention q/k/v/o and the dense MLP (Llama-style), c_attn/c_proj/c_fc (GPT-2); fused linears are
+adapted part by part. Every adapted linear holds max_loras slots (orca/core/lora.py assigns them) of P parts
+x r_max rows, B pre-scaled by s; under tensor parallelism a slot holds this rank's share, and a
+row-parallel layer all-reduces the small products x A^T. Per iteration the adapter rows are grouped by slot
+(LoRABatch): grouped batched matmuls, or per-slot segments where padding would waste more.
 """
 
 from __future__ import annotations
@@ -52,8 +29,7 @@ logger = logging.getLogger(__name__)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
-# A grouped iteration pads every slot to the most rows one slot has; above this many padded rows per row
-# the per-slot path runs instead.
+# Above this many padded rows per real row, a grouped iteration runs per slot instead.
 GROUPED_MAX_PADDING = 2.0
 
 
@@ -99,13 +75,8 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     is wrong (missing or corrupt files, another base model's shapes, a rank above max_rank, a target orca
     cannot adapt, a PEFT variant it does not run).
 
-    The only place adapter files are read: once per registration, on the registering thread, never inside
-    an iteration. EngineCore.add_lora reads on its caller's thread (the adapters of lora_modules and
-    multi_lora.json at the engine's construction, i.e. at model load; the offline API's where it is called),
-    EngineLoop.add_lora on the thread that asks for the load (orca_triton/lora.py load_at_run_time: the
-    Triton model's control thread) before it hands the adapter read to the loop's thread, so a serving
-    engine's thread never waits for a disk. The host copy read goes to the workers with the next plan
-    (StepPlan.lora_added; pickled to worker processes): no worker reads a file and none needs the path."""
+    The only place adapter files are read: once per registration, on the registering thread, never in an
+    iteration; the host copy goes to the workers with the next plan (StepPlan.lora_added)."""
     where = f"LoRA adapter {name!r} ({path})"
     directory = Path(path)
     if not directory.is_dir():
@@ -191,14 +162,12 @@ def read_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
 
 # -- the layers ------------------------------------------------------------------------------------------
 class LoRABatch:
-    """One iteration's rows by slot, shared by every LoRALinear of a model (set by the worker before the
-    forward pass, set_rows; `active` False = no adapter row, the base layers alone).
+    """One iteration's rows by slot, shared by every LoRALinear of a model (set_rows, by the worker before
+    the forward pass; `active` False: no adapter row).
 
-    Grouped: `gather` (slots x max_rows,) row indices of x, slot by slot over the range [lo, hi) of slots,
-    each slot's rows padded (with row 0) to max_rows; `valid` (slots, max_rows, 1) 1 for a real row, 0 for
-    padding. Per slot (one slot only, or rows too uneven to pad): `segments`, (slot, row indices, start,
-    stop) of each slot with rows; the indices None where the rows are the contiguous range [start, stop)
-    (a prompt's, or every row of a one-adapter batch), which the layers then read and write in place."""
+    Grouped: `gather` (slots x max_rows,) row indices over slots [lo, hi), each slot padded with row 0;
+    `valid` (slots, max_rows, 1) 1 for a real row. Per slot: `segments` (slot, row indices, start, stop),
+    indices None where the rows are the contiguous range [start, stop) (read and written in place)."""
 
     def __init__(self) -> None:
         self.active = False
@@ -271,8 +240,7 @@ class LoRALinear(nn.Module):
                              persistent=False)
         self.register_buffer("lora_bt", torch.zeros(num_slots * self.pr, out_features, dtype=dtype, device=device),
                              persistent=False)
-        # Rows of each slot its adapter fills: its parts' ranks, packed from the slot's first row (0: the
-        # adapter leaves this layer alone). The deltas read only these.
+        # Rows of each slot its adapter fills (0: the adapter leaves this layer alone).
         self.used = [0] * num_slots
 
     def load_slot(self, slot: int, adapter: LoRAAdapter | None, prefix: str, tp_rank: int, tp_size: int) -> None:
@@ -344,10 +312,9 @@ class LoRALinear(nn.Module):
 
 
 class LoRAModel:
-    """The LoRA side of one worker's model: wraps its adaptable linears in LoRALinear (add_lora_layers) and
-    fills their slots. Holds the host copy of every adapter registered (add: read by the driver at
-    registration, handed over with a plan's lora_added) until the adapter is removed, so putting one into
-    a slot is a copy, never a read."""
+    """The LoRA side of one worker's model: wraps its adaptable linears (add_lora_layers) and fills their
+    slots from the host copy of every registered adapter (kept until removed), so a slot load never reads
+    a file."""
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, par: ParallelContext, num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -365,8 +332,7 @@ class LoRAModel:
         self.host[lora_id] = adapter
 
     def load(self, slot: int, lora_id: int, name: str) -> None:
-        """Puts the adapter into the slot (which adapter sits where is the core's: orca/core/lora.py), from
-        its host copy."""
+        """Puts the adapter into the slot (the core decides which: orca/core/lora.py), from its host copy."""
         adapter = self.host.get(lora_id)
         if adapter is None:
             raise RuntimeError(f"LoRA adapter {name!r} (id {lora_id}) has no host copy on this worker: a plan must "

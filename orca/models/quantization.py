@@ -1,23 +1,20 @@
 """Quantized linear weights (EngineConfig.quantization): int8 and int4 weight-only, and FP8 weights and
 activations, multiplied by PyTorch's own kernels.
 
-A weight travels in one canonical, unpacked form, QuantizedWeight, from wherever it comes from (a float
-checkpoint quantized at load, a GGUF file's blocks, an AWQ/GPTQ/compressed-tensors checkpoint: see
-orca/models/quantized_checkpoints.py) through tensor-parallel sharding and the concatenation of fused
-projections, and is packed into its kernel's layout only once it is this rank's (QuantizedLinear):
+A weight travels unpacked as QuantizedWeight from any source (quantized at load, GGUF, AWQ/GPTQ/
+compressed-tensors: quantized_checkpoints.py) through sharding and fusion, and is packed for its kernel
+only once it is this rank's (QuantizedLinear):
 
 - int8: values in [-127, 127] (int8), one float scale per output channel: w = q * scale.
   Kernel: torch._weight_int8pack_mm (CPU; on CUDA a dequantizing matmul where torch has no kernel).
 - int4: values in [0, 15] (uint8), a scale and an offset per group of `group_size` input columns:
-  w = (q - 8) * scale + zero (the convention of torch's int4 kernels, "tinygemm"; an asymmetric format
-  with integer zero points z maps to it exactly: zero = (8 - z) * scale).
+  w = (q - 8) * scale + zero (tinygemm's convention; integer zero points z map as zero = (8 - z) * scale).
   Kernels: torch._weight_int4pack_mm_for_cpu (CPU), torch._weight_int4pack_mm (CUDA, bfloat16).
 - fp8: float8 e4m3 values, one float32 scale per output channel: w = q * scale; activations are scaled
   per token to e4m3 at each call. Kernel: torch._scaled_mm (CUDA compute capability 8.9 and later).
 
-On a CPU the int8/int4 kernels are fast with bfloat16 activations and several times slower with float32
-ones (docs/BENCHMARKS.md, "Results: quantized weights and K/V"), so a float32 model converts its
-activations to bfloat16 around each quantized layer (and the result back).
+On a CPU the int kernels are slow with float32 activations (docs/BENCHMARKS.md, "Results: quantized
+weights and K/V"), so a float32 model runs them in bfloat16.
 """
 
 from __future__ import annotations
@@ -85,9 +82,8 @@ class QuantizedWeight:
         return (self.qweight.float() * scales).to(dtype)
 
     def to_per_channel(self) -> QuantizedWeight:
-        """int8 or fp8 in groups (GGUF's Q8_0: 32 columns per scale) as one scale per output channel, what
-        their kernels take: each row requantized to its largest magnitude (error at most half a step of the
-        row's scale; the rounding is measured in tests/test_quantization.py)."""
+        """int8 or fp8 in groups (GGUF's Q8_0) as one scale per output channel, what their kernels take:
+        each row requantized (error at most half a step of the row's scale)."""
         if self.per_channel or self.kind == "int4":
             return self
         return quantize(self.dequantize(), self.kind)
@@ -122,10 +118,8 @@ def quantize(weight: torch.Tensor, kind: str, group_size: int = 32) -> Quantized
 
 
 def shard_quantized(w: QuantizedWeight, rule: Shard, tp_rank: int, tp_size: int) -> QuantizedWeight:
-    """This rank's piece of a quantized weight under a shard rule (orca/parallel.py): the values as a float
-    weight would split, the scales (and zeros) with them. A row split (input columns) must cut between
-    groups: a per-channel weight keeps whole rows' scales (one scale per output row, each rank multiplying
-    its columns by the same scale)."""
+    """This rank's piece of a quantized weight under a shard rule (orca/parallel.py), scales and zeros
+    split with the values. A row split (input columns) must cut between groups."""
     if tp_size == 1 or rule.kind == "replicated":
         return w
     q = shard_tensor(w.qweight, rule, tp_rank, tp_size)
@@ -200,16 +194,13 @@ def kernel_dtype(kind: str, device: torch.device, dtype: torch.dtype) -> torch.d
 
 
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ b), W quantized (QuantizedWeight), packed once at construction into the layout of its
-    format's kernel: one subclass per format (Int8Linear, Int4Linear, Fp8Linear), each packing the weight
-    (`_pack`) and multiplying by it (`quantized_matmul`). `QuantizedLinear(weight, ...)` builds the class of
-    weight.kind. With `par` (a row-parallel layer) the partial products are all-reduced before the bias is
-    added once, as RowParallelLinear does.
+    """y = x W^T (+ b), W quantized, packed once into its format's kernel layout: one subclass per format
+    (Int8Linear, Int4Linear, Fp8Linear); `QuantizedLinear(weight, ...)` builds weight.kind's. With `par`
+    (row-parallel) partial products are all-reduced before the bias.
 
-    The row policy (`matmul`, per call): with `float_copy` (linear_backend hybrid on a CPU) the dequantized
-    weight is kept too, packed for oneDNN, and inputs of tuning.HYBRID_QUANTIZED_MIN_ROWS[dtype][kind] rows
-    or more multiply it (`float_matmul`): there the int kernels, compute-bound, stop winning. An instance may
-    be given another `matmul` of the same signature (a CPU graph fixes one of the two)."""
+    With `float_copy` (linear_backend hybrid on a CPU) a oneDNN-packed dequantized copy multiplies inputs
+    of tuning.HYBRID_QUANTIZED_MIN_ROWS[dtype][kind] rows or more, where the int kernels stop winning. An
+    instance may be given another `matmul` of the same signature (a CPU graph fixes one of the two)."""
 
     kind: ClassVar[str]
     FORMATS: ClassVar[dict[str, type[QuantizedLinear]]] = {}
@@ -337,8 +328,7 @@ class Fp8Linear(QuantizedLinear):
     kind = "fp8"
 
     def _pack(self, weight: QuantizedWeight, device: torch.device) -> None:
-        # torch._scaled_mm takes a weight whose both dimensions are multiples of FP8_DIM_MULTIPLE: zero
-        # columns pad the input (and the activations as many zeros), zero rows the output (sliced off).
+        # torch._scaled_mm needs both weight dimensions multiples of FP8_DIM_MULTIPLE: zero-pad them.
         self.pad_columns = -self.in_features % FP8_DIM_MULTIPLE
         pad_rows = -self.out_features % FP8_DIM_MULTIPLE
         q = weight.qweight

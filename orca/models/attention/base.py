@@ -1,22 +1,10 @@
 """What every attention backend shares: the interface the model layers and the worker see.
 
-- ``AttentionMetadata``: the iteration's layout, passed explicitly to every layer. Each backend is a
-  subclass (its module: reference.py, batched.py, flex.py) holding what only it needs, built once per
-  iteration by its own ``for_iteration`` and read at every layer by its own ``attend``; its class
-  attributes tell the worker what the backend needs of the pool and of the load (zeroed memory, a
-  compile warm-up, CUDA graphs, the compiled forward pass). A subclass registers under its ``name``, the
-  ``attention_backend`` value that selects it (``get_backend``).
-- ``selective_attention``: what a layer calls: the metadata's ``write_and_attend``, which writes the
-  iteration's new keys and values into their slots of the pool (one scatter for every token of every
-  request, the same for every backend), then runs the backend's ``attend`` over this layer's pool. A
-  quantized pool (EngineConfig.kv_cache_dtype; orca/worker/kv_cache.py) has a second tensor, its scales
-  (AttentionMetadata.kv_scales): the write quantizes (``quantize_kv``) and scatters values and scales
-  alike, and ``attend`` gets this layer's scales, with which the backend dequantizes what it reads
-  (``dequantize_kv``).
-- ``IterationLayout``: the iteration's requests (lengths, cached tokens, block tables) over the pool, from
-  which a runner (orca/worker/runners.py) builds the backend's metadata when it runs a path that reads it.
-- ``PhaseTimer`` (profiling); the builders' shared helpers ``token_slots`` (pool slots of a request's
-  positions) and ``leading_increments``.
+``AttentionMetadata`` is the iteration's layout, passed to every layer; each backend (reference.py,
+batched.py, flex.py) subclasses it, registers under its ``attention_backend`` name, and declares in class
+attributes what it needs of the pool and the load. ``selective_attention`` writes the iteration's keys and
+values into the pool (one scatter, quantized for a quantized pool) and runs the backend's ``attend``.
+``IterationLayout`` is the requests over the pool, from which a runner builds the metadata when needed.
 """
 
 from __future__ import annotations
@@ -30,12 +18,9 @@ import torch
 
 _BACKENDS: dict[str, type[AttentionMetadata]] = {}
 
-# A quantized K/V pool's value dtypes and the largest magnitude each holds: a token's head of keys (or
-# values) is scaled so that its largest entry lands there (float8 e4m3's largest finite number; int8's
-# symmetric range, -128 unused).
+# Quantized pool value dtypes and the magnitude a head's largest entry is scaled to (int8: -128 unused).
 KV_QUANTIZED_MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
-# The smallest scale written: an all-zero head would otherwise divide 0 by 0. A normal float32 far below
-# any key or value's magnitude / 448.
+# The smallest scale written, so an all-zero head does not divide 0 by 0.
 KV_MIN_SCALE = 2.0**-100
 
 
@@ -64,11 +49,9 @@ class PhaseTimer:
 
 @dataclass
 class IterationLayout:
-    """An iteration's requests over the pool, as the worker planned them (increments first): request i feeds
-    `lengths[i]` new tokens after `context_lens[i]` cached ones, its keys and values in `block_tables[i]`;
-    with `padded_to`, padding rows follow up to that many rows (a CUDA graph's size). `metadata()` builds
-    the backend's metadata from it once, when a path that reads it runs (a runner's own graphs read the
-    layout instead)."""
+    """An iteration's requests over the pool, increments first: request i feeds `lengths[i]` new tokens
+    after `context_lens[i]` cached ones, in `block_tables[i]`; with `padded_to`, padding rows follow up to
+    that many rows (a CUDA graph's size). `metadata()` builds the backend's metadata once, on first use."""
 
     backend: type[AttentionMetadata]
     lengths: list[int]
@@ -95,11 +78,8 @@ class IterationLayout:
 class AttentionMetadata:
     """The iteration's batch layout, passed explicitly to every layer (never a global).
 
-    Requests are laid out increments first (the worker orders the rows so): rows [0, number of increments)
-    are one token each after a cached prefix, then each other request's rows follow. Every backend has the
-    pool slot of each token row (`slot_mapping`, where selective_attention writes the row's keys and
-    values), the pool and the profiling timer; its subclass adds what only it reads. The slot arithmetic is
-    done once per iteration (the backend's `for_iteration`), not once per layer.
+    Rows are laid out increments first (one token each after a cached prefix), then the other requests'.
+    `slot_mapping` is each token row's pool slot; subclasses add what only their backend reads.
     """
 
     slot_mapping: torch.Tensor  # (T,) int64
@@ -109,26 +89,22 @@ class AttentionMetadata:
 
     # -- the backend's traits (class attributes; the worker reads them at load and per iteration) ------------
     name: ClassVar[str]  # the attention_backend value that selects this backend
-    # The pool must be allocated zeroed (a backend that weighs slots nothing wrote by 0); the worker's eager
-    # warm-up then leaves it as allocated.
+    # The pool must be allocated zeroed (the backend weighs unwritten slots by 0).
     zeroed_pool: ClassVar[bool] = False
-    # Reads whole blocks, the slots past a request's length masked: the worker zeroes each block it hands to
-    # a request (KVLayout.zero_blocks), so that no 0 x NaN an earlier request left reaches a result.
+    # Reads whole blocks, masked past a request's length: the worker zeroes each block it hands out, so no
+    # NaN an earlier request left reaches a result (0 x NaN).
     reads_whole_blocks: ClassVar[bool] = False
     # The CPU graphs (orca/worker/cpu_graphs/) may run with it, its write_and_attend as one opaque op.
     in_compiled_forward: ClassVar[bool] = False
-    # Its tensors' shapes depend on the token count only: decode iterations padded to a size can replay a
-    # CUDA graph (orca/worker/cuda_graphs.py: graph_buffers, head, copy_).
+    # Shapes depend on the token count only, so padded decode iterations can replay a CUDA graph.
     cuda_graphs: ClassVar[bool] = False
     # On CUDA: the least head_dim its kernels take; the compute capability a float8 e4m3 pool needs (None: any).
     cuda_min_head_dim: ClassVar[int] = 0
     cuda_fp8_pool_min_capability: ClassVar[tuple[int, int] | None] = None
-    # Where compiles_at_load: the token rows of the iterations that compile its kernels at load (after a
-    # two-token prompt and its increment).
+    # Where compiles_at_load: the token rows of the iterations that compile its kernels at load.
     warm_up_rows: ClassVar[tuple[int, ...]] = ()
 
-    # Which path an iteration takes, for the tests to read: the flex layout (flex.py) and the batched
-    # increments (batched.py), None and () on the backends that have none. Never read per layer.
+    # Which path an iteration took, for the tests (flex.py's layout, batched.py's increments).
     flex = None
     increments = ()
 
@@ -151,8 +127,7 @@ class AttentionMetadata:
         pad_slot: int = 0,
         kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """The iteration's metadata for `backend` (resolved: "reference", "batched" or "flex"): that
-        backend's for_iteration."""
+        """The iteration's metadata for resolved `backend` ("reference", "batched" or "flex")."""
         return get_backend(backend).for_iteration(lengths, context_lens, block_tables, block_size, kv_pool, timer,
                                                   padding, pad_slot, kv_scales)
 
@@ -170,26 +145,22 @@ class AttentionMetadata:
         kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """This backend's builder. Request i feeds `lengths[i]` new tokens after `context_lens[i]` cached
-        ones; block_tables[i] covers its first context_lens[i] + lengths[i] tokens; increments come first.
-        `padding` rows follow the requests' (backends with cuda_graphs only: a decode iteration padded to a
-        CUDA graph's size): each writes its keys and values to `pad_slot`, a slot no request owns, and
-        attends to nothing. `kv_scales`: a quantized pool's scales (None: `kv_pool` holds the model's
-        dtype)."""
+        ones, in block_tables[i]; increments come first. `padding` rows follow (cuda_graphs backends only),
+        each writing to `pad_slot`, a slot no request owns, and attending to nothing. `kv_scales`: a
+        quantized pool's scales (None: `kv_pool` holds the model's dtype)."""
         raise NotImplementedError
 
     def attend(
         self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
         scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One layer's attention: q (T, H, D) over `pool` (this layer's, (2, KVH, slots, D), the iteration's
-        new keys and values written) -> (T, H * D). `scales`: this layer's (2, KVH, slots) when the pool is
-        quantized, to dequantize what it reads to q's dtype (dequantize_kv); None otherwise."""
+        """One layer's attention: q (T, H, D) over this layer's `pool` (2, KVH, slots, D), new keys and
+        values already written -> (T, H * D). `scales`: (2, KVH, slots) for a quantized pool, else None."""
         raise NotImplementedError
 
     def write_and_attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float,
                          window: int | None) -> torch.Tensor:
-        """selective_attention's work: writes the iteration's keys and values into their slots (one scatter
-        for every token of every request), then attends over this layer's pool."""
+        """Writes the iteration's keys and values into their slots (one scatter), then attends."""
         timer = self.timer
         if timer is not None:
             timer.sync()
@@ -211,8 +182,7 @@ class AttentionMetadata:
 
     @classmethod
     def compiles_at_load(cls, device: torch.device) -> bool:
-        """Whether the worker runs warm_up_rows' iterations at load on this device, to compile its kernels
-        there rather than in a user's request."""
+        """Whether the worker runs warm_up_rows' iterations at load, to compile kernels before a request."""
         return False
 
     @classmethod
@@ -224,9 +194,8 @@ class AttentionMetadata:
     @classmethod
     def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int,
                       max_blocks: int, kv_scales: torch.Tensor | None = None) -> AttentionMetadata:
-        """Metadata of `rows` padding rows over static buffers, which a captured graph reads: each
-        iteration's values are copied in (copy_) into the head (head) of its size. A request holds at most
-        `max_blocks` blocks (the model's longest sequence). `kv_scales`: a quantized pool's."""
+        """Metadata of `rows` padding rows over static buffers that a captured graph reads (filled per
+        iteration by copy_, sized by head). A request holds at most `max_blocks` blocks."""
         raise NotImplementedError(f"attention backend {cls.name} has no fixed shapes for CUDA graphs")
 
     def head(self, num_tokens: int) -> AttentionMetadata:
@@ -234,8 +203,7 @@ class AttentionMetadata:
         raise NotImplementedError(f"attention backend {self.name} has no fixed shapes for CUDA graphs")
 
     def copy_(self, other: AttentionMetadata) -> None:
-        """Takes `other`'s values (an iteration of the same token count over the same pool) into this
-        metadata's tensors, in place."""
+        """Copies `other`'s values (same token count, same pool) into this metadata's tensors, in place."""
         raise NotImplementedError(f"attention backend {self.name} has no fixed shapes for CUDA graphs")
 
 
@@ -245,9 +213,8 @@ def token_slots(table: Sequence[int], block_size: int, start: int, end: int) -> 
 
 
 def leading_increments(lengths: Sequence[int], context_lens: Sequence[int], most: int = 1) -> int:
-    """How many requests, from the first, are increments (one token after a cached prefix); with `most`,
-    short requests too: up to that many tokens after a cached prefix (a speculating request verifying its
-    proposed tokens)."""
+    """How many requests, from the first, are increments: up to `most` tokens after a cached prefix
+    (more than one: a speculating request verifying its proposals)."""
     count = 0
     while count < len(lengths) and 1 <= lengths[count] <= most and context_lens[count] > 0:
         count += 1
@@ -255,8 +222,7 @@ def leading_increments(lengths: Sequence[int], context_lens: Sequence[int], most
 
 
 class LayerAttention(Protocol):
-    """What a layer's attention call reads: an AttentionMetadata, or a runner's stand-in for one inside a
-    compiled graph (orca/worker/cpu_graphs/)."""
+    """What a layer's attention call reads: an AttentionMetadata, or a compiled graph's stand-in for one."""
 
     def write_and_attend(self, q: torch.Tensor, kv: torch.Tensor, layer: int, scale: float,
                          window: int | None) -> torch.Tensor: ...
@@ -275,8 +241,7 @@ def selective_attention(
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D) as `dtype` values (float8_e4m3fn or int8) and float32 scales (...,), one per row:
-    symmetric, scale = amax(|x|) / KV_QUANTIZED_MAX[dtype], the values x / scale (int8's rounded to the
-    nearest), so that x ~ values x scale (dequantize_kv). Computed in float32 whatever x's dtype."""
+    symmetric, scale = amax(|x|) / KV_QUANTIZED_MAX[dtype], so x ~ values x scale. Computed in float32."""
     x = x.float()
     scales = (x.abs().amax(-1) / KV_QUANTIZED_MAX[dtype]).clamp_min(KV_MIN_SCALE)
     scaled = x / scales.unsqueeze(-1)
@@ -286,9 +251,8 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """values (..., D) x scales (...,), in float32, as `dtype`: what quantize_kv's x reads back as. int8
-    values multiply as they are (promoted to float32 in the one pass); torch promotes no float8, so those
-    are converted first."""
+    """values (..., D) x scales (...,), in float32, as `dtype`. Float8 is converted first (torch does not
+    promote it); int8 multiplies as is."""
     if values.dtype != torch.int8:
         values = values.float()
     return (values * scales.unsqueeze(-1)).to(dtype)
@@ -296,9 +260,8 @@ def dequantize_kv(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
 
 def read_blocks(pool: torch.Tensor, scales: torch.Tensor | None, block_size: int, blocks: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
-    """These blocks of one layer's `pool` ((2, KVH, slots, D); `blocks` int64 on its device), gathered ->
-    (2, KVH, len(blocks), block_size, D): as stored, or for a quantized pool (`scales` (2, KVH, slots))
-    dequantized to `dtype`."""
+    """These blocks of one layer's `pool` (2, KVH, slots, D), gathered -> (2, KVH, len(blocks),
+    block_size, D); dequantized to `dtype` when `scales` (2, KVH, slots) is given."""
     kv = pool.unflatten(2, (-1, block_size)).index_select(2, blocks)
     if scales is None:
         return kv

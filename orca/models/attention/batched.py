@@ -1,28 +1,15 @@
-"""attention_backend ``batched``: the reference for prompts and chunks, and the increments of the iteration
+"""attention_backend ``batched``: the reference for prompts and chunks, and the iteration's increments
 together: their keys and values gathered from the pool as whole blocks into padded groups of similar
 lengths (IncrementBatch, one ``index_select`` per group and layer), then two batched matmuls and a masked
 softmax per group (grouped-query attention as query rows of the shared K/V head, no repeat). Why: an
-increment's attention is a few thousand multiply-adds, and as its own SDPA call it pays a call's fixed
-cost; batched, the increments' attention is faster per layer, and the engine the fastest measured on a CPU
-(docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"). When `auto` picks
-it: orca/worker/resolution.py.
+increment as its own SDPA call pays a call's fixed cost (docs/BENCHMARKS.md, "Results: the fast data
+plane, fourth step: batched increments"). When `auto` picks it: orca/worker/resolution.py.
 
-Short requests (up to VERIFYING_MAX_ROWS tokens after a cached prefix: speculating requests verifying their
-proposals) are batched too, in groups of their own after the increments' (each request's query rows padded
-to its group's longest, the real rows picked back out), faster than one masked call per request
-(docs/BENCHMARKS.md, "Where lookup misses").
-
-The thresholds (VERIFYING_MAX_ROWS, BATCHED_MIN_INCREMENTS, BATCHED_GROUP_SLOTS) are orca/tuning.py's.
-
-Limits: it batches an iteration's increments (and short requests) from BATCHED_MIN_INCREMENTS on; fewer
-run the reference's per-request calls (the builder returns the reference's metadata), because the gather
-copies what it reads, while the reference reads a request's consecutive blocks as a view of the pool with
-no copy. It reads whole blocks: the slots past a row's length are masked and weigh 0, so they must hold
-finite numbers, and the worker zeroes each block it hands to a request (reads_whole_blocks,
-KVLayout.zero_blocks).
-A group's rows are padded to its longest row, so rows start a new group past BATCHED_GROUP_SLOTS slots of
-padding. A quantized pool (kv_cache_dtype) is dequantized as it is gathered: each group's blocks and their
-scales, then one multiply into the model's dtype (the zeroed blocks' values and scales both 0).
+Short requests (up to VERIFYING_MAX_ROWS tokens after a cached prefix: speculation being verified) are
+batched too, in groups of their own, query rows padded to the group's longest. Below
+BATCHED_MIN_INCREMENTS the reference's per-request calls run (they read the pool as views, no copy).
+Slots past a row's length are masked, so the worker zeroes blocks it hands out (reads_whole_blocks). A
+quantized pool is dequantized as it is gathered. Thresholds: orca/tuning.py.
 """
 
 from __future__ import annotations
@@ -40,9 +27,8 @@ from orca.models.device import upload
 
 @dataclass(kw_only=True)
 class BatchedMetadata(ReferenceMetadata):
-    """The reference's layout, and the increments (rows [0, num_increment), BATCHED_MIN_INCREMENTS or
-    more) in groups of rows, which read their keys and values through them: their views are None and they
-    are in no gather."""
+    """The reference's layout plus the increments (rows [0, num_increment), BATCHED_MIN_INCREMENTS or
+    more) in groups, which read their keys and values through the groups (no views, no gather)."""
 
     name = "batched"
     reads_whole_blocks = True
@@ -62,8 +48,7 @@ class BatchedMetadata(ReferenceMetadata):
         pad_slot: int = 0,
         kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """BatchedMetadata from BATCHED_MIN_INCREMENTS increments on; below that the reference's metadata
-        (its per-request calls)."""
+        """BatchedMetadata from BATCHED_MIN_INCREMENTS increments on; below that the reference's metadata."""
         if padding:
             raise ValueError("padding rows need the flex backend")
         num_batched = leading_increments(lengths, context_lens, tuning.VERIFYING_MAX_ROWS)
@@ -79,8 +64,8 @@ class BatchedMetadata(ReferenceMetadata):
         self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
         scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The increments group by group, each at once (a group's rows q (n, H, D), one row per request ->
-        (n, H * D)), then the other requests as the reference runs them."""
+        """The increments group by group (q (n, H, D) -> (n, H * D)), then the other requests as the
+        reference runs them."""
         _, num_heads, head_dim = q.shape
         num_kv_heads = pool.shape[1]
         group = num_heads // num_kv_heads
@@ -89,9 +74,8 @@ class BatchedMetadata(ReferenceMetadata):
             n, queries = batch.rows, batch.queries
             kv = read_blocks(pool, scales, batch.block_size, batch.blocks, q.dtype).view(
                 2, num_kv_heads * n, batch.width, head_dim)
-            # The `group` query heads sharing a K/V head are `group` query rows against it (and a short
-            # request's `queries` tokens, queries x group rows): a batch of KVH x n (queries x group, D) x
-            # (D, width) products, the scale and the mask added in the same call.
+            # The `group` query heads sharing a K/V head are query rows against it: KVH x n batched
+            # (queries x group, D) x (D, width) products, scale and mask in the same call.
             if batch.q_index is None:  # increments: one row each, consecutive
                 qb = q[batch.first : batch.first + n]
             else:  # short requests: each one's rows, padded to `queries` (the padding rows' outputs dropped)
@@ -110,21 +94,15 @@ class BatchedMetadata(ReferenceMetadata):
 
 @dataclass
 class IncrementBatch:
-    """A group of the batched backend's increments (or of its short requests): requests [first, first +
-    rows). Request r (`past_r` cached tokens, `n_r` new ones) has past_r + n_r keys and values, laid out as
-    row r of a padded (rows, width) batch of whole blocks, width = the group's longest row's blocks x
-    block_size. `blocks` lists each row's blocks holding its keys, then padding: the row's first block
-    again. Whole blocks copy in runs of block_size slots (faster than slot by slot: docs/BENCHMARKS.md,
-    "Where it came from"); the slots
-    past a row's length (its last block's tail, its padding blocks) are masked and weigh 0, and hold finite
-    numbers because the worker zeroes each block it hands to a request (KVLayout.zero_blocks).
+    """A group of the batched backend's increments (or short requests): requests [first, first + rows).
+    Request r's past_r + n_r keys and values are row r of a padded (rows, width) batch of whole blocks,
+    width = the group's longest row's blocks x block_size; `blocks` lists each row's blocks, padded with
+    its first block again. Slots past a row's length are masked (and finite: zeroed blocks).
 
-    Increments (`queries` 1) are rows [first, first + rows) of the iteration. A group of short requests
-    has `queries` = its longest request's new tokens: `q_index` picks each request's rows, padded to
-    `queries` with its last row again, and `out_index` the real rows back out of the (rows x queries)
-    outputs. `keys[r, j]`: the keys query j of request r sees (past_r + j + 1; 1 for a padding query).
-    `mask(window)` is the additive mask that keeps each query's own keys (the last `window` of them),
-    built once per window and dtype and shared by every layer."""
+    Increments have `queries` 1. Short requests: `queries` = the longest's new tokens, `q_index` picks each
+    request's rows padded with its last, `out_index` picks the real rows back out. `keys[r, j]`: how many
+    keys query j of request r sees (1 for a padding query). `mask(window)` is built once per window and
+    dtype and shared by every layer."""
 
     first: int
     rows: int
@@ -140,9 +118,8 @@ class IncrementBatch:
     @classmethod
     def groups(cls, lengths: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                block_size: int, device: torch.device) -> tuple[IncrementBatch, ...]:
-        """The increments, then the short requests (rows in this order), in groups: a row starts a new group
-        where the increments end, and when its blocks would pad the current group's rows by more than
-        BATCHED_GROUP_SLOTS slots. None: no group."""
+        """The increments, then the short requests, in groups: a new group starts where the increments end
+        and where a row would pad the group by more than BATCHED_GROUP_SLOTS slots. None: no group."""
         bounds, start, width, group_slots = [], 0, 0, tuning.BATCHED_GROUP_SLOTS
         for i, (n, past) in enumerate(zip(lengths, context_lens)):
             need = -(-(past + n) // block_size)
@@ -182,9 +159,8 @@ class IncrementBatch:
                    block_size, per_row * block_size, queries, q_index, out_index)
 
     def mask(self, window: int | None, dtype: torch.dtype, num_kv_heads: int, group: int = 1) -> torch.Tensor:
-        """K/V head major, 0 where a query keeps the slot, -inf elsewhere: (KVH x requests, 1, width) for
-        increments (one query row, broadcast over the heads' group), (KVH x requests, queries x group,
-        width) for short requests."""
+        """Additive mask, K/V head major, 0 where a query keeps the slot, -inf elsewhere: (KVH x requests,
+        1, width) for increments, (KVH x requests, queries x group, width) for short requests."""
         key = (window, dtype, num_kv_heads, group if self.queries > 1 else 1)
         if key not in self._masks:
             column = torch.arange(self.width, device=self.keys.device)  # (width,)

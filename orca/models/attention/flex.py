@@ -1,22 +1,13 @@
-"""attention_backend ``flex``: one ``flex_attention`` call per layer for every token of the iteration, reading
-keys and values straight from the whole pool, so nothing is gathered and shapes depend only on the token
-count (what CUDA graphs need). A mask keeps, for each query, its request's blocks up to its position (and
-window), so requests sharing cached blocks both read them; the block-sparse structure (FlexLayout,
-flex_layout.py) lets the fused kernel skip every block no query of a tile needs. On CUDA the call is compiled
-with dynamic token counts and warmed up at load (warm_up_rows); on a CPU PyTorch's unfused implementation
-runs, correct and slow. When `auto` picks it: orca/worker/resolution.py.
-
-On CUDA, iterations whose requests feed at most VERIFYING_MAX_ROWS rows each (every decode iteration and
-CUDA graph) run the paged decode kernel (paged_decode.py) instead: flex's packed tiles read every block of
-every request in them, and its decoding kernel needs a static batch (docs/BENCHMARKS.md, "Results: the CUDA
-path on an H200, third session" and "The paged decode kernel").
-
-The pool must be allocated zeroed (zeroed_pool), and the worker zeroes each block it hands out
-(reads_whole_blocks): masked slots weigh 0, and 0 x NaN would poison a row; the CPU graphs
-(orca/worker/cpu_graphs/) do not run with it. A quantized pool (fp8_e4m3,
-int8): the paged kernel reads values and scales as they are; flex_attention reads the iteration's blocks
-gathered and dequantized per layer into a compact pool (compact_blocks), traced without duck sizing
-(compile_flex) since its length changes every iteration. Not yet run on a GPU.
+"""attention_backend ``flex``: one ``flex_attention`` call per layer for every token of the iteration,
+reading keys and values straight from the whole pool, so shapes depend only on the token count (what CUDA
+graphs need). A mask keeps each query's request's blocks up to its position (and window); the block-sparse
+structure (FlexLayout, flex_layout.py) skips blocks no query of a tile needs. Compiled with dynamic token
+counts on CUDA and warmed up at load; PyTorch's unfused implementation on a CPU. When `auto` picks it:
+orca/worker/resolution.py. On CUDA, iterations of at most VERIFYING_MAX_ROWS rows per request run the
+paged decode kernel (paged_decode.py) instead (docs/BENCHMARKS.md, "The paged decode kernel"). The pool is
+zeroed and blocks are zeroed when handed out (masked slots weigh 0; 0 x NaN would poison a row). A
+quantized pool is read as is by the paged kernel, and gathered and dequantized per layer into a compact
+pool (compact_blocks) for flex_attention.
 """
 
 from __future__ import annotations
@@ -36,21 +27,17 @@ from orca.models.attention.paged_decode import paged_decode_attention
 from orca.models.device import upload
 from orca.models.quantization import FP8_MIN_CAPABILITY
 
-# Inductor lowers flex_attention to its decoding kernel below this many query rows and to its main kernel
-# from there (torch/_inductor/kernel/flex/flex_decoding.py, _use_flex_decoding): a guard on the row count.
+# Inductor lowers flex_attention to its decoding kernel below this many query rows (a guard on the row count).
 FLEX_DECODING_ROWS = 128
 FLEX_RECOMPILE_LIMIT = 64  # graphs of compiled flex_attention per process (see _flex_function)
-# Inductor's flex kernels need a head dimension of at least this (torch 2.11: "NYI: embedding dimension of the
-# query, key, and value must be at least 16"); the worker refuses flex on CUDA below it, at load.
+# Inductor's flex kernels' least head dimension; the worker refuses flex on CUDA below it, at load.
 FLEX_MIN_HEAD_DIM = 16
 
 
 def takes_paged_decode(device: torch.device, lengths: Sequence[int]) -> bool:
-    """Whether an iteration whose requests feed `lengths` rows attends with the paged decode kernel (on CUDA,
-    at most tuning.VERIFYING_MAX_ROWS rows each: increments, speculative verifications, short prompts; every
-    CUDA graph) rather than flex_attention. The paged kernel runs a program per row; flex's packed query
-    tiles read every block of every request in them, and longer rows (prompts) stay with flex, whose tiles
-    share a request's reads."""
+    """Whether an iteration whose requests feed `lengths` rows attends with the paged decode kernel (on
+    CUDA, at most tuning.VERIFYING_MAX_ROWS rows each) rather than flex_attention, whose packed query tiles
+    read every block of every request in them."""
     return device.type == "cuda" and 0 < max(lengths, default=0) <= tuning.VERIFYING_MAX_ROWS
 
 
@@ -62,22 +49,17 @@ class FlexMetadata(AttentionMetadata):
     zeroed_pool = True
     reads_whole_blocks = True
     cuda_graphs = True
-    # What it runs on CUDA (orca/worker/resolution.py refuses the rest at load): inductor's kernels' head
-    # dimension; a float8 e4m3 pool only from the compute capability Triton converts float8 at (its paged
-    # decode kernel reads it).
+    # On CUDA (resolution.py refuses the rest at load): inductor's least head dimension; a float8 e4m3 pool
+    # from the compute capability Triton converts float8 at.
     cuda_min_head_dim = FLEX_MIN_HEAD_DIM
     cuda_fp8_pool_min_capability = FP8_MIN_CAPABILITY
-    # Token counts are dynamic, but dynamo specialises a few (tests/test_attention_backend.py counts the
-    # graphs): two rows, one row (the worker's prompt and increment), one query tile of more rows, several
-    # tiles; and inductor's lowering guards on FLEX_DECODING_ROWS (its decoding kernel below that many query
-    # rows, its main kernel from there). So after the prompt and its increment (which, on CUDA, compile the
-    # paged decode kernel instead): iterations of one tile of more than VERIFYING_MAX_ROWS rows (one request's:
-    # on CUDA, flex's), of more than two tiles and of more than FLEX_DECODING_ROWS.
+    # Dynamo specialises a few token counts (tests/test_attention_backend.py counts the graphs): after the
+    # prompt and its increment, one tile of more than VERIFYING_MAX_ROWS rows, more than two tiles, and
+    # more than FLEX_DECODING_ROWS.
     warm_up_rows = (tuning.VERIFYING_MAX_ROWS + 1, 2 * FLEX_Q_BLOCK + 1, FLEX_DECODING_ROWS + 1)
 
     flex: FlexLayout = field()  # (required: the base's None is for the other backends)
-    # A quantized pool's iteration that flex_attention reads (not paged): the pool blocks its layout's tables
-    # number 0, 1, ... (compact_blocks), which each layer gathers and dequantizes to q's dtype. None otherwise.
+    # A quantized pool's flex_attention iteration: the pool blocks its tables number 0, 1, ... (compact_blocks).
     gather_blocks: torch.Tensor | None = None
 
     @classmethod
@@ -93,9 +75,8 @@ class FlexMetadata(AttentionMetadata):
         pad_slot: int = 0,
         kv_scales: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """Padding rows write to `pad_slot` and attend to nothing (FlexLayout). A quantized pool (`kv_scales`):
-        the paged decode kernel reads it as it is; flex_attention, which reads keys and values of q's dtype,
-        reads the iteration's blocks dequantized (compact_blocks)."""
+        """Padding rows write to `pad_slot` and attend to nothing. A quantized pool (`kv_scales`) is read as
+        is by the paged kernel, dequantized (compact_blocks) by flex_attention."""
         slots: list[int] = []
         for n, past, table in zip(lengths, context_lens, block_tables):
             slots.extend(token_slots(table, block_size, past, past + n))
@@ -112,8 +93,8 @@ class FlexMetadata(AttentionMetadata):
 
     def attend(self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
                scales: torch.Tensor | None = None) -> torch.Tensor:
-        """One flex_attention call over the whole of `pool` (this layer's, new keys and values written), or
-        for a paged layout one paged decode kernel launch. `scales`: a quantized pool's (this layer's)."""
+        """One flex_attention call over this layer's `pool` (new keys and values written), or one paged
+        decode kernel launch for a paged layout. `scales`: this layer's, for a quantized pool."""
         num_tokens, num_heads, head_dim = q.shape
         layout = self.flex
         if layout.paged:
@@ -145,8 +126,7 @@ class FlexMetadata(AttentionMetadata):
     @classmethod
     def graph_buffers(cls, kv_pool: torch.Tensor, block_size: int, pad_slot: int, rows: int,
                       max_blocks: int, kv_scales: torch.Tensor | None = None) -> AttentionMetadata:
-        """An all-padding layout of `rows` rows of up to `max_blocks` blocks each; every size reads its head.
-        A quantized pool's graphs read it through the paged decode kernel (CUDA: every captured size)."""
+        """An all-padding layout of `rows` rows of up to `max_blocks` blocks each; every size reads its head."""
         device = kv_pool.device
         paged = takes_paged_decode(device, [1])
         if kv_scales is not None and not paged:
@@ -168,9 +148,8 @@ class FlexMetadata(AttentionMetadata):
 
 @functools.cache
 def _flex_function(device_type: str) -> Callable:
-    """flex_attention as it runs on this device: compiled on CUDA (Triton kernels; token counts dynamic, so
-    one compilation serves every batch; the worker warms it up at load), PyTorch's unfused implementation
-    elsewhere."""
+    """flex_attention as it runs on this device: compiled on CUDA (dynamic token counts, warmed up at
+    load), PyTorch's unfused implementation elsewhere."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type == "cuda":
@@ -179,27 +158,22 @@ def _flex_function(device_type: str) -> Callable:
 
 
 def compile_flex(backend: str | Callable = "inductor") -> Callable:
-    """flex_attention compiled as CUDA runs it: every size dynamic, and traced without duck sizing. Duck
-    sizing makes two sizes that happen to be equal when a graph is traced one symbol, guarded equal ever
-    after: with a quantized pool's compact pools (compact_blocks), whose length changes with every
-    iteration, it tied the keys' length to a view's offset and compiled again after the warm-up (2 graphs
-    over 12 random iterations, dynamo alone on the CPU: tests/test_attention_backend.py); without it, none.
+    """flex_attention compiled as CUDA runs it: every size dynamic, traced without duck sizing (which tied
+    the compact pool's changing length to a view's offset and recompiled: tests/test_attention_backend.py).
     `backend`: the tests count dynamo's graphs with one of their own (under the same recompile limit)."""
     import torch._dynamo
     import torch.fx.experimental._config as fx_config
     from torch.nn.attention.flex_attention import flex_attention
 
-    # A few shapes specialise (FlexMetadata.warm_up_rows) and each window size and model of the process (an
-    # engine per test) adds its own: dynamo's default limit of 8 graphs per function, once reached, silently
-    # runs flex unfused (minutes per iteration over a large pool, and no CUDA graph capture).
+    # Specialised shapes, windows and models add graphs: past dynamo's default limit of 8 it silently runs
+    # flex unfused (minutes per iteration, and no CUDA graph capture).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
                                                            4 * FLEX_RECOMPILE_LIMIT)
     compiled = torch.compile(flex_attention, backend=backend, dynamic=True)
 
     def call(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # Set and restored by hand: config.patch is slower (docs/BENCHMARKS.md, "Results: the CUDA path on an
-        # H200, third session").
+        # Set and restored by hand: config.patch is slower.
         duck = fx_config.use_duck_shape
         fx_config.use_duck_shape = False
         try:

@@ -14,8 +14,7 @@ import torch
 
 from orca.models.device import upload_arrays
 
-# The flex backend's tiles: FLEX_Q_BLOCK query rows (a tile of increments spans up to this many requests,
-# whose blocks its kernel program reads) by at least FLEX_KV_BLOCK pool slots (a whole number of K/V blocks).
+# Flex tiles: FLEX_Q_BLOCK query rows by at least FLEX_KV_BLOCK pool slots (a whole number of K/V blocks).
 FLEX_Q_BLOCK = 16
 FLEX_KV_BLOCK = 16
 PADDING_ROW = -1  # a padding row's request and position in FlexLayout: it keeps no slot
@@ -26,28 +25,16 @@ class FlexLayout:
     """What the flex backend needs of an iteration, built once and shared by every layer.
 
     Per token row: its request (`q_request`, an index into `tables`) and position (`q_position`). Per
-    request of the iteration: its block table (`tables`, -1 past its length). Per pool block: its index in
-    the tables that hold it (`block_index`; 0 for the others). A block two requests share (the prefix
-    cache: a cached prefix's block j is block j of every request that reads it) has the same index in each,
-    so one value serves both. A query keeps slot s of block b = s // block_size when its request's table
-    holds b at b's index, and the slot's position block_index[b] * block_size + s % block_size is at most
-    its own (and within its window): slots past a request's length, in its partly filled last block, are
-    never kept. Padding rows (after the requests' rows) have request 0 and position -1: every slot's
-    position is later, so they keep none and come out as zeros (flex's rule for a fully masked row).
+    request: its block table (`tables`, -1 past its length). Per pool block: its index in the tables that
+    hold it (`block_index`; shared prefix blocks have the same index in each). A query keeps slot s of
+    block b when its request's table holds b at that index and the slot's position is at most its own
+    (and within its window). Padding rows have request 0 and position -1: they keep nothing (zeros).
 
-    The block-sparse structure: the token rows in tiles of FLEX_Q_BLOCK, the pool's slots in tiles of
-    `kv_block`; query tile i visits slot tile j when a request with a row in tile i has a block in tile j
-    at a position no later than its last row's there (a prompt's rows skip the blocks after them).
-    `kv_num_blocks` (1, 1, Q tiles): how many slot tiles each query tile visits; `kv_indices` (1, 1, Q
-    tiles, width): which, first (0 after them). Its width is the most any query tile visits, not the pool's
-    tiles: the structure grows with the iteration's requests and blocks, never with the pool (built on the
-    host with numpy; the pool-sized block index on the device, from the iteration's blocks). CUDA graphs'
-    static buffers (FlexMetadata.graph_buffers) have fixed widths, bounds for any decode iteration, and take
-    an iteration's narrower tables and indices in copy_.
-
-    A `paged` layout (on CUDA, rows of few tokens per request: FlexMetadata.attend hands it to the paged
-    decode kernel) has the rows and the tables only: no block index and no block-sparse structure, which
-    only flex_attention reads."""
+    Block-sparse structure: query tile i (FLEX_Q_BLOCK rows) visits slot tile j (`kv_block` slots) when a
+    request with a row in i has a block in j not after its last row there. `kv_num_blocks` (1, 1, Q tiles)
+    and `kv_indices` (1, 1, Q tiles, width) int32 are as wide as the iteration needs, never the pool; CUDA
+    graphs' static buffers have fixed bounding widths and take narrower ones in copy_. A `paged` layout
+    (FlexMetadata.attend's paged decode kernel) has the rows and tables only."""
 
     q_request: torch.Tensor  # (T,) int32
     q_position: torch.Tensor  # (T,) int32
@@ -86,10 +73,9 @@ class FlexLayout:
         past_arr = np.asarray(context_lens, dtype=np.int64)
         held = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_requests)
         used_arr = np.minimum(-(-(past_arr + n_arr) // block_size), held)
-        # At least two requests' rows, two blocks and two slot tiles wide (padded with -1 and 0): compiled flex
-        # specialises a size of 1, so a one-request iteration would compile graphs of its own. Filled in one
-        # assignment of every request's used blocks, not a row at a time (slower: docs/BENCHMARKS.md,
-        # "Results: the CUDA path on an H200, third session").
+        # At least two requests, blocks and slot tiles wide: compiled flex specialises a size of 1. Filled
+        # in one assignment, not a row at a time (docs/BENCHMARKS.md, "Results: the CUDA path on an H200,
+        # third session (2026-11-27)").
         width = max(int(used_arr.max(initial=0)), 2)
         tables = np.full((max(num_requests, 2), width), -1, dtype=np.int32)
         tables[:num_requests][np.arange(width) < used_arr[:, None]] = np.fromiter(
@@ -110,8 +96,8 @@ class FlexLayout:
         owner = np.repeat(np.arange(num_requests), used_arr)
         index = np.arange(int(used_arr.sum())) - np.repeat(np.cumsum(used_arr) - used_arr, used_arr)
         blocks = tables[owner, index].astype(np.int64)
-        # (query tile, slot tile) pairs: each block with every query tile of its request whose last row of
-        # that request is at or after the block's first position.
+        # (query tile, slot tile) pairs: each block with every query tile whose last row of its request is
+        # at or after the block's first position.
         first_tile, last_tile = row0 // FLEX_Q_BLOCK, (row0 + n_arr - 1) // FLEX_Q_BLOCK
         per_block = (last_tile - first_tile + 1)[owner]
         pair_block = np.repeat(np.arange(len(blocks)), per_block)
@@ -127,9 +113,8 @@ class FlexLayout:
         kv_num_blocks = np.bincount(key_tile, minlength=num_q_tiles).astype(np.int32)
         kv_indices = np.zeros((num_q_tiles, max(int(kv_num_blocks.max(initial=0)), 2)), dtype=np.int32)
         kv_indices[key_tile, np.arange(len(keys)) - (np.cumsum(kv_num_blocks) - kv_num_blocks)[key_tile]] = key_kv
-        # Everything in one copy (upload_arrays: each part a view of one device buffer). The pool-sized block
-        # index is made on the device from the iteration's (block, index) pairs: only they cross from the
-        # host (a 250k-block pool's index was a 1 MB host array and pinned copy every iteration).
+        # Everything in one copy (upload_arrays); the pool-sized block index is made on the device from the
+        # iteration's (block, index) pairs, so only they cross from the host.
         q_request_t, q_position_t, tables_t, pairs, kv_num_blocks_t, kv_indices_t = upload_arrays(
             [q_request, q_position, tables, np.stack([blocks, index]), kv_num_blocks, kv_indices], torch.int32, device)
         block_index = torch.zeros(num_slots // block_size, dtype=torch.int32, device=device)
@@ -143,11 +128,9 @@ class FlexLayout:
     @classmethod
     def static(cls, rows: int, max_blocks: int, block_size: int, num_slots: int, device: torch.device,
                paged: bool = False) -> FlexLayout:
-        """All-padding buffers for iterations of up to `rows` one-token requests of up to `max_blocks` blocks
-        each (CUDA graphs' decode iterations): tables (rows, max_blocks), and as many slot tiles per query
-        tile as its FLEX_Q_BLOCK requests can read: a block lies in one slot tile, and a request's blocks can
-        lie anywhere in the pool, so up to max_blocks tiles each (not the tiles max_blocks contiguous blocks
-        span, which blocks smaller than a tile, scattered, overrun)."""
+        """All-padding buffers for CUDA graphs' decode iterations of up to `rows` one-token requests of up
+        to `max_blocks` blocks: tables (rows, max_blocks), and up to max_blocks slot tiles per request of a
+        query tile (a request's blocks may be scattered anywhere in the pool)."""
         kv_block = _kv_block(block_size)
         q_request = torch.zeros(rows, dtype=torch.int32, device=device)
         q_position = torch.full((rows,), PADDING_ROW, dtype=torch.int32, device=device)
@@ -167,17 +150,15 @@ class FlexLayout:
         )
 
     def head(self, num_tokens: int) -> FlexLayout:
-        """The layout of this one's first `num_tokens` rows, sharing its tensors (views, so what is copied
-        into this layout is what the head's masks read): one per CUDA graph size over one set of static
-        buffers (orca/worker/cuda_graphs.py). The tables stay whole: a head's requests are among its rows."""
+        """The layout of this one's first `num_tokens` rows, sharing its tensors (views): one per CUDA graph
+        size over one set of static buffers (orca/worker/cuda_graphs.py). The tables stay whole."""
         if self.paged:
             return dataclasses.replace(self, q_request=self.q_request[:num_tokens],
                                        q_position=self.q_position[:num_tokens], num_tokens=num_tokens, _masks={})
         q_tiles = -(-num_tokens // FLEX_Q_BLOCK)
         width = self.kv_indices.shape[-1]
-        # (Unpaged static layouts serve the tests' CPU runs of the graphs' buffers only: on CUDA every
-        # captured size is paged, so no graph calls flex_attention.) The first q_tiles rows of the
-        # (1, 1, Q tiles, ...) buffers, viewed with a fresh layout's contiguous strides, as build's are.
+        # (Unpaged static layouts serve the tests' CPU runs only: on CUDA every captured size is paged.)
+        # Views with a fresh layout's contiguous strides, as build's are.
         return FlexLayout(
             q_request=self.q_request[:num_tokens], q_position=self.q_position[:num_tokens], tables=self.tables,
             block_index=self.block_index,
@@ -187,8 +168,8 @@ class FlexLayout:
         )
 
     def copy_(self, other: FlexLayout) -> None:
-        """Takes `other`'s values (an iteration of the same token count over the same pool, its tables and
-        slot tiles within this layout's widths) into this layout's tensors, in place."""
+        """Copies `other`'s values (same token count and pool, tables and tiles within this layout's
+        widths) into this layout's tensors, in place."""
         if other.paged != self.paged:
             raise ValueError("a paged layout and a flex_attention one do not copy into each other")
         if (other.num_tokens, other.num_slots, other.block_size) != (self.num_tokens, self.num_slots, self.block_size):
@@ -243,11 +224,9 @@ class FlexLayout:
 
 def compact_blocks(lengths: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                    block_size: int) -> tuple[list[int], list[list[int]]]:
-    """The pool blocks an iteration reads (each request's first blocks up to its last new token), in order of
-    first use and numbered 0, 1, ... as the tables given back name them: the compact pool a layer's
-    dequantized blocks make for flex_attention (FlexMetadata.attend, a quantized pool). Padded, with the
-    first block again (in no table: masked out, and finite), to whole slot tiles, at least two (compiled
-    flex specialises a size of one)."""
+    """The pool blocks an iteration reads, in order of first use and renumbered 0, 1, ... in the tables
+    given back: the compact pool of dequantized blocks for flex_attention over a quantized pool. Padded with
+    the first block (masked out) to whole slot tiles, at least two (compiled flex specialises one)."""
     index: dict[int, int] = {}
     tables = []
     for n, past, table in zip(lengths, context_lens, block_tables):
@@ -264,9 +243,8 @@ def _kv_block(block_size: int) -> int:
 
 
 def _dynamic(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
-    """`tensor` with `dims` (each at least 2 long) marked dynamic for compiled flex: the tables' and the
-    slot tiles' widths change with every iteration, and a size seen first as a constant would compile
-    again at its first change (in each of the graphs the warm-up compiles, and in a CUDA graph's capture)."""
+    """`tensor` with `dims` (each at least 2 long) marked dynamic for compiled flex: these widths change
+    every iteration, and a size first seen as a constant would recompile at its first change."""
     import torch._dynamo
 
     torch._dynamo.mark_dynamic(tensor, dims)

@@ -1,27 +1,13 @@
 """Paged attention for decode iterations on CUDA: a Triton kernel that reads each query row's keys and
 values straight from the pool through its request's block table, a program per (row, K/V head, split).
 
-Why its own kernel: flex_attention (orca/models/attention/flex.py) lays an iteration's rows out packed, one
-query tile spanning several requests, so a tile of increments reads every block of every request in it and
-masks out most of what it reads, and from FLEX_DECODING_ROWS rows on inductor lowers it to its main kernel:
-on an H200 most of a decode iteration's device time, many times the time of reading its keys and values
-once (docs/BENCHMARKS.md, "The paged decode kernel"). PyTorch has no paged attention op, and flex's own
-paged layout (a query tile per request) needs a static batch (flex.py's docstring).
-
-The kernel: the program of row t and K/V head h loads the row's query heads that share h (grouped-query
-attention, no repeat of keys and values; padded to a tile of at least 16 rows for tl.dot), then walks the
-row's positions [max(0, p - window + 1), p] in tiles of BLOCK_N slots: each slot's block from the request's
-table, keys and values gathered by slot, an online softmax (flash attention's running max and sum). With
-`splits` > 1 each program takes one contiguous share of the row's tiles and writes its partial result
-(running max, sum and unnormalised output, float32); a second kernel combines the shares (flash decoding):
-that keeps the GPU busy when rows x heads are few and contexts long. The split count depends only on the
-row count and the GPU (`num_splits`), so a CUDA graph of a batch size captures one launch configuration.
-
-Rows whose position is -1 (FlexLayout's padding rows) read nothing and come out as zeros. The pool is read
-as it is: the model's dtype (kv_cache_dtype auto), or int8 / float8 values with their float32 scales (a
-quantized pool, orca/worker/kv_cache.py), which scale each key's scores and each value's softmax weight:
-the pool's bytes are what is read, never a dequantized copy. Tested on a CPU under TRITON_INTERPRET=1
-(tests/test_paged_decode.py) and on CUDA against the reference backend (tests/test_gpu.py).
+Why its own kernel: flex_attention's packed query tiles read and mask every block of every request in
+them (docs/BENCHMARKS.md, "The paged decode kernel"), and PyTorch has no paged attention op. A program
+loads the row's query heads sharing K/V head h (padded to a tl.dot tile) and walks the row's positions in
+tiles of BLOCK_N slots with an online softmax; with `splits` > 1 a second kernel combines the shares
+(flash decoding). The split count depends only on the row count and the GPU, so a CUDA graph captures one
+launch configuration. Rows at position -1 (padding) come out as zeros. A quantized pool is read as stored,
+its scales applied to scores and weights. Tested under TRITON_INTERPRET=1 (tests/test_paged_decode.py).
 """
 
 from __future__ import annotations
@@ -65,13 +51,10 @@ def paged_decode_attention(
     num_warps: int = NUM_WARPS,
     scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (T, H, D) over `pool` (one layer's, (2, KVH, slots, D)): row t reads the slots of request
-    q_request[t]'s blocks (its row of `tables`, (requests, width)) at positions up to q_position[t] (and
-    within `window`) -> (T, H, D) in q's dtype. `scales`: a quantized pool's (this layer's (2, KVH, slots)
-    float32; the pool int8 or float8), by which the kernel multiplies each key's scores and each value's
-    weights (what dequantize_kv reads back, in float32). `splits`, `block_n` (a power of 2, at least 16)
-    and `num_warps`: the launch's (scripts/experiments/paged_decode_tiles.py sweeps them); by default
-    num_splits' count and the module's tiles."""
+    """q (T, H, D) over one layer's `pool` (2, KVH, slots, D): row t reads request q_request[t]'s blocks
+    (its row of `tables`, (requests, width)) at positions up to q_position[t] (and within `window`) ->
+    (T, H, D) in q's dtype. `scales`: a quantized pool's (2, KVH, slots) float32. `splits`, `block_n` (a
+    power of 2, at least 16) and `num_warps`: the launch's; by default num_splits' and the module's."""
     num_rows, num_heads, head_dim = q.shape
     kv_heads = pool.shape[1]
     group = num_heads // kv_heads
@@ -96,14 +79,12 @@ def paged_decode_attention(
     key_scales, value_scales = (keys, values) if scales is None else (scales[0], scales[1])  # (unread if None)
     block_g = max(MIN_DOT, _next_power_of_2(group))
     block_d = max(MIN_DOT, _next_power_of_2(head_dim))
-    # The dots run on float32 tiles: IEEE for a float32 model; tf32 for 16-bit ones, which holds bf16 and fp16
-    # values exactly (and rounds the softmax weights less than a cast to bf16 would). Float32 tiles also keep
-    # Triton's interpreter right: it computes 16-bit dots wrongly on a CPU (triton 3.9).
+    # Dots on float32 tiles: exact for bf16/fp16 values under tf32, and Triton's CPU interpreter computes
+    # 16-bit dots wrongly (triton 3.9).
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     stage, combine = _kernels()
     log2_scale = scale * math.log2(math.e)
-    # One compilation of each kernel, whatever the split count (a launch argument): none in a user's request
-    # after the load's warm-up. With one split the partial buffers are not written (one float stands in).
+    # One compilation per kernel whatever the split count (a launch argument); one split writes no partials.
     shape = (splits, num_rows, num_heads, head_dim) if splits > 1 else (1, 1, 1, 1)
     acc = torch.empty(shape, dtype=torch.float32, device=q.device)
     maxes = torch.empty(shape[:3], dtype=torch.float32, device=q.device)  # (a tensor each: both 16-byte aligned,
@@ -133,9 +114,8 @@ def _next_power_of_2(n: int) -> int:
 
 @functools.cache
 def _kernels():  # noqa: ANN202 - two triton.JITFunction
-    """The stage and combine kernels, imported at first use: only CUDA, and the tests, need Triton (whose
-    interpreter, TRITON_INTERPRET=1, is chosen when Triton is imported: tests/test_paged_decode.py runs its
-    kernel cases in a process started with it)."""
+    """The stage and combine kernels, imported at first use: only CUDA and the tests need Triton (whose
+    interpreter mode is fixed at import: tests/test_paged_decode.py runs it in its own process)."""
     from orca.models.attention import paged_decode_kernels
 
     return paged_decode_kernels.stage, paged_decode_kernels.combine

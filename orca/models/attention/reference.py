@@ -1,20 +1,12 @@
 """attention_backend ``reference``: the split Orca describes, one ``scaled_dot_product_attention`` call per
 request and layer over that request's keys and values. The transformers-exact oracle of the tests.
 
-Per layer, after the iteration's keys and values are written (selective_attention), it reads each
-request's keys and values: a view of the pool when the request's blocks are consecutive, else one gather
-for all such requests together. An increment (one token after a cached prefix) is one query row per head
-with no mask, its grouped query heads as query rows of their K/V head (no repeat of keys and values); a
-prompt attends causally to itself, a later chunk to every cached key and its own new keys up to itself; a
-sliding window keeps each query's last `window` keys. A quantized pool (kv_cache_dtype) is dequantized as
-it is read: a request's keys and values, view or gather, become a float copy of the model's dtype.
-
-`auto` never picks it (orca/worker/resolution.py).
-
-Limits: every request is its own SDPA call at every layer, each paying a fixed cost whatever its size, so
-an increment's tiny attention costs a whole call (the batched backend batches the increments for that;
-docs/BENCHMARKS.md, "Results: the fast data plane, fourth step: batched increments"). It reads only the
-slots its requests' iterations wrote, so the pool needs no zeroing (orca/worker/kv_cache.py).
+A request's keys and values are a view of the pool when its blocks are consecutive, else one gather for
+all such requests. An increment is one query row per head, no mask, its grouped query heads as rows of
+their K/V head (no repeat); a prompt attends causally, a later chunk to every cached key and its own up
+to itself. A quantized pool is dequantized as read. `auto` never picks it (orca/worker/resolution.py):
+each request pays a call's fixed cost at every layer (batched.py batches the increments). It reads only
+written slots, so the pool needs no zeroing.
 """
 
 from __future__ import annotations
@@ -39,10 +31,9 @@ from orca.models.device import upload
 @dataclass(kw_only=True)
 class ReferenceMetadata(AttentionMetadata):
     """Request i feeds `lengths[i]` new tokens after `context_lens[i]` cached ones; rows [0, num_increment)
-    are increments. Request i's keys and values (its `context_lens[i] + lengths[i]` tokens) are pool slots
-    `views[i] = (s0, s1)` when its blocks are consecutive (views[i] is None otherwise); the others' slots
-    are concatenated in `gather_index`, split by `gather_sizes`: built from their `gather_tables` when the
-    iteration first reads them."""
+    are increments. Request i's keys and values are pool slots `views[i] = (s0, s1)` when its blocks are
+    consecutive (else None); the others' slots are concatenated in `gather_index`, split by `gather_sizes`,
+    built from `gather_tables` on first read."""
 
     name = "reference"
     in_compiled_forward = True
@@ -53,14 +44,12 @@ class ReferenceMetadata(AttentionMetadata):
     views: list[tuple[int, int] | None]
     gather_tables: list[Sequence[int]]  # the block tables of the requests read by gathering
     gather_sizes: list[int]  # their tokens
-    # A lone increment whose blocks are consecutive (a single stream's decode step, the common case): its
-    # view, which attend reads with no per-request bookkeeping (docs/BENCHMARKS.md, "Results: where a
-    # single-stream step still goes"); None otherwise.
+    # A lone increment with consecutive blocks (a single stream's decode step): its view, read with no
+    # per-request bookkeeping; None otherwise.
     lone_view: tuple[int, int] | None = None
     block_size: int = 0  # (the pool's: the gathers' slots)
-    # The masks of the requests of several new tokens after a cached prefix, by (request, window): the same
-    # at every layer, so built once per iteration, not once per layer (the time saved on a CPU was within
-    # the host's jitter: docs/BENCHMARKS.md, "Where lookup misses").
+    # Masks of requests of several new tokens after a cached prefix, by (request, window): built once per
+    # iteration.
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
@@ -95,9 +84,8 @@ class ReferenceMetadata(AttentionMetadata):
         kv_scales: torch.Tensor | None = None,
         **fields: object,
     ) -> AttentionMetadata:
-        """The slots, views and gathers of the iteration. Requests [0, elsewhere) read their keys and values
-        through a subclass's own path (the batched backend's increments): their views are None (never
-        read) and they are in no gather. `fields`: the subclass's own."""
+        """The slots, views and gathers of the iteration. Requests [0, elsewhere) are read by a subclass's
+        own path (batched increments): no views, no gather. `fields`: the subclass's own."""
         slots: list[int] = []
         views: list[tuple[int, int] | None] = []
         gather_tables: list[Sequence[int]] = []
@@ -145,9 +133,8 @@ class ReferenceMetadata(AttentionMetadata):
         return upload(slots, torch.int64, self.kv_pool.device)
 
     def _mask(self, i: int, window: int | None, device: torch.device) -> torch.Tensor:
-        """Request i's (n, past + n) mask: query j (position past + j) sees every cached key and the new keys
-        up to its own (a later prompt chunk, a recomputation, a speculating request's verified tokens), the
-        last `window` of them with a sliding window."""
+        """Request i's (n, past + n) mask: query j (position past + j) sees every cached key and the new
+        keys up to its own (the last `window` of them with a sliding window)."""
         key = (i, window)
         if key not in self._masks:
             n, past = self.lengths[i], self.context_lens[i]
@@ -161,9 +148,8 @@ class ReferenceMetadata(AttentionMetadata):
         self, q: torch.Tensor, pool: torch.Tensor, scale: float, window: int | None,
         scales: torch.Tensor | None = None, increments_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Per request, over its keys and values in `pool` (this layer's, new ones written; dequantized
-        with `scales` when quantized). `increments_out`: the increments' outputs when a subclass attended
-        them itself (batched.py), in row order; None runs them here, one call each."""
+        """Per request, over this layer's `pool` (new ones written; dequantized with `scales`).
+        `increments_out`: the increments' outputs when a subclass attended them (batched.py); None: here."""
         if self.lone_view is not None and increments_out is None:  # one query row per head, no mask
             start, end = self.lone_view
             if window is not None:  # the last `window` keys only
@@ -200,9 +186,8 @@ class ReferenceMetadata(AttentionMetadata):
         else:
             outputs = []
             if n_inc:
-                # Increment: one query row per head and no mask. The `group` query heads sharing a K/V head
-                # become `group` query rows of that head, so GQA needs no repeat of keys and values. The 4-D
-                # (batch 1) form takes PyTorch's fused CPU kernel.
+                # Increment: the `group` query heads sharing a K/V head become its query rows (GQA, no
+                # repeat); the 4-D (batch 1) form takes PyTorch's fused CPU kernel.
                 q_inc = q[:n_inc].view(n_inc, num_kv_heads, group, head_dim)
                 q_inc = (q_inc,) if n_inc == 1 else q_inc.split(1)  # n_inc x (1, KVH, G, D)
                 for i in range(n_inc):
