@@ -1,11 +1,6 @@
 """Host-to-device staging of an iteration's small inputs (token ids, positions, pool slots, sampling
-options).
-
-On CUDA each list is laid out in pinned (page-locked) host memory and copied with a non-blocking copy: the
-host goes on preparing the rest of the iteration while the copy runs, ordered before the kernels that
-read it on the same stream (a copy from pageable memory would make the host wait for it). Torch's caching
-host allocator keeps the pinned buffers for reuse and frees each one only after its copy is done. On the
-CPU the list simply becomes a tensor: nothing is pinned, nothing costs more."""
+options). On CUDA from pinned host memory with a non-blocking copy, so the host goes on preparing while
+the copy runs, ordered before the kernels on the same stream; on the CPU a plain tensor."""
 
 from __future__ import annotations
 
@@ -24,10 +19,9 @@ def upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: 
 
 def upload_arrays(arrays: Sequence[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Host arrays (any shapes) as tensors of `dtype` on `device`, in one copy: laid out end to end in one
-    host buffer (pinned on CUDA, then copied over without blocking, as upload does), each returned as a
-    view of its part of the one device buffer. One pinned buffer and one copy per iteration, not one per
-    array (pinning is the costly part of a small copy: docs/BENCHMARKS.md, "Where a decode iteration's
-    time goes")."""
+    host buffer (pinned on CUDA), each returned as a view of its part of the device buffer. One pinned
+    copy per iteration, since pinning is a small copy's cost (docs/BENCHMARKS.md, "Where a decode
+    iteration's time goes (`scripts/experiments/decode_host_profile.py`)")."""
     # Each part starts at a multiple of ALIGN elements: kernels compiled for aligned inputs stay aligned.
     sizes = [int(np.prod(a.shape)) for a in arrays]
     starts = [0]

@@ -107,11 +107,8 @@ def export_gguf_quantized(gguf_path: Path, directory: Path) -> dict[str, Any]:
       x.weight.zeros    float32 (out, in / 32), int4 only: w = (q - 8) * scale + zero
 
     and in its header's metadata GGUF_LAYERS_KEY: JSON {x.weight: {"kind", "group_size", "gguf_type"}}.
-    Quantized tensors of other types (K-quants, Q5_0, IQ*...) are left to the converted directory's float
-    weights, which transformers dequantized (get() returns None for them), as is every tensor of a GGUF of
-    another architecture (whose q/k rows llama.cpp lays out otherwise). Returns what the directory's
-    GGUF_SOURCE_FILE records of this: {"architecture", "quantized": GGUF_QUANTIZED_FILE or None when
-    nothing was written, "dequantized_only": {GGUF tensor name: type}}."""
+    Other types, and other architectures, are left to transformers' dequantized float weights. Returns
+    GGUF_SOURCE_FILE's record: {"architecture", "quantized": the file or None, "dequantized_only": {name: type}}."""
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path)
@@ -151,12 +148,9 @@ def export_gguf_quantized(gguf_path: Path, directory: Path) -> dict[str, Any]:
 
 
 class GgufCheckpoint(QuantizedCheckpoint):
-    """A llama-architecture GGUF file's Q8_0, Q4_0 and Q4_1 linear weights, read from what the conversion
-    unpacked (export_gguf_quantized: GGUF_QUANTIZED_FILE in the converted directory, memory-mapped, each
-    weight when get() asks for it); the GGUF file itself is never opened. Tensors of other types (F32, F16,
-    BF16, and the quantized types we do not read: the marker's "dequantized_only") are read as floats from
-    the converted directory (get() returns None). Tied embeddings: there is no output tensor, so
-    get("lm_head.weight") is None and the head is get("model.embed_tokens.weight")."""
+    """A llama-architecture GGUF file's Q8_0, Q4_0 and Q4_1 linear weights, memory-mapped from what the
+    conversion unpacked (GGUF_QUANTIZED_FILE); the GGUF file itself is never opened. get() returns None for
+    other tensors (read as floats) and for "lm_head.weight" when the embedding is tied."""
 
     format = "gguf"
 
@@ -168,12 +162,9 @@ class GgufCheckpoint(QuantizedCheckpoint):
 
     @classmethod
     def open(cls, checkpoint: Path, marker: dict[str, Any]) -> GgufCheckpoint | None:
-        """The reader for `checkpoint`, a directory convert_gguf wrote, from its GGUF_SOURCE_FILE (`marker`)
-        and the header of its GGUF_QUANTIZED_FILE; None when the conversion wrote none (a GGUF of another
-        architecture, or without Q8_0/Q4_0/Q4_1 linear weights: the converted float weights are the model).
-        ValueError when the directory was converted by an orca that wrote another CONVERTED_FORMAT, or its
-        GGUF file is gone or changed since the conversion (size or modification time: a stat, the file is
-        not read)."""
+        """The reader for `checkpoint`, a directory convert_gguf wrote; None when the conversion wrote no
+        GGUF_QUANTIZED_FILE. ValueError when another CONVERTED_FORMAT wrote it, or its GGUF file is gone
+        or changed since (size or modification time)."""
         path = Path(marker["path"])
         if marker.get("converted_format") != CONVERTED_FORMAT:
             raise ValueError(f"{checkpoint} was converted from {path} by another version of orca (converted "

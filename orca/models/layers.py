@@ -59,8 +59,8 @@ def embedding(vocab_size: int, hidden: int, par: ParallelContext) -> nn.Embeddin
 
 
 def plain_embedding(num: int, hidden: int) -> nn.Embedding:
-    """nn.Embedding without its random init: the loader copies every weight in, and on the meta device
-    the first init costs torch seconds of one-time set-up per process (each worker process pays it)."""
+    """nn.Embedding without its random init: the loader copies every weight in, and the meta-device init
+    costs each worker process seconds of one-time set-up."""
     return nn.Embedding(num, hidden, _weight=torch.empty(num, hidden))
 
 
@@ -119,10 +119,8 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-# The hybrid backend's switch (orca/tuning.py, HYBRID_MIN_ROWS): from that many rows (prompt-sized
-# iterations) torch's F.linear on the checkpoint's float32 weights (MKL's sgemm) beats oneDNN's packed
-# matmul, below it oneDNN wins. Float32 only: in bfloat16 F.linear never won, so a 16-bit model's
-# PackedLinears keep no second copy (docs/BENCHMARKS.md, "Hybrid in bfloat16").
+# The hybrid backend's switch (orca/tuning.py, HYBRID_MIN_ROWS): from that many rows F.linear on the float32
+# weights beats oneDNN's packed matmul. Float32 only: in bfloat16 F.linear never won, so no second copy.
 HYBRID_KEEPS_WEIGHTS = (torch.float32,)
 
 
@@ -148,13 +146,10 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, weight: torch.Te
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight lives in oneDNN's blocked layout, packed once at load, multiplied by
-    oneDNN's matmul (the op inductor's freezing pass puts in place of CPU linears): at a decode iteration's
-    few rows it streams the weights faster than torch's default CPU matmul (docs/BENCHMARKS.md, "Where a
-    decode iteration's time went"). With `keep_weight` (the hybrid backend) the checkpoint's weight
-    stays too, and inputs of tuning.HYBRID_MIN_ROWS rows or more (prompts) multiply it with F.linear, faster there.
-    With `par` (a row-parallel layer) the partial products are all-reduced before the bias is added once,
-    as RowParallelLinear does."""
+    """A linear layer whose weight is packed once at load into oneDNN's blocked layout and multiplied by
+    oneDNN's matmul, faster at decode's few rows (docs/BENCHMARKS.md, "Where a decode iteration's time
+    went"). With `keep_weight` (hybrid) inputs of tuning.HYBRID_MIN_ROWS rows or more use F.linear on the
+    kept weight. With `par` (row-parallel) partial products are all-reduced before the bias."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, par: ParallelContext | None = None,
                  keep_weight: bool = False) -> None:
@@ -187,11 +182,9 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module, keep_weights: bool = False) -> None:
-    """Replaces every linear layer of `model` (plain and row-parallel; a mixture's stacked expert
-    matrices stay as they are) by a PackedLinear, and gives a last stage whose head is tied to its input
-    embedding (`model.input_embedding`) a packed copy of it as its head (the embedding keeps its rows for
-    lookups) unless it has a quantized one (orca/models/quantization.py). `keep_weights` (the hybrid
-    backend): each keeps its checkpoint weight too."""
+    """Replaces every linear layer of `model` (plain and row-parallel; not a mixture's stacked experts) by
+    a PackedLinear, and gives a tied head a packed copy of the embedding unless it has a quantized one.
+    `keep_weights` (hybrid): each keeps its checkpoint weight too."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:

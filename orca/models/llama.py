@@ -1,15 +1,11 @@
 """Llama-style decoders: RMSNorm, rotary positions, SwiGLU, grouped-query attention, tied or untied head.
-The families that are Llama with options are served here too (ModelConfig._llama_style reads them):
-Llama 3.x (llama3 / linear / yarn rotary scaling), Mistral (a sliding attention window), Qwen2 (bias on
-q, k, v; per-layer sliding windows), Qwen3 (RMSNorm on each query and key head; its own head_dim), and
-the mixtures of experts Mixtral and Qwen3-MoE (sparse MLPs, orca/models/moe.py).
-Q, K and V are fused into one linear and gate/up into another at load time: fewer, larger matmuls over
-the flattened [num_tokens, hidden] batch.
+Also the families that are Llama with options (ModelConfig._llama_style): Llama 3.x rotary scaling,
+Mistral and Qwen2 sliding windows, Qwen2's q/k/v bias, Qwen3's q/k norms, and the mixtures Mixtral and
+Qwen3-MoE (orca/models/moe.py). Q|K|V and gate|up are fused at load: fewer, larger matmuls over (T, E).
 
-Under tensor parallelism (orca/parallel.py) a rank holds H/tp query heads with their K/V heads (one
-replicated K/V head when tp > KVH), I/tp rows of gate/up (each expert's, for a mixture) and the matching
-columns of o_proj/down_proj, which are row-parallel. A pipeline stage holds its own layers; the first stage
-embeds, the last normalises and computes logits; rotary tables are on every stage."""
+Under tensor parallelism a rank holds H/tp query heads with their K/V heads (one replicated when tp > KVH),
+I/tp rows of gate/up, and the matching columns of the row-parallel o_proj/down_proj. The first pipeline
+stage embeds, the last normalises and computes logits."""
 
 from __future__ import annotations
 

@@ -98,16 +98,11 @@ def load_model(
     """Builds our selectively-batched model for a Hugging Face checkpoint directory: the whole model, or
     with `par` one rank's part of it (its stage's layers, its tensor-parallel shard of each).
 
-    `quantization` (EngineConfig.quantization) decides which linear layers become QuantizedLinear
-    (orca/models/quantization.py; plan_quantization): their weights are read quantized where the checkpoint
-    stores them so (orca/models/quantized_checkpoints.py), else quantized whole from the float weight, then
-    sharded in that form (so a rank's share is the one-rank model's) and packed for the kernel. Those layers
-    hold no float weight during the load (a hybrid float copy is made from the quantized one). With
-    linear_backend "onednn" or "hybrid" (EngineConfig.linear_backend, resolved) the remaining float linear
-    weights are then packed for oneDNN (orca/models/layers.py PackedLinear); hybrid keeps the
-    checkpoint's weights too (float32: HYBRID_KEEPS_WEIGHTS), and gives each quantized layer a
-    oneDNN-packed dequantized copy, for iterations of HYBRID_QUANTIZED_MIN_ROWS[dtype] rows or more
-    (orca/tuning.py; int8 and int4: 8 and 12 in float32, 4 and 6 in bfloat16)."""
+    `quantization` picks the layers that become QuantizedLinear (plan_quantization), read quantized where
+    the checkpoint stores them so, else quantized from the float weight, then sharded and packed; they hold
+    no float weight during the load. With linear_backend "onednn" or "hybrid" the remaining float linears
+    are packed for oneDNN (layers.py PackedLinear); hybrid also keeps float weights (HYBRID_KEEPS_WEIGHTS)
+    and float copies of quantized layers (orca/tuning.py's thresholds)."""
     cfg, _ = read_model_config(checkpoint)
     cls = MODEL_CLASSES[cfg.architecture]
     par = par or ParallelContext.single(cfg.num_layers)
@@ -201,17 +196,14 @@ class QuantizationPlan:
 
     def fused_kind(self, stored: QuantizedCheckpoint | None, names: list[str]) -> str:
         """The kind of one of our weights made of several HF tensors (q | k | v, gate | up): theirs when
-        they agree; when a checkpoint stores them in different kinds (a GGUF file mixing Q4_0 and Q8_0
-        tensors), the widest, int8, the others dequantized and quantized again into it (one kernel per
-        layer)."""
+        they agree, else the widest (int8; a GGUF file mixing Q4_0 and Q8_0), the others requantized."""
         kinds = {self.kind_of(stored, name) for name in names}
         return kinds.pop() if len(kinds) == 1 else min(kinds, key=KIND_WIDTH_ORDER.index)  # type: ignore[arg-type]
 
     def head_kind(self, stored: QuantizedCheckpoint | None, name: str) -> str | None:
         """The LM head's kind (its own weight, or the embedding's `name` for a tied head): as stored under
-        auto (GGUF's Q8_0 embedding: int8); int8 where the plan is int4, as llama.cpp's 4-bit mixes keep
-        the output layer wider: its error goes straight into the logits (measured: docs/BENCHMARKS.md,
-        "Results: quantized weights and K/V"); the plan's kind otherwise."""
+        auto; int8 where the plan is int4, since its error goes straight into the logits (docs/BENCHMARKS.md,
+        "Quality: perplexity (`orca-bench perplexity`)"); the plan's kind otherwise."""
         kind = self.kind_of(stored, name)
         return "int8" if not self.keep_stored and kind == "int4" else kind
 

@@ -1,19 +1,15 @@
-"""The Triton kernels of paged decode attention (orca/models/attention/paged_decode.py says what they do and
-how they are launched): `stage`, a program per (query row, K/V head, split), and `combine`, which merges the
-splits' partial results. A module of its own, imported only where they run: Triton's interpreter
-(TRITON_INTERPRET=1, the CPU tests) is chosen when a kernel is defined, and patches the language in the
-module's globals."""
+"""The Triton kernels of paged decode attention (paged_decode.py says what they do): `stage`, a program
+per (query row, K/V head, split), and `combine`, which merges the splits. A module of its own, imported
+only where they run: Triton's interpreter patches the language in the defining module's globals."""
 
 import triton
 import triton.language as tl
 
 
-# Triton compiles a variant per integer argument's value of 1 and multiples of 16: not on those that change
-# with the iteration (the split count, the table width, the partial buffers' strides) or the layer (the
-# window), so one compilation serves every batch size and layer.
-# A quantized pool (QUANTIZED): K and V hold int8 or float8 values and KS and VS their float32 scales, one per
-# slot and K/V head; a score is the dot with the stored key times the key's scale, and a value's weight is
-# multiplied by its scale before the weighted sum (the stored values are exact in tf32's dots).
+# Triton specialises integer arguments equal to 1 or multiples of 16: not those that change per iteration
+# or layer, so one compilation serves every batch size and layer.
+# QUANTIZED: K and V hold int8 or float8 values, KS and VS their float32 scales per slot and K/V head,
+# applied to each score and each value's weight.
 @triton.jit(do_not_specialize=["window", "splits", "stride_table", "stride_as", "stride_at", "stride_ah",
                                "stride_ss", "stride_st"])
 def stage(Q, K, V, KS, VS, q_request, q_position, tables,
