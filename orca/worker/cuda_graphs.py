@@ -1,23 +1,12 @@
 """CUDA graphs for decode iterations: the model's forward pass replayed as one graph launch instead of
 hundreds of kernel launches from Python.
 
-A decode iteration (every request feeds one token after its cached prefix) under the flex backend has
-tensors whose shapes depend on its token count only: the token rows, and the whole pool for keys and values
-(orca/models/attention/flex.py; the backend's cuda_graphs trait). So one graph per batch size serves every
-decode iteration of that size, whatever the requests' lengths and blocks: the iteration's values are
-copied into static buffers the graph reads (the backend's graph_buffers), and the graph is replayed.
-
-Sizes: 1, 2, 4, then every multiple of 8 below max_bs, and max_bs (vLLM's default steps). A batch of n
-requests runs in the smallest size >= n; its rows after the n-th are padding: token 0 at position 0,
-writing its keys and values to a slot of a block reserved for it (no request ever owns it), attending to
-nothing (FlexLayout's padding rows), and never sampled (the worker samples the requests' rows only).
-Graphs are captured at load, largest first, sharing one memory pool, after flex is compiled.
-
-Used when the device is CUDA, attention is flex, the model is dense (a mixture-of-experts layer counts its
-tokens per expert on the host) and the worker is alone (no tensor or pipeline parallelism: neither has
-been run under graphs yet); `cuda_graphs: off` turns them off. Elsewhere nothing here runs and nothing
-costs. On a CPU the same static-buffer path can run without capture (``capture=False``): that is how the
-tests check padding and the buffer copies where there is no GPU.
+Under the flex backend (its cuda_graphs trait) a decode iteration's shapes depend on its token count
+only, so one graph per batch size serves every decode iteration of that size: its values are copied into
+static buffers the graph reads (graph_buffers) and the graph is replayed. Sizes: 1, 2, 4, each multiple
+of 8 below max_bs, and max_bs; padding rows write to a reserved block's slot, attend to nothing and are
+never sampled. Captured at load, largest first, sharing one memory pool. When they are used: the
+cuda_graphs rule in resolution.py. ``capture=False`` runs the same buffers eagerly, for the CPU tests.
 """
 
 from __future__ import annotations
@@ -53,10 +42,9 @@ def graph_size_for(num_rows: int, sizes: Sequence[int]) -> int | None:
 
 
 class DecodeGraphs:
-    """The CUDA graphs runner (orca/worker/runners.py): static buffers for decode iterations of up to
-    max(sizes) rows and, with `capture`, one CUDA graph of the model's forward pass per size over them.
-    A decode iteration padded to a size (padded_size) has its inputs copied in and replays (or, when not
-    captured, runs the model eagerly on the same buffers); any other runs through `eager`."""
+    """The CUDA graphs runner (runners.py): static buffers for decode iterations of up to max(sizes) rows
+    and, with `capture`, one graph per size over them. A decode iteration padded to a size has its inputs
+    copied in and replays; any other runs through `eager`."""
 
     def __init__(self, model: nn.Module, attention: type[AttentionMetadata], kv_pool: torch.Tensor, block_size: int,
                  pad_slot: int, sizes: Sequence[int], capture: bool, max_blocks: int,
@@ -85,9 +73,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """One graph per size, largest first so the smaller ones reuse its memory pool. Each size runs once
-        before its capture (it builds the size's masks and compiles what is not compiled yet). The buffers
-        hold padding rows meanwhile, which write only to the reserved slot."""
+        """One graph per size, largest first so the smaller ones reuse its memory pool; each size runs
+        once before capture (building its masks, compiling what is not compiled yet)."""
         logger.info("capturing CUDA graphs for decode batches of %s requests ...", ", ".join(map(str, self.sizes)))
         t0 = time.perf_counter()
         pool = None

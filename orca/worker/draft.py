@@ -1,10 +1,9 @@
 """The draft model of speculative_method draft: its weights, its K/V pool, and its drafting.
 
-The draft's pool mirrors the model's: the same blocks and block tables, shaped for the draft's layers and
-heads, then scratch blocks past the mirrored ones, where draft steps write beyond a request's blocks. The
-draft runs over every iteration's tokens (``follow``: so its keys and values follow the model's), and
-after the iteration's draws it drafts each asking request's next tokens (``propose``). One worker only
-(EngineConfig refuses parallelism with a draft).
+The draft's pool mirrors the model's blocks and block tables (shaped for the draft's layers and heads),
+plus scratch blocks where draft steps write past a request's blocks. The draft runs over every
+iteration's tokens (``follow``) so its keys and values track the model's, then drafts each asking
+request's next tokens (``propose``). One worker only (EngineConfig refuses parallelism with a draft).
 """
 
 from __future__ import annotations
@@ -62,9 +61,8 @@ class DraftModel:
     @classmethod
     def load(cls, config: EngineConfig, backends: ResolvedPlan, dtype: torch.dtype, device: torch.device,
              target: ModelConfig, target_layout: KVLayout, max_len: int, load_model: Callable) -> DraftModel:
-        """The draft model, with the model's dtype, linear backend and quantization (loaded by the
-        worker's `load_model`), checked against the model's config (`target`), and the layout of its K/V
-        pool."""
+        """The draft model, loaded like the model (dtype, linear backend, quantization) and checked
+        against its config (`target`), and the layout of its K/V pool."""
         checkpoint = resolve_checkpoint(config.speculative_model)
         model, dc = load_model(checkpoint, dtype, device, None, backends.linear, config.quantization,
                                config.quantization_group_size)
@@ -105,16 +103,14 @@ class DraftModel:
     # -- the iteration -----------------------------------------------------------------------------
     def follow(self, ids: torch.Tensor, pos: torch.Tensor, ordered: list[PlannedRequest], tables: list[list[int]],
                layout: IterationLayout, timer: PhaseTimer | None) -> None:
-        """Runs the draft over the iteration's tokens (`ids`, `pos`: the model's padding rows, if any, left
-        out), so that it has its keys and values of every token the model has; `tables` are the ordered
-        requests' block tables."""
+        """Runs the draft over the iteration's tokens (`ids`, `pos`, padding rows left out) so it has keys
+        and values of every token the model has; `tables` are the ordered requests' block tables."""
         self.model(ids, pos, self._metadata(ordered, tables, layout, timer))
 
     def _metadata(self, ordered: list[PlannedRequest], tables: list[list[int]], layout: IterationLayout,
                   timer: PhaseTimer | None) -> AttentionMetadata:
         """The iteration's attention metadata over the draft's pool: the model's with the pool swapped
-        where nothing else in it depends on the pool (reference and batched: the same slots and blocks),
-        else (flex's layout spans the pool; padding rows of a CUDA graph) built again."""
+        (reference, batched), else built again (flex's layout spans the pool; CUDA graphs' padding)."""
         if layout.padded_to is None:
             meta = layout.metadata()
             if meta.flex is None:
@@ -126,16 +122,11 @@ class DraftModel:
 
     def propose(self, ordered: list[PlannedRequest], tables: list[list[int]], samplings: list[SamplingSpec],
                 result: StepResult) -> None:
-        """Drafts the next tokens of each request the plan asks to (PlannedRequest.num_to_propose, capped
-        by its max_tokens) into result.proposals, after this iteration's draws; `tables` and `samplings`
-        are the ordered requests' block tables and sampling options. Step j runs the draft
-        over one row per request still drafting: its latest token (its last drawn one, then its previous
-        draft) at the next position, and draws the next token from the draft's logits with the request's
-        sampling options at the output step where the model will draw when verifying it: the sampler's
-        noise at a step is the same for both (orca/worker/sampler.py), so a draft close to the model
-        draws what the model will, sampling too. The steps' keys and values go to the draft's pool at
-        the request's next positions, in its blocks or past them in scratch blocks (never read after this
-        iteration: the next one writes every position it feeds, in both pools)."""
+        """Drafts the next tokens of each request the plan asks (PlannedRequest.num_to_propose, capped by
+        max_tokens) into result.proposals. Step j feeds each drafting request's latest token and draws
+        with its sampling options at the output step the model will verify it at: the sampler's noise
+        there is the same for both (sampler.py), so a close draft draws what the model will. Scratch
+        blocks' keys and values are never read after this iteration."""
         block_size = self.layout.block_size
         scratch, scratch_end = self.scratch_first, self.scratch_first + self.scratch_blocks
         drafting: list[_Drafting] = []

@@ -1,9 +1,6 @@
 """The K/V pool's size and allocation: how many blocks a worker holds (n_slots, kv_cache_bytes, or on CUDA
-what gpu_memory_utilization leaves after a profiling iteration at the largest iteration), the pool's
-tensors (the model's, and the draft model's beside it), and the GPU memory an earlier engine left.
-
-A block costs the model's keys and values and, with a draft model, the draft's (Worker.bytes_per_block);
-the draft's scratch blocks come off the budget.
+what gpu_memory_utilization leaves after profiling the largest iteration), the pool's tensors (the
+model's, and the draft's beside it), and the GPU memory an earlier engine left.
 """
 
 from __future__ import annotations
@@ -26,10 +23,9 @@ PROFILE_TOKENS_WITHOUT_BUDGET = 8192
 
 
 def determine_num_blocks(worker: Worker) -> int:
-    """How many K/V blocks this worker can hold: n_slots or kv_cache_bytes when given; on CUDA
-    otherwise what gpu_memory_utilization leaves after a profiling forward pass at the largest
-    iteration; on CPU otherwise the default kv_cache_bytes. With a draft model a block holds the
-    draft's keys and values too (bytes_per_block), and its scratch blocks come off the budget."""
+    """How many K/V blocks this worker can hold: n_slots or kv_cache_bytes when given; else on CUDA what
+    gpu_memory_utilization leaves after a profiling pass at the largest iteration, on CPU the default
+    kv_cache_bytes. A block holds the draft's keys and values too (bytes_per_block), minus its scratch."""
     cfg = worker.config
     if cfg.n_slots is not None:
         return cfg.n_slots // cfg.block_size
@@ -59,15 +55,13 @@ def profile_plan(max_bs: int, block_size: int, max_len: int, num_tokens: int) ->
 
 
 def profile_gpu_blocks(worker: Worker) -> int:
-    """The blocks gpu_memory_utilization leaves on this GPU after a profiling iteration at the largest
-    iteration, on a scratch pool (released after)."""
+    """The blocks gpu_memory_utilization leaves on this GPU after profiling the largest iteration on a
+    scratch pool (released after)."""
     cfg = worker.config
     device = worker.device
     max_len = worker.max_len()
-    # The largest iteration: the token budget; without one, max_bs whole prompts could in principle run
-    # at once, which is no useful bound (32 x 8192 tokens for SmolLM2), so the profile stops at
-    # PROFILE_TOKENS_WITHOUT_BUDGET (or one full-length prompt). Set max_num_batched_tokens on a GPU to
-    # bound every iteration by what was profiled.
+    # The largest iteration: the token budget; without one, max_bs whole prompts is no useful bound, so the
+    # profile stops at PROFILE_TOKENS_WITHOUT_BUDGET (or one full-length prompt).
     unbounded = min(cfg.max_bs * max_len, max(max_len, PROFILE_TOKENS_WITHOUT_BUDGET))
     num_tokens = min(cfg.max_num_batched_tokens or unbounded, cfg.max_bs * max_len)
     torch.cuda.empty_cache()  # (what an earlier engine left was collected before the weights loaded)
@@ -84,9 +78,8 @@ def profile_gpu_blocks(worker: Worker) -> int:
     release_pool(worker)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    # Memory in use beyond this process's live tensors (whose peak is `peak`) counts against the budget
-    # too: other processes, the CUDA context, and cached segments the allocator could not release (a
-    # segment part of which holds a live tensor: the pool, one allocation, cannot use its free part).
+    # Memory in use beyond this process's live tensors counts against the budget too: other processes, the
+    # CUDA context, cached segments the allocator could not release.
     used_elsewhere = total - free - torch.cuda.memory_allocated(device)
     n = blocks_from_gpu_memory(total, max(0, used_elsewhere) + peak + scratch, cfg.gpu_memory_utilization,
                                worker.bytes_per_block)
@@ -113,9 +106,7 @@ def release_pool(worker: Worker) -> None:
 
 def release_cached_memory() -> None:
     """Frees what an earlier engine of this process left on the GPU: a dropped engine caught in a reference
-    cycle (collected now, not at some later collection), then the allocator's cached segments. Measured on
-    an H200: a benchmark's second engine, created while the first awaited collection, put its weights into
-    the first's cached 122 GiB pool segment, which then could not be released, and its own pool, sized as
-    if it could, did not fit (CUDA out of memory)."""
+    cycle (collected now), then the allocator's cached segments, which a new engine's weights could
+    otherwise pin so that its own pool no longer fits."""
     gc.collect()
     torch.cuda.empty_cache()

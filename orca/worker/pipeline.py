@@ -1,9 +1,6 @@
-"""Pipeline stages: the activations one stage hands the next (orca/executor/distributed.py runs one worker
-per rank; orca/parallel.py says which layers each stage holds).
-
-Every iteration a stage after the first receives the previous stage's (T, hidden) output for the plan from
-the same tensor-parallel rank there, runs its layers over it, and a stage before the last sends its own
-output on without waiting for it to be received: it goes on with the next plan in flight.
+"""Pipeline stages: the activations one stage hands the next (orca/parallel.py says which layers each
+stage holds). A later stage receives the previous stage's (T, hidden) output from the same tensor-parallel
+rank; a stage sends its own on without waiting, going on with the next plan in flight.
 """
 
 from __future__ import annotations

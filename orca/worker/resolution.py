@@ -1,18 +1,12 @@
 """The one resolution pass: what each of EngineConfig's choices (``auto`` or explicit) becomes on a worker,
 and why.
 
-``resolve`` turns an EngineConfig, the worker's device, its checkpoint (whose config.json is read before
-any weight: head_dim, mixture-of-experts layers) and its rank count into a frozen ResolvedPlan: the dtype,
-the linear backend, the attention backend (and its metadata class), CUDA graphs, the compiled forward
-pass, the K/V pool's dtype and the quantization, each with its reason (``Choice``). The order needs no
-loaded weights, so what the device cannot run is refused before the load. The attention backends' traits
-(class attributes of their metadata classes, orca/models/attention/: ``cuda_graphs``,
-``in_compiled_forward``, ``cuda_min_head_dim``, ``cuda_fp8_pool_min_capability``) say what each runs; no
-backend is named here but auto's two candidates. The worker logs the plan's ``table()`` once at load.
-
-``RULES`` states each rule in words; scripts/options_doc.py renders them into docs/OPTIONS.md, section
-"How `auto` resolves", the page every other document points to instead of restating.
-The environment's overrides of ``auto`` ($ORCA_DTYPE, $ORCA_TORCH_COMPILE) are read in orca/config.py.
+``resolve`` turns an EngineConfig, the device, the checkpoint's config.json and the rank count into a
+frozen ResolvedPlan (dtype, linear and attention backends, CUDA graphs, the compiled forward pass, the K/V
+pool's dtype, the quantization), each with its reason (``Choice``), before any weight loads, so what the
+device cannot run is refused first. The backends' traits (orca/models/attention/) say what each runs.
+``RULES`` states each rule in words; scripts/options_doc.py renders them into docs/OPTIONS.md, "How
+`auto` resolves". Environment overrides of ``auto`` are read in orca/config.py.
 """
 
 from __future__ import annotations
@@ -144,9 +138,8 @@ class ResolvedPlan:
 def resolve(config: EngineConfig, device: torch.device, checkpoint: Path, ranks: int,
             model_config: ModelConfig | None = None) -> ResolvedPlan:
     """Every choice of a worker that is one of `ranks` (tensor x pipeline parallel) on `device`, before its
-    weights load: `model_config` is the checkpoint's (read from its config.json when None). Raises
-    ValueError for what the device cannot run (a backend's traits against the model's head_dim and the
-    pool's dtype; oneDNN where it cannot pack); logs the chosen attention backend's own device warning."""
+    weights load (`model_config`: the checkpoint's, read when None). ValueError for what the device cannot
+    run; logs the chosen backend's device warning."""
     mc = model_config if model_config is not None else read_model_config(checkpoint)[0]
     moe = any(mc.moe_layers)
     dtype, dtype_reason = resolve_dtype(config)
@@ -200,10 +193,7 @@ def resolve_dtype(config: EngineConfig) -> tuple[torch.dtype, str]:
 def resolve_linear_backend(choice: str, device: torch.device, dtype: torch.dtype,
                            weight_bytes: int | None = None) -> tuple[str, str]:
     """EngineConfig.linear_backend to what runs ("hybrid", "onednn" or "reference"), and why (RULES); an
-    explicit onednn or hybrid where oneDNN cannot run is refused with the reason. (hybrid's second copies
-    are where they were measured to win: F.linear's for float32 layers at prompt sizes,
-    tuning.HYBRID_MIN_ROWS; oneDNN's float copies of quantized layers from a few rows. A 16-bit model
-    without quantized layers holds none: hybrid is onednn there.)"""
+    explicit onednn or hybrid where oneDNN cannot run is refused with the reason."""
     packs = device.type == "cpu" and layers.onednn_packs(dtype)
     if choice in ("onednn", "hybrid") and not packs:
         where = f"device {device}" if device.type != "cpu" else f"{dtype} on this CPU"
@@ -243,15 +233,12 @@ def resolve_attention_backend(choice: str, device: torch.device, no_flex_reason:
 
 def why_not_flex_by_default(config: EngineConfig, device: torch.device, checkpoint: Path, ranks: int,
                             model_config: ModelConfig | None = None) -> str | None:
-    """Why attention_backend auto is not flex on this configuration, or None when it is (RULES): flex is
-    CUDA's default where its decode iterations run in CUDA graphs (why_no_graphs, on the checkpoint's
-    config, read before the weights load; `model_config` is the checkpoint's, when already read) and it
-    serves everything asked of it."""
+    """Why attention_backend auto is not flex on this configuration, or None when it is (RULES).
+    `model_config`: the checkpoint's, when already read."""
     if device.type != "cuda":  # (why_no_graphs says so too; here before any checkpoint is read)
         return f"the device is {device.type}"
     if config.kv_cache_dtype != "auto":
-        # flex reads a quantized pool (its paged decode kernel with the scales), but has not been measured
-        # against batched on one: attention_backend flex chooses it.
+        # Not measured against batched on a quantized pool: attention_backend flex chooses it.
         return (f"kv_cache_dtype {config.kv_cache_dtype} (flex over a quantized pool is not measured on a GPU "
                 "yet; attention_backend flex chooses it)")
     if config.enable_lora:
@@ -273,8 +260,7 @@ def why_not_flex_by_default(config: EngineConfig, device: torch.device, checkpoi
 def check_attention_support(attention: type[AttentionMetadata], device: torch.device, head_dim: int,
                             kv_dtype: torch.dtype, whose: str = "this model's") -> None:
     """Refuses what the attention backend cannot run on this device for a model of `head_dim` (`whose`
-    names the model in the message), by its traits: the head size its CUDA kernels need, the compute
-    capability a float8 e4m3 pool needs."""
+    names the model), by its traits: its CUDA kernels' head size, a float8 e4m3 pool's compute capability."""
     if device.type != "cuda":
         return
     min_head_dim = attention.cuda_min_head_dim
@@ -311,9 +297,8 @@ def why_no_graphs(choice: str, device: torch.device, attention_backend: str, wor
 
 def why_not_compiled(choice: str, device: torch.device, attention_backend: str, world_size: int,
                      moe: bool) -> str | None:
-    """Why the forward pass runs eagerly rather than through the CPU graphs (EngineConfig.torch_compile,
-    resolved: EngineConfig.effective_torch_compile; RULES), or None when it is compiled (the warm-up may
-    still find a reason: orca/worker/warmup.py)."""
+    """Why the forward pass runs eagerly rather than through the CPU graphs (RULES), or None when it is
+    compiled (the warm-up may still find a reason: warmup.py)."""
     if choice == "off":
         return "torch_compile is off"
     if device.type != "cpu":

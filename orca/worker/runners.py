@@ -1,14 +1,7 @@
-"""How an iteration's forward pass runs: one runner per execution mode, chosen at load (warmup.py).
-
-- EagerRunner (here): the model's modules as they are; a pipeline stage after the first receives the
-  previous stage's activations first.
-- DecodeGraphs (cuda_graphs.py): decode iterations padded to a captured CUDA graph's size and replayed;
-  the rest eagerly.
-- CPUGraphs (cpu_graphs/): torch.compile graphs on a CPU.
-
-A runner takes the flat token ids and positions and the iteration's layout (IterationLayout), builds the
-attention metadata it reads (or its graphs' own inputs), and returns the hidden rows; `padded_size` says
-to how many rows a decode iteration is padded (None: not padded).
+"""How an iteration's forward pass runs: one runner per execution mode, chosen at load (warmup.py):
+EagerRunner (here), DecodeGraphs (cuda_graphs.py: padded decode iterations replayed), CPUGraphs
+(cpu_graphs/: torch.compile graphs on a CPU). A runner takes flat token ids and positions and the
+IterationLayout, and returns the hidden rows; `padded_size`: the rows a decode iteration is padded to.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Turns one iteration's logits into one token per request, vectorised over the batch.
 
-Greedy (temperature 0), temperature, top-k and top-p, each per request. Randomness comes from a
-counter-based generator: the uniform number for (request seed, output step, token id) is a hash of those
-three, computed for the whole [batch, vocab] block at once. So a seeded request draws the same numbers
-alone or inside any batch, with no per-request generator object and no Python loop over requests. The
-draw itself is the exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p.
+Greedy (temperature 0), temperature, top-k and top-p, per request. The uniform for (seed, output step,
+token id) is a counter-based hash computed for the whole (B, V) block at once, so a seeded request draws
+the same alone or in any batch, with no per-request generator. The draw is the exponential race (argmax
+of p / E, E ~ Exp(1)), which samples exactly from p.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser, in place: a bijection of int64 that spreads every input bit over every
-    output bit. (In place, the [batch, vocab] block costs a fifth of what a new tensor per op did.)"""
+    """SplitMix64's finaliser, in place (cheaper than a new tensor per op): a bijection of int64 that
+    spreads every input bit over every output bit."""
     x ^= _shr(x, 30)
     x *= _MIX1
     x ^= _shr(x, 27)
@@ -54,10 +53,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B,) seeds and (B,) steps -> (B, V) uniforms in (0, 1), a hash of (seed, step, token).
 
-    Seed and step are mixed before the token is added, so nearby seeds or steps give unrelated streams
-    (a plain sum would make seed s + 1 at token t equal seed s at token t + 1)."""
-    # int64 multiplication wraps modulo 2**64 on every device, which is what the hash wants. (Not cached
-    # across calls: a tensor made under one fake mode, the fake-CUDA tests', must not meet another.)
+    Seed and step are mixed before the token is added, so nearby seeds or steps give unrelated streams."""
+    # int64 multiplication wraps modulo 2**64 on every device, as the hash wants. Not cached across calls
+    # (the fake-CUDA tests' fake mode must not meet another's tensor).
     token_terms = torch.arange(vocab, device=seeds.device, dtype=torch.int64).mul_(_GOLDEN)
     stream = _mix(_mix(seeds * _GOLDEN + _GOLDEN) + steps * _STEP)  # (B,)
     x = _mix(stream.unsqueeze(1) + token_terms)  # (B, V), a new tensor mixed in place
@@ -68,7 +66,7 @@ def counter_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> tor
 @dataclass
 class SamplingTensors:
     """Per-request sampling options as (B,) tensors, built once per iteration; none for an all-greedy
-    batch, which only takes the argmax (five uploads, on CUDA five pinned copies, saved per iteration)."""
+    batch, which only takes the argmax (saving five uploads)."""
 
     temperature: torch.Tensor | None  # float32; 0 = greedy
     top_k: torch.Tensor | None  # int64; 0 = off
@@ -114,16 +112,15 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 def apply_allowed_tokens(logits: torch.Tensor, masks: list[tuple[int, bytes]]) -> None:
-    """Structured outputs: for each (row, bitmask) sets, in place, the logits of the tokens the row's
-    packed bitmask (orca/core/constraint.py: int32 words, bit j of word i = token 32 i + j) disallows to
-    -inf, so that greedy, sampled and logprobs alike see only allowed tokens. Tokens past the mask's
-    words (a logits vocabulary padded beyond the tokenizer's) are disallowed."""
+    """Structured outputs: sets, in place, the logits of each row's disallowed tokens to -inf (packed
+    bitmask, orca/core/constraint.py: bit j of int32 word i = token 32 i + j), so greedy, sampling and
+    logprobs see only allowed tokens. Tokens past the mask's words are disallowed."""
     vocab = logits.shape[-1]
     packed = np.frombuffer(b"".join(m for _, m in masks), dtype=np.uint8).reshape(len(masks), -1)
     # Little-endian words: byte k of word i holds tokens 32 i + 8 k ... + 7, lowest bit first.
     bits = np.unpackbits(packed, axis=1, count=vocab, bitorder="little")  # (R, V) 0/1, zeros past the mask
-    # An additive bias, 0 where allowed and -inf where not, by arithmetic alone: (bit - 1) * max * 2
-    # overflows to -inf exactly (a masked_fill on a random mask is branchy and ~10x slower on a CPU).
+    # An additive bias (bit - 1) * max * 2: 0 where allowed, overflowing to exactly -inf where not, without
+    # a branchy masked_fill.
     bias = torch.from_numpy(bits).to(logits.device, torch.float32).sub_(1).mul_(_FLOAT32_MAX).mul_(2.0)
     index = upload([row for row, _ in masks], torch.int64, logits.device)
     logits.index_add_(0, index, bias)

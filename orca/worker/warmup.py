@@ -1,11 +1,7 @@
-"""The load-time warm-up: what init_kv_pool does once the pool is allocated, before any request, and where
-the worker's runner is chosen (orca/worker/runners.py).
-
-In order: flex attention's kernels compiled where they compile at load (CUDA: warm_up_flex), then the
-runner: the decode iterations' CUDA graphs captured (DecodeGraphs, orca/worker/cuda_graphs.py), else the
-CPU graphs compiled (CPUGraphs, orca/worker/cpu_graphs/), else the eager runner, after a prompt and an
-increment. Each runs hand-built iterations (warmup_plans.py) into blocks no request owns yet, and forgets
-their requests (run_warm_up).
+"""The load-time warm-up: what init_kv_pool does once the pool is allocated, and where the worker's
+runner is chosen (runners.py): flex's kernels compiled where they compile at load, then CUDA graphs
+captured (cuda_graphs.py), else CPU graphs compiled (cpu_graphs/), else the eager runner after a prompt
+and an increment. Each runs hand-built iterations (warmup_plans.py) into blocks no request owns yet.
 """
 
 from __future__ import annotations
@@ -56,15 +52,13 @@ def warm_up(worker: Worker, num_blocks: int) -> None:
     if worker.runner is eager and worker.par.layout.world_size == 1 and not worker.attention.zeroed_pool \
             and worker.kv_pool.shape[3] >= PROMPT_AND_INCREMENT_SLOTS:
         # A prompt and an increment now, not in the first request: oneDNN's primitives, the allocator's
-        # blocks and this thread's OpenMP team are made here (flex has its own warm-up on CUDA, and its
-        # pool, zeroed_pool, stays as allocated: zeroed).
+        # blocks and this thread's OpenMP team are made here.
         run_warm_up(worker, prompt_and_increment_plans(worker.kv_layout.block_size), "warming up the model")
 
 
 def compile_forward(worker: Worker) -> None:
-    """worker.runner: the CPU graphs, compiled by their warm-up iterations, where worker.no_compile_reason
-    finds nothing against them (else, or when compiling fails, that reason says why not, and the eager
-    runner stays)."""
+    """worker.runner: the CPU graphs, compiled by their warm-up iterations, unless no_compile_reason
+    finds something against them or compiling fails (then the eager runner stays, and the reason says why)."""
     slots = worker.kv_pool.shape[3]
     if worker.no_compile_reason is None and slots < PROMPT_AND_INCREMENT_SLOTS:
         worker.no_compile_reason = (f"the K/V pool holds fewer than the {PROMPT_AND_INCREMENT_SLOTS} slots the "
@@ -87,9 +81,8 @@ def compile_forward(worker: Worker) -> None:
 
 
 def warm_up_flex(worker: Worker) -> None:
-    """Compiles the attention backend's kernels now rather than in a user's request (warm_up_plans with
-    its warm_up_rows; flex's on CUDA, the one backend that compiles at load, hence the name). Writes only
-    to blocks no request owns yet; skipped when the pool is too small to hold them."""
+    """Compiles the attention backend's kernels now rather than in a user's request (warm_up_plans of its
+    warm_up_rows), into blocks no request owns; skipped when the pool is too small to hold them."""
     plans = warm_up_plans(worker.kv_layout.block_size, worker.max_len(), worker.attention.warm_up_rows)
     if not pool_holds(worker, plans):
         return

@@ -1,8 +1,5 @@
-"""The load-time warm-up's iterations, hand-built plans into blocks no request owns yet:
-prompt_and_increment_plans (a two-token prompt and its increment, the first two of every warm-up),
-warm_up_plans (then an iteration of each of a backend's warm_up_rows token rows; flex's:
-flex_warm_up_plans), verification_plan (a speculating stream's verification of its proposals) and
-few_warm_up_plans (a decode step of two requests)."""
+"""The load-time warm-up's iterations: hand-built plans into blocks no request owns yet (a prompt and its
+increment first, then each backend's warm_up_rows, a verification, a few-request decode step)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ def flex_warm_up_plans(block_size: int, max_len: int) -> tuple[StepPlan, ...]:
 
 def warm_up_plans(block_size: int, max_len: int, rows: Sequence[int]) -> tuple[StepPlan, ...]:
     """The iterations that compile an attention backend's kernels at load: a two-token prompt, its
-    one-token increment, then an iteration of each of `rows` token rows (the backend's warm_up_rows), each
-    as prompts of at most `max_len` tokens (the model's positions), in blocks taken in order from the
-    first. Every layer runs (sliding-window layers compile their own mask)."""
+    increment, then an iteration of each of `rows` token rows, as prompts of at most `max_len` tokens, in
+    blocks taken in order from the first. Every layer runs (sliding-window layers compile their own mask)."""
     spec = SamplingSpec(1.0, 0, 1.0, 0)
     plans = list(prompt_and_increment_plans(block_size))
     next_block = -(-PROMPT_AND_INCREMENT_SLOTS // block_size)

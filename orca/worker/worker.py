@@ -1,19 +1,10 @@
 """The worker: owns the device, the weights, the K/V pool and the attention path; carries out StepPlans.
 
-For each plan it drops the state of the requests the plan frees, extends block tables, turns the plan into
-flat tensors (every token of every request in one [T] row vector, positions, pool slots) plus an explicit
-AttentionMetadata, runs the model once, computes logits only for the rows that sample, and samples one
-token for each (and with proposed tokens keeps the draws up to the first that differs). It never sees a
-Request and never decides anything: the driver's scheduler did.
-
-With parallelism (orca/executor/distributed.py runs one Worker per rank) a worker holds its pipeline stage's layers
-and its tensor-parallel share of their heads, and of their K/V: every rank of every stage prepares the
-same metadata from the same plan; a stage after the first receives the previous stage's [T, hidden]
-activations and the last stage's first tensor-parallel rank samples (pipeline.py).
-
-The rest of the worker is in the modules beside this one: every choice of the load and its reason
-(resolution.py), the pool's size and allocation (memory.py), the load-time warm-up (warmup.py), the draft
-model of speculative_method draft (draft.py).
+Per plan it frees finished requests, extends block tables, flattens every token of every request into
+(T,) rows with an explicit AttentionMetadata, runs the model once, computes logits only at sampling rows
+and samples (keeping speculative draws up to the first mismatch). It decides nothing: the scheduler did.
+Under parallelism each rank holds its stage's layers and its tensor-parallel share (pipeline.py). The
+load's choices are resolution.py's; pool sizing memory.py's; the warm-up warmup.py's; the draft draft.py's.
 """
 
 from __future__ import annotations
@@ -68,8 +59,7 @@ class Worker:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.checkpoint = resolve_checkpoint(config.model)
-        # Every choice of the load and its reason (resolution.py), before the weights: the device's refusals
-        # come first.
+        # Every choice of the load and its reason (resolution.py), before the weights.
         self.resolved: ResolvedPlan = resolve(config, self.device, self.checkpoint,
                                               1 if par is None else par.tp_size * par.pp_size)
         logger.info("%s", self.resolved.table())
@@ -103,17 +93,14 @@ class Worker:
         if config.speculative_method == "draft":
             self.draft = DraftModel.load(config, self.resolved, self.dtype, self.device, mc, self.kv_layout,
                                          self.max_len(), load_model)
-        # The runner (runners.py), chosen by the warm-up: CUDA graphs where the plan finds no reason against
-        # them (the pool then has one block more, for padding rows), else the CPU graphs where it finds none
-        # against compiling, else eager.
+        # The runner (runners.py), chosen by the warm-up: CUDA graphs, else CPU graphs, else eager.
         self.no_graphs_reason = self.resolved.no_graphs_reason
         self.no_compile_reason = self.resolved.no_compile_reason
         self._requests: dict[str, _RequestState] = {}
         self.stages = StageLink(self.par, mc.hidden_size, self.dtype, self.device)  # pipeline.py
         self.runner: Runner = EagerRunner(self.model, self.par, self.stages)
         self._fault: str | None = None  # inject_fault: the next plan raises this message mid-iteration
-        # The thread that loaded the model, and so ran its first OpenMP parallel regions (on a CPU), is the
-        # one that must run its iterations (_foreign_thread's docstring); iterations on any other are counted.
+        # Iterations must run on the thread that loaded the model (see _foreign_thread).
         self.load_thread = threading.get_ident()
         self.foreign_thread_iterations = 0
 
@@ -161,10 +148,8 @@ class Worker:
 
     # -- iterations ------------------------------------------------------------------------------
     def inject_fault(self, message: str) -> None:
-        """Fault injection for the reliability tests ($ORCA_ENGINE_FAULT kind raise, orca/core/engine_loop.py):
-        the next plan this worker executes raises RuntimeError(message) inside the iteration, after the
-        model has run (its keys and values are written) and before sampling: that plan fails, as any
-        exception in an iteration would."""
+        """Fault injection for the reliability tests ($ORCA_ENGINE_FAULT kind raise): the next plan raises
+        RuntimeError(message) after the model ran and before sampling, failing that plan only."""
         self._fault = message
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -180,12 +165,9 @@ class Worker:
             return StepResult(plan.batch_id, error=f"{type(exc).__name__}: {exc}")
 
     def _foreign_thread(self) -> None:
-        """An iteration on another thread than the one that loaded the model. On a CPU, every thread that
-        runs torch's parallel ops gets an OpenMP team of its own (libgomp), and once a process has more
-        such threads than cores libgomp stops spin-waiting, so every op pays a futex wake-up: slower decode
-        steps, the more so the shorter the step (docs/BENCHMARKS.md, "The serving path"). Build and step
-        an engine on one thread: LLM does, EngineLoop builds its engine on its own thread. Counted, and
-        said once."""
+        """An iteration on another thread than the one that loaded the model. On a CPU each such thread
+        gets its own OpenMP team, and with more teams than cores libgomp stops spin-waiting, slowing every
+        op (docs/BENCHMARKS.md, "The cause found first: two OpenMP teams in the stub"). Counted, said once."""
         self.foreign_thread_iterations += 1
         if self.foreign_thread_iterations == 1 and self.device.type == "cpu":
             logger.warning("an iteration runs on thread %d, but this worker loaded its model on thread %d: each "
@@ -231,8 +213,7 @@ class Worker:
             t2 = time.perf_counter()
         t3 = time.perf_counter()
         if self.draft is not None:
-            # The draft reads its keys and values of every token the model has: it runs over this iteration's
-            # tokens too (the model's padding rows, if any, left out), then drafts.
+            # The draft runs over this iteration's tokens too (padding rows left out), then drafts.
             num_tokens = sum(len(pr.token_ids) for pr in ordered)
             states = [self._requests[pr.request_id] for pr in ordered]
             tables = [state.block_table for state in states]
@@ -258,8 +239,7 @@ class Worker:
         tokens = token_ids.tolist()  # host sync
         first = 0
         for request_id, proposed in zip(sampled_ids, proposals):
-            # A request with proposals keeps its draws up to the first that differs from the proposal
-            # at its position, that one included (orca/core/speculative.py).
+            # Keep draws up to and including the first that differs from its proposal (orca/core/speculative.py).
             kept = 1
             while kept <= len(proposed) and tokens[first + kept - 1] == proposed[kept - 1]:
                 kept += 1
@@ -273,9 +253,8 @@ class Worker:
             first += len(proposed) + 1
 
     def _load_loras(self, plan: StepPlan) -> dict[int, float]:
-        """Drops the host copies of the plan's removed adapters, keeps those of its added ones (read by the
-        driver: orca/models/lora.py read_adapter) and puts the plan's adapters into their slots
-        (orca/core/lora.py) from them; returns each load's seconds by lora_id. Reads no file."""
+        """Applies the plan's LoRA changes: drops removed adapters' host copies, keeps added ones, loads
+        slots from them; returns each load's seconds by lora_id. Reads no file."""
         if self.lora is None:
             raise RuntimeError("the plan loads LoRA adapters, but this worker was started without enable_lora")
         self.lora.forget(set(plan.lora_removed))
@@ -293,11 +272,9 @@ class Worker:
         self, ordered: list[PlannedRequest], timer: PhaseTimer | None, padded_to: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, IterationLayout, tuple | None]:
         """Flat input ids and positions (T,), the iteration's layout, and the sampling rows: (row indices
-        (B,), specs, steps, request ids, the (sampling row, bitmask) of the constrained ones, each request's
-        proposed tokens) of the requests that draw a token (a request with k proposed tokens draws at its
-        last k + 1 rows), or None when none does. With
-        `padded_to`, padding rows follow the requests' up to that many rows (a CUDA graph's size); no
-        sampling row is ever one of them."""
+        (B,), specs, steps, request ids, (sampling row, bitmask) of constrained ones, proposed tokens), or
+        None when no request draws (one with k proposals draws at its last k + 1 rows). With `padded_to`,
+        padding rows follow up to that many rows; no sampling row is one of them."""
         input_ids: list[int] = []
         positions: list[int] = []
         lengths: list[int] = []
@@ -319,8 +296,7 @@ class Worker:
                 state = self._requests[pr.request_id] = _RequestState(pr.sampling)
             elif state is None:
                 raise RuntimeError(f"plan names request {pr.request_id!r}, which this worker does not hold")
-            # New blocks below the request's start hold keys and values computed before (the prefix
-            # cache's, taken at admission): only those from its start on are fresh.
+            # New blocks below the request's start are the prefix cache's; only later ones are fresh.
             fresh = max(0, pr.start // self.kv_layout.block_size - len(state.block_table))
             state.block_table.extend(pr.new_block_ids)
             new_blocks.extend(pr.new_block_ids[fresh:])
@@ -331,8 +307,7 @@ class Worker:
             context_lens.append(pr.start)
             tables.append(state.block_table)
             if pr.sample_step is not None:
-                # A draw at its last token's row, and with proposed tokens at each of theirs (output steps
-                # sample_step, sample_step + 1, ...: the draws speculation off would make there).
+                # Draws at its last row and at each proposed token's (steps sample_step, sample_step + 1, ...).
                 k = pr.num_proposed
                 if pr.allowed_tokens is not None:  # one bitmask per drawn row
                     masks.extend((len(rows) + i, mask) for i, mask in enumerate(pr.allowed_tokens))
@@ -366,11 +341,9 @@ class Worker:
 
 
 def execution_order(requests: tuple[PlannedRequest, ...]) -> list[PlannedRequest]:
-    """Increments (one token after a cached prefix) first, shortest cached prefix first; then short requests
-    (up to tuning.VERIFYING_MAX_ROWS tokens after a cached prefix: speculating requests verifying their proposed
-    tokens), likewise; then the rest in plan order. The layout AttentionMetadata expects: one-token requests
-    share their merge, and the batched backend groups increments, then short requests, of similar lengths
-    (orca/models/attention/batched.py)."""
+    """Increments first, then short requests (up to tuning.VERIFYING_MAX_ROWS tokens after a cached prefix:
+    speculation being verified), each by shortest cached prefix; then the rest in plan order. The layout
+    AttentionMetadata expects (orca/models/attention/batched.py groups by these)."""
     inc: list[PlannedRequest] = []
     short: list[PlannedRequest] = []
     rest: list[PlannedRequest] = []
