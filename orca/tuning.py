@@ -38,9 +38,8 @@ COMPILED_HEAD_FLOAT_ROWS = 5
 # a decode step of 2 to this many requests runs the CPU graphs' few step, attention inside its graph:
 # "Results: decode steps of a few requests in a graph of their own; the trace with the int4 default (2026-11-28)"
 FEW_MAX_ROWS = 5
-# a verifying request's rows: a request of up to this many new tokens after cached ones (num_speculative_tokens
-# proposals and the token before them; a short prompt on CUDA too) takes the few-row paths: the CPU graphs'
-# lone verification, the batched backend's short groups, the paged decode kernel on CUDA.
+# a verifying request's rows: up to this many new tokens after cached ones (its proposals and the token before
+# them) take the few-row paths (CPU graphs' lone verification, batched short groups, CUDA's paged decode kernel):
 # "The paged decode kernel (`orca/models/attention/paged_decode.py`)",
 # "Results: speculative decoding (n-gram), 2026-11-26" (its bullet: Verifying requests batched),
 # "Results: a single stream's step in a graph of its own (2026-11-27, evening)"

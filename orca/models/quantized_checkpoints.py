@@ -70,9 +70,8 @@ class QuantizedCheckpoint(ABC):
         return set(self._layer_kinds.values())
 
     def stored_names(self) -> set[str]:
-        """Hugging Face weight names whose float tensor the safetensors lack (AWQ, GPTQ: x.qweight and its
-        companions instead of x.weight) or hold as quantized values that are not the weight without their
-        scale (compressed-tensors: x.weight in float8): read them with get() only."""
+        """Hugging Face weight names the loader must read with get() only: absent as floats (AWQ, GPTQ's
+        x.qweight) or stored as float8 values (compressed-tensors' x.weight)."""
         return set(self._layer_kinds)
 
     @abstractmethod
@@ -81,12 +80,10 @@ class QuantizedCheckpoint(ABC):
 
 
 def open_quantized_checkpoint(checkpoint_dir: Path) -> QuantizedCheckpoint | None:
-    """A reader for the quantized weights of a Hugging Face checkpoint directory, or None for a float one.
-
-    A converted GGUF directory (one with orca.checkpoint.GGUF_SOURCE_FILE) reads what its conversion
-    unpacked (GgufCheckpoint.open); other directories by their config.json's quantization_config
-    (quant_method awq, gptq or compressed-tensors). ValueError, naming the checkpoint, the field, its value
-    and what is supported, for a quantization we do not read or a description we cannot make sense of."""
+    """A reader for the quantized weights of a Hugging Face checkpoint directory, or None for a float one:
+    a converted GGUF directory's (GgufCheckpoint.open), else by config.json's quantization_config
+    (awq, gptq or compressed-tensors). ValueError, naming the checkpoint, the field, its value and what
+    is supported, for a quantization we do not read or cannot make sense of."""
     checkpoint_dir = Path(checkpoint_dir)
     marker = checkpoint_dir / GGUF_SOURCE_FILE
     if marker.is_file():
