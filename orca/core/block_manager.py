@@ -1,31 +1,12 @@
 """K/V block accounting (paged K/V): pure bookkeeping, never a tensor.
 
-The K/V pool (orca/worker/kv_cache.py, on the worker) is preallocated once as ``num_blocks`` fixed-size blocks of
-``block_size`` slots; a slot holds one token's keys and values in every layer, so ``n_slots`` =
-``num_blocks x block_size`` keeps Orca's meaning. Each request owns a block table: the ids of its blocks in
-order, token ``p`` living in slot ``table[p // block_size] * block_size + p % block_size``.
-
-Placement keeps tables consecutive while the pool has room, because the worker reads a request whose blocks
-are consecutive as one view of the pool, and must gather the others' keys and values in every layer of every
-iteration (docs/BENCHMARKS.md, "Block placement: consecutive tables"). A request's first blocks go to the
-middle of the largest run of free blocks, when that run holds them twice over: the request gets the room after
-it to grow into, and the request before the run keeps the room before it. Each later block is the one right
-after the request's last block when that one is free. Otherwise, and when the pool is too full for either, the
-lowest free id (a heap). ``placement="lowest"`` hands out the lowest free id always (first fit): the
-scheduler's tests use it to state their expectations in block ids that follow from arithmetic alone.
-
-The prefix cache (``enable_caching``; EngineConfig.enable_prefix_caching): a block whose every slot holds
-computed keys and values is identified by a hash chained over its parent block's hash and its tokens
-(``hash_block``; the first block's parent is ``root_hash(cache_salt)``, so requests with different salts
-never share a block). ``cache_blocks`` registers a request's full blocks under their hashes; ``lookup``
-finds the longest run of cached blocks that starts a request's hash chain; ``grow(..., cached=...)`` takes
-those blocks by reference at admission. A block counts its references (the tables that hold it) and is
-never written while shared: a request's own writes go to positions past its cached prefix. When its last
-reference goes, a cached block stays cached, unreferenced and evictable, in least-recently-used order (a
-request's blocks are released last block first, so a chain loses its tail before its head); other freed
-blocks go back to the free runs. New blocks come from the free runs while there are any, and only then
-from the evictable blocks, least recently used first, which leave the cache. The hash is SHA-256, so no
-crafted prompt can be made to collide with another's blocks.
+The pool (orca/worker/kv_cache.py) is ``num_blocks`` blocks of ``block_size`` slots (``n_slots`` keeps Orca's
+meaning); a request's block table maps token ``p`` to slot ``table[p // block_size] * block_size + p %
+block_size``. Placement keeps tables consecutive while the pool has room, since the worker reads those as one
+view (docs/BENCHMARKS.md, "Block placement: consecutive tables"): a request's first blocks go to the middle
+of the largest free run that holds them twice over, later ones right after its last, else the lowest free
+id; ``placement="lowest"`` is first fit, for tests. The prefix cache (SHA-256 hash chains, reference counts,
+LRU eviction of unreferenced cached blocks): docs/design.md, "Prefix caching".
 """
 
 from __future__ import annotations
@@ -66,10 +47,8 @@ class BlockManager:
         self.placement = placement
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # The free blocks as maximal runs of consecutive ids, [start, end] inclusive, indexed both ways, with
-        # two lazy heaps over them: by length (longest first, then lowest start) for placement and by
-        # start for first fit. A heap entry is current while its run still exists; stale ones are skipped
-        # when met, and the heaps are rebuilt when they have grown stale enough.
+        # Free blocks as maximal runs [start, end], indexed both ways, with two lazy heaps (by length, by
+        # start); stale entries are skipped when met, and the heaps rebuilt when mostly stale.
         self._num_free = num_blocks
         self._run_end: dict[int, int] = {}
         self._run_start: dict[int, int] = {}
@@ -77,9 +56,8 @@ class BlockManager:
         self._lowest: list[int] = []  # run starts
         self._tables: dict[str, list[int]] = {}
         self._add_run(0, num_blocks - 1)
-        # The prefix cache: references per block, the hash of each cached block and back, the cached blocks
-        # nobody references (least recently used first), and per request how many leading blocks of its
-        # table have been offered to the cache.
+        # The prefix cache: references per block, hash <-> block, unreferenced cached blocks (LRU first),
+        # and per request how many leading blocks were offered to the cache.
         self.enable_caching = enable_caching
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}

@@ -1,17 +1,9 @@
 """What the engine core knows of a structured output: a token-level constraint, behind a Protocol.
 
-The front end (orca/frontend/structured_outputs.py) compiles a request's JSON schema, regex, choice or
-grammar with the model's tokenizer and hands the core a ``TokenConstraint``: the core never sees the
-grammar, the text or a tensor, only token ids and a packed bitmask. Per iteration, for each constrained
-request that samples, the core asks for the bitmask of the tokens allowed next and sends it to the workers
-with the plan (PlannedRequest.allowed_tokens); the sampler masks that request's logits row with it, in the
-same batched call as every other row. When the token returns, the core advances the constraint with it.
-
-Preemption needs no rollback here: a preempted request keeps the tokens it generated (it recomputes their
-keys and values when readmitted), so its constraint's state stays the state after its last token.
-Speculative decoding does (orca/core/speculative.py): the core advances the state over a request's
-proposed tokens to get the bitmask at each proposed position (and to drop the proposals the grammar
-refuses), then rolls it back; the tokens the iteration keeps advance it as usual.
+The front end (orca/frontend/structured_outputs.py) compiles it; the core sees only token ids and a packed
+bitmask, sent with the plan (PlannedRequest.allowed_tokens) for the sampler to mask with. Preemption needs
+no rollback (a preempted request keeps its tokens); speculative decoding does: the core advances the state
+over the proposals for their bitmasks, then rolls it back (docs/design.md, "Structured outputs").
 """
 
 from __future__ import annotations

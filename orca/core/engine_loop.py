@@ -1,24 +1,11 @@
 """Drives the engine core from a background thread: the scheduler thread of the Triton model.
 
-The loop's thread also builds the core (``EngineLoop(build, ...)`` calls ``build()`` there and waits
-for it): on a CPU the thread that loads and warms up the model is the one whose OpenMP team runs its ops,
-and stepping it from another thread gives the process a second team and slower steps (the worker's
-``_foreign_thread``). So one thread does all of the engine's torch work, from load to shutdown.
-
-Callers on other threads (Triton's execute) never block on generation: ``submit`` validates and enqueues
-token ids (the caller tokenized them: this thread never sees text), ``abort`` enqueues; the loop thread
-applies queued commands between iterations, runs one iteration, and hands every EngineCoreOutput (a
-delta) to ``on_output``; the caller's OutputProcessor (orca/frontend/output_processor.py) turns them into
-RequestOutputs on its own thread. When there is nothing to run it sleeps on the command queue.
-
-Client cancellation is the caller's to notice (the Triton model asks each request's sender on its
-response thread, the one thread that sends): it calls ``abort``.
-
-The loop fails loudly: when the engine's workers fail, when the core counts its device as broken (an
-error fatal by kind, or max_consecutive_failures failed iterations in a row: EngineCore.step), when the
-loop thread dies, or when one iteration runs longer than worker_timeout (a hung device: a watchdog thread
-notices; worker processes have their own deadline), ``failed`` says why, ``submit`` refuses new requests
-(EngineFailedError) and ``on_failure`` is called once; the caller answers what the engine can no longer answer.
+The loop's thread builds the core and does all of its torch work, load to shutdown: on a CPU, stepping
+from another thread gives the process a second OpenMP team (the worker's ``_foreign_thread``). Other
+threads only enqueue (``submit``, ``abort``: token ids, never text); the loop applies commands between
+iterations and hands each EngineCoreOutput to ``on_output``. It fails loudly (workers failed, a fatal
+device error, a dead thread, an iteration past worker_timeout): ``failed`` says why, ``submit`` refuses,
+``on_failure`` is called once. Threads: docs/design.md ("The serving path"); failures: "Failures and shutdown".
 """
 
 from __future__ import annotations
@@ -82,18 +69,12 @@ class EngineLoop:
         on_failure: Callable[[str], None] | None = None,
         fault: tuple[int, str] | None = None,
     ) -> None:
-        """Starts the loop's thread, which calls ``build()`` to make the core, and returns once it has
-        (re-raising what ``build`` raised): ``core`` is then there and ``submit`` takes requests, which
-        wait until ``start``. Every callback runs on the loop thread (keep them quick: hand work to
-        another thread).
-        on_output gets every output. on_iteration gets the stats of each iteration that ran, once.
-        on_stats gets the `stats` snapshot whenever it changed, before the outputs of the same step are
-        handed on: so its last call always describes the engine as it is, idle included (a request's
-        final output follows the snapshot without it). on_failure gets the reason, once, when the engine
-        fails: its workers died or hung (every request it held has its error output by then), the loop
-        thread died or an iteration hung (then on the watchdog's thread; outputs may never come: the
-        caller must answer its requests itself). `fault` = (iteration, "hang" | "crash" | "raise" |
-        "raise-always") injects a failure for the tests (see fault_from_env)."""
+        """Starts the loop's thread, which calls ``build()``, and returns once it has (re-raising what it
+        raised); requests submitted wait until ``start``. Callbacks run on the loop thread (keep them
+        quick): on_output every output; on_iteration each iteration's stats, once; on_stats the `stats`
+        snapshot whenever it changed, before that step's outputs; on_failure the reason, once (from the
+        watchdog's thread for a hang: outputs may never come, the caller answers its requests).
+        `fault` = (iteration, kind) injects a failure for the tests (fault_from_env)."""
         if fault is not None and fault[1] not in _FAULT_KINDS:
             raise ValueError(f"$ORCA_ENGINE_FAULT: unknown kind {fault[1]!r} ({', '.join(_FAULT_KINDS)})")
         self._on_output = on_output
@@ -392,13 +373,9 @@ _FAULT_KINDS = ("hang", "crash", *_RAISE_KINDS)
 
 
 def fault_from_env(model_name: str) -> tuple[int, str] | None:
-    """Fault injection for the failure tests, read only with $ORCA_ENABLE_FAULT_INJECTION=1
-    (orca.config.fault_spec): $ORCA_ENGINE_FAULT = "MODEL:ITERATION:KIND" (comma-separated for several
-    models) makes that model's loop hang inside (KIND hang) or die before (crash) that iteration of the
-    loop, or (raise) makes the in-process worker raise inside the next plan it executes from that iteration
-    on: that iteration's requests fail (finish_reason error), the engine goes on; raise-always makes it
-    raise in that plan and in every later one, a sticky device error: after max_consecutive_failures
-    iterations the engine fails."""
+    """Fault injection for the tests, only with $ORCA_ENABLE_FAULT_INJECTION=1 (orca.config.fault_spec):
+    $ORCA_ENGINE_FAULT = "MODEL:ITERATION:KIND"[,...]; KIND hang or crash the loop at that iteration,
+    raise fails that iteration in the worker, raise-always every one from it (a sticky device error)."""
     spec = fault_spec("ORCA_ENGINE_FAULT")
     for item in filter(None, spec.split(",")):
         name, iteration, kind = item.split(":")

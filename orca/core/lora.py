@@ -1,22 +1,11 @@
-"""Multi-LoRA in the engine core: which adapters exist and which of them sit in the workers' slots.
+"""Multi-LoRA in the engine core: which adapters exist (LoRARequest) and which sit in the workers'
+`max_loras` slots (LoRASlots), in plain numbers.
 
-A LoRA adapter (PEFT's format: orca/models/lora.py reads and applies it) is registered under a name and
-gets an id (LoRARequest); a request names it (SamplingParams.lora_name) and carries it (Request.lora).
-The workers hold `max_loras` adapters at once, in slots (EngineConfig.max_loras). The core decides which
-adapter sits in which slot, here, with plain numbers:
-
-- A request is admitted only when its adapter is resident or can be made so: a free slot, or one whose
-  adapter no admitted request uses (the least recently used of those is evicted). Otherwise the request
-  waits and later requests may pass it (the scheduler's ``continue``): a request waits for a slot, never
-  the batch. An admitted request pins its adapter's slot until it leaves (finishes, is preempted or
-  aborted), so the adapters of admitted requests never number more than max_loras and never thrash.
-- Putting an adapter into a slot is part of the next plan (StepPlan.lora_loads): every worker copies it
-  there (from its host copy: the adapter as read at registration, EngineCore.add_lora, handed to the
-  workers with the next plan, StepPlan.lora_added) before that iteration's forward pass.
-  Batches are executed in order on every worker, so a slot is never rewritten under a batch in flight:
-  the slots that can be evicted are those no admitted request (and so no batch in flight) uses.
-
-Slot ids are 0 .. max_loras - 1; PlannedRequest.lora_slot is -1 for the base model.
+A request is admitted only when its adapter is resident or can be made so (a free slot, or the least
+recently used one no admitted request uses); otherwise it waits and later requests may pass it. An admitted
+request pins its adapter's slot until it leaves, so a slot is never rewritten under a batch in flight.
+Loads travel in the next plan (StepPlan.lora_loads). Slot ids are 0 .. max_loras - 1; -1 is the base model.
+More: docs/design.md, "Multi-LoRA".
 """
 
 from __future__ import annotations

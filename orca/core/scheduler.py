@@ -1,47 +1,11 @@
-"""Orca's iteration-level scheduler (Algorithm 1; docs/design.md), over a paged K/V block pool, with two
-admission policies and an optional per-iteration token budget (chunked prefill).
+"""Orca's iteration-level scheduler (Algorithm 1) over a paged K/V block pool.
 
-The scheduler decides and the workers execute: ``schedule()`` returns the next batch, the engine turns it
-into a StepPlan for the workers, and ``complete()`` takes the batch back when its result returns. Up to
-n_workers batches may be in flight at once, one per pipeline stage; a request is in at most one of them (a
-running request is never selected again until its batch returns). Plain Python: no tensors here.
-
-Selection, every iteration, FCFS by arrival:
-1. Increments first: admitted requests with one token to feed (the token they sampled last), in arrival
-   order, while the batch has room (max_bs) and the token budget allows.
-2. Then prompt work fills what is left of the budget, in arrival order: admitted requests still in their
-   prompt (chunked prefill, or recomputing after a preemption), then waiting requests, which are admitted
-   here. A prompt longer than what is left of the budget runs as a chunk; its next chunk comes in a later
-   iteration, and its first token is sampled after its last chunk. Without a budget (Orca) a prompt runs
-   whole in its first iteration.
-3. Speculative decoding (orca/core/speculative.py): each selected increment with proposed tokens
-   (Request.spec_token_ids) is extended with them, in arrival order, as far as what is left of the budget
-   and the free blocks allow (never by preempting or by taking blocks a prompt needed): proposals only use
-   what the iteration's real work left over; none in an iteration of speculative_disable_by_batch_size
-   requests or more.
-Admission stops at the first waiting request that does not fit (``break``, not ``continue``): a later,
-smaller request never jumps ahead of an earlier one waiting for memory. A request whose LoRA adapter
-cannot get a slot (orca/core/lora.py: every slot pinned by admitted requests of other adapters) is passed
-over instead (``continue``): it waits for a slot, later requests of resident adapters go ahead.
-
-Prefix caching (the block manager's ``enable_caching``): a request being admitted first takes, by
-reference, the cached blocks of the longest prefix of its tokens found in the cache (full blocks only, and
-never its last token, so that there is one to compute and sample from), and is scheduled from there: the
-cached prefix costs no budget and no new block. Each completed iteration offers the cache the blocks its
-members filled (prompt and generated tokens alike), so a request finished, preempted or aborted leaves its
-K/V for the next request with the same prefix; a preempted request readmitted finds its own blocks again
-unless they were evicted. A failed iteration offers nothing.
-
-Admission policies (``kv_admission``):
-- ``reserve`` (Orca): a request takes the blocks for its max_tokens (prompt + max new tokens) when
-  admitted, so it can always run to completion; nothing is ever preempted (TensorRT-LLM's
-  guaranteed_no_evict).
-- ``on_demand`` (vLLM): a request takes blocks as it grows. When a request that arrived earlier needs a
-  block and none is free, the most recently arrived admitted request that is not in flight (nor already in
-  this batch) is preempted: its blocks are freed and it goes back to waiting, ahead of later arrivals, to
-  recompute its prompt and generated tokens when readmitted. An earlier request is never preempted for a
-  later one, so the earliest admitted request can always grow (its max_tokens fits the whole pool: the
-  engine refuses any request that does not) and the pool never deadlocks.
+``schedule()`` returns the next batch and ``complete()`` takes it back; up to n_workers batches are in
+flight, a request in at most one. Each iteration selects, FCFS: increments, then prompt work within the
+token budget (chunked prefill), then speculative proposals with what is left. Admission stops at the first
+request that does not fit (``break``: no queue jumping), except one waiting for a LoRA slot, which is passed
+over. The policies (``reserve``, ``on_demand``), prefix caching and chunking are in docs/design.md
+("Iteration-level scheduling", "The K/V manager", "Prefix caching", "Chunked prefill"). Plain Python.
 """
 
 from __future__ import annotations
@@ -67,7 +31,7 @@ class ScheduledRequest:
     new_blocks: list[int]
     sample: bool
     increment: bool  # Orca's increment phase (one token after a computed prefix)
-    spec_token_ids: list[int] = field(default_factory=list)  # proposals fed after its last token (3. above)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals fed after its last token
     num_rejected: int = 0  # of them, rejected (set by the engine before complete()): their slots are not computed
 
 
@@ -119,7 +83,7 @@ class OrcaScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.spec_disable_batch_size = spec_disable_batch_size  # EngineConfig.speculative_disable_by_batch_size
         self.loras = loras  # the workers' LoRA slots (orca/core/lora.py); None = LoRA off
-        # The request pool, in arrival order (insertion order of the dict = arrival order).
+        # The request pool, in arrival order.
         self._pool: OrderedDict[str, Request] = OrderedDict()
         self._in_flight: deque[ScheduledBatch] = deque()
         self._next_batch_id = 0
@@ -213,11 +177,8 @@ class OrcaScheduler:
 
     def _select_prompt_work(self, batch: ScheduledBatch, candidates: list[Request], chosen: set[str],
                             budget: float) -> float:
-        """2. of the selection; returns what is left of the budget."""
-        # 2. Prompt work (initiation chunks): first admitted requests still in their prompt (a later chunk,
-        # or a recomputation after a preemption), then waiting requests, admitted here, in arrival order.
-        # Admitted work goes first so that a waiting request that does not fit can never hold up requests
-        # that already hold blocks: with nothing in flight, that would deadlock the pool.
+        """Prompt work: admitted requests still in their prompt, then waiting ones (admitted here); returns
+        what is left of the budget. Admitted work goes first: a waiting request must not deadlock the pool."""
         for admitted_pass in (True, False):
             for req in candidates:
                 if req.request_id in chosen or req.in_increment or req.admitted != admitted_pass:

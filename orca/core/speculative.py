@@ -1,46 +1,9 @@
 """Speculative decoding's proposer side (EngineConfig.speculative_method): the tokens a request proposes to
-verify in its next iteration. Token ids only, no tensors: the core calls it after each iteration that
-drew a request a token, and the scheduler feeds what it proposed with the request's last token.
-
-How a request's proposed tokens flow through an iteration (docs/design.md, "Speculative decoding"):
-
-1. After an iteration draws a request's token(s), ``Proposer.propose`` looks up what followed the latest
-   earlier occurrence of the request's last n tokens in its own prompt and output (prompt lookup,
-   n = prompt_lookup_max down to prompt_lookup_min) and keeps up to k of them in
-   ``Request.spec_token_ids``.
-2. The scheduler selects the request as an increment (one token, its last), admits prompt work, then
-   extends each selected increment with its proposals while the token budget and free blocks allow
-   (orca/core/scheduler.py): proposals never take budget or memory a prompt needed.
-3. The worker feeds the last token and the k proposals at consecutive positions in the one flattened
-   iteration, with everyone else, and draws the target's own token at each of the k + 1 positions, with
-   the sampler's counter-based randomness for output steps s .. s + k (orca/worker/sampler.py). It keeps
-   the draws up to and including the first that differs from the proposal at its position: the accepted
-   proposals and one more token (the target's correction, or a bonus token when all k are accepted).
-4. The core appends them one at a time under the stop rules (an EOS, a stop token or max_tokens inside
-   the run ends the request there), counts the request's computed tokens as the accepted ones only (the
-   slots of rejected proposals are overwritten by the next iteration's tokens, never read: attention reads
-   a request's positions below its computed length), and asks for the next proposals.
-
-Why the output is the target's exactly: the token drawn at output step s is a function of the logits at
-that position, the request's seed and s alone (the exponential race over hashed uniforms), and the
-logits at a position depend only on the tokens before it. A proposal is kept only when it equals the
-target's own draw there, so every kept token is the token speculation off would have drawn, greedy or
-sampled: the standard rejection rule for a proposer that proposes one token with certainty (accept x with
-probability p(x); on rejection draw from p without x), realised with the draw speculation off makes.
-
-Adaptive length: a request whose proposals keep failing proposes fewer tokens, and after
-SPEC_MISSES_BEFORE_PAUSE verifications in a row that kept none it stops proposing for a while (twice as
-long each time, up to SPEC_MAX_PAUSE iterations; both orca/tuning.py's), so a workload where lookup does not
-pay costs little.
-
-The draft method (``DraftProposer``) proposes with a small model instead of lookup; the worker runs it,
-so the core still only passes token ids. At plan time the core asks, for each member that samples, how
-many tokens to draft after the iteration (``num_to_propose``: the request's adaptive length, 0 while it
-pauses; PlannedRequest.num_to_propose); the worker, once it has drawn the iteration's tokens, runs that
-many draft steps for it (each step one batched row per drafting request, the draft's own K/V pool
-mirroring the model's blocks: orca/worker/__init__.py) and answers the drafted tokens
-(StepResult.proposals), which ``propose`` then takes in place of a lookup. Both methods share the
-adaptive length and pauses (``AdaptiveProposer``).
+verify in its next iteration. Token ids only: the core calls it after each iteration that drew a request
+a token. ``NgramProposer`` looks them up in the request's own tokens, ``DraftProposer`` takes what the
+worker's draft model drafted; both adapt the length and pause after misses (``AdaptiveProposer``; the
+limits are orca/tuning.py's). The flow and why the output is the target's exactly: docs/design.md,
+"Speculative decoding".
 """
 
 from __future__ import annotations
@@ -75,7 +38,7 @@ class _NgramState(_AdaptiveState):
 
 class AdaptiveProposer:
     """What both methods share: a request's proposal length adapts to what its verifications keep, and
-    it pauses after repeated misses (the module's docstring). `k` is the longest (num_speculative_tokens)."""
+    it pauses after repeated misses. `k` is the longest (num_speculative_tokens)."""
 
     state_class: type[_AdaptiveState] = _AdaptiveState
 

@@ -1,9 +1,5 @@
-"""The iteration timeline: what the engine did, iteration by iteration, written to a file (issue 13).
-
-Off by default, and then free: the engine holds ``timeline = None`` and checks it before each call. On
-with ``EngineConfig.trace`` (a path; ``LLM(model, trace=path)``, or the ``trace`` parameter of a Triton
-model's config.pbtxt). ``orca-bench timeline PATH`` turns a trace into a Chrome/Perfetto trace JSON and a
-picture (client/orca_client/timeline.py).
+"""The iteration timeline: what the engine did, iteration by iteration, written to a file. This docstring is
+the schema; when it is on and how to draw it: docs/design.md, "Iteration timeline".
 
 The file: JSON lines, one record per line, each an object with a ``type``. Times are seconds since the
 recorder started (``t``, ``start``), from the monotonic clock; the header gives the wall-clock time of
