@@ -99,6 +99,8 @@ class DecodeGraphs:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: IterationLayout) -> torch.Tensor:
         if layout.padded_to is None:
             return self.eager.forward(input_ids, positions, layout)
+        if layout.padded_to > sum(layout.lengths):
+            layout.pad_slot = self.pad_slot  # (its padding rows write there)
         return self.run(input_ids, positions, layout.metadata())
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

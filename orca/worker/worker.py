@@ -325,8 +325,7 @@ class Worker:
         input_ids.extend([0] * padding)
         positions.extend([0] * padding)
         layout = IterationLayout(self.attention, lengths, context_lens, tables, self.kv_layout.block_size,
-                                 self.kv_pool, self.kv_scales, timer, padded_to,
-                                 self.runner.pad_slot if padding else 0)  # type: ignore[attr-defined]
+                                 self.kv_pool, self.kv_scales, timer, padded_to)
         if self.lora is not None:
             self.lora.batch.set_rows(lora_rows, self.device, self.dtype)
         elif lora_rows:
