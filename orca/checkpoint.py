@@ -36,7 +36,7 @@ GGUF_SOURCE_FILE = "orca_gguf_source.json"
 # at each load. In a subdirectory: the loader's "*.safetensors" of the checkpoint are its float weights.
 GGUF_QUANTIZED_FILE = "orca_quantized/weights.safetensors"
 # Part of a converted directory's cache key: bumped whenever what a conversion writes changes, so that
-# directories an older orca wrote are converted again. 2: GGUF_SOURCE_FILE. 3: GGUF_QUANTIZED_FILE.
+# directories an older orca wrote are converted again.
 CONVERTED_FORMAT = 3
 
 @dataclass(frozen=True)

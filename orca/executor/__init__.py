@@ -1,10 +1,7 @@
 """Executors hand StepPlans to workers and StepResults back, in order.
 
-The engine's iteration is schedule -> submit -> collect -> complete: it submits up to n_workers plans
-before it collects the oldest result, so with pipeline stages (a multi-process executor) several batches
-are in flight at once. The executor is the only part of the engine that knows where workers run; the
-scheduler and the worker do not change with it. The driver imports no model code until it makes an
-in-process worker (make_executor): with worker processes it never does.
+Up to n_workers plans are in flight (one per pipeline stage). The executor alone knows where workers run;
+the driver imports no model code unless it makes an in-process worker (make_executor).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Incremental detokenisation and stop strings.
 
-Streaming text must concatenate to exactly the non-streaming text: spaces kept and multi-byte characters
-never split. Each step decodes a small window of recent tokens (the tokens of the previous delta serve as
-context, so a word's leading space survives) and emits only what is new; while the window ends in an
-incomplete UTF-8 sequence (decoded as U+FFFD) nothing is emitted yet. Text that could be the start of a
-stop string is held back until it is clear it is not one, so a stop string never reaches the client.
-
-Where transformers' decode is exactly the Rust tokenizer's (a fast tokenizer whose class overrides
-neither decode nor _decode), the windows are decoded by it, and for a byte-level BPE (GPT-2's decoder:
-SmolLM2, Llama 3, Qwen) the same algorithm runs in Rust: `tokenizers.decoders.DecodeStream`, one call a
-token; what it still holds at the last token (an incomplete character) is taken from one decode of the
-whole output. Not for other decoders: DecodeStream refuses a byte-fallback BPE's byte tokens ("Invalid
-prefix encountered while decoding stream", tokenizers 0.23.3). Elsewhere the windows go through
-transformers' decode. Why this path: it is the fastest measured, and the detokenizer is the output side's
-largest cost at a batch of 256 (docs/BENCHMARKS.md, "Results: the host's share at batch 256").
+Streaming text concatenates to exactly the non-streaming text: each step decodes a small window of recent
+tokens (the previous delta as context, so leading spaces survive), emits only what is new, and waits while
+the window ends in an incomplete UTF-8 sequence; text that could start a stop string is held back. Where
+transformers' decode is the Rust tokenizer's, the windows are decoded by it, and a byte-level BPE uses
+`tokenizers.decoders.DecodeStream` (which refuses a byte-fallback BPE's byte tokens): the fastest path, and
+the detokenizer is the output side's largest cost (docs/BENCHMARKS.md, "Results: the host's share at batch 256").
 """
 
 from __future__ import annotations
@@ -64,9 +56,8 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: context tokens already emitted
         self._read_offset = 0  # tokens before this are emitted
-        # The text decoded so far (`text`; may include held-back text) in two parts: settled pieces (emitted,
-        # and too far back to hold a stop string), joined only when `text` is read, and the live tail every
-        # step reads and extends: appending to one growing string copied all of it at every token.
+        # The text so far in two parts: settled pieces (too far back to hold a stop string), joined only when
+        # `text` is read, and the live tail each step extends; one growing string would be copied per token.
         self._settled: list[str] = []
         self._settled_len = 0
         self._live = ""

@@ -1,10 +1,8 @@
 """The engine for synchronous callers: the token-only core with the front end around it, on one thread.
 
-``LLMEngine`` = EngineCore (orca/core/engine.py: scheduling, planning, token ids) + the front end's
-Tokenizer (orca/frontend/tokenizer.py: text in) + OutputProcessor (orca/frontend/output_processor.py: deltas in,
-RequestOutputs out, stop strings, logprob entries). ``step()`` runs one core iteration and processes its
-deltas at once. orca.LLM and the request-level baseline drive it; the Triton model instead drives the
-core from its scheduler thread (orca/core/engine_loop.py) and runs the same front end on its own threads.
+``LLMEngine`` = EngineCore + Tokenizer (text in) + OutputProcessor (RequestOutputs out); ``step()`` runs one
+core iteration and processes its deltas at once. orca.LLM and the request-level baseline drive it; the
+Triton model drives the core from its own thread instead (orca/core/engine_loop.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Parallel sampling: one client request with SamplingParams.n > 1 served as n engine requests (vLLM's
-ParentRequest, orca's way). The engine core takes one sequence per request; a front end gives each of the
-n children its own request id (child_request_id) and sampling (child_params: n = 1, and seed + i when the
-parent has a seed, so each sequence is reproducible and they differ), submits them together, and merges
-their outputs (ParentRequest: the latest RequestOutput of each child, in child order). The children share
-the prompt, so with prefix caching the first one's prompt blocks serve the others.
+"""Parallel sampling: a request with SamplingParams.n > 1 served as n engine requests (vLLM's ParentRequest).
 
-Used by orca_gpt's Triton model, whose responses carry n-element tensors (vllm_backend's layout for n > 1).
+Each child gets its own id (child_request_id) and sampling (child_params: n = 1, seed + i when the parent
+has a seed, so each is reproducible and they differ); ParentRequest merges the children's latest outputs in
+child order. Used by orca_gpt's Triton model (vllm_backend's n-element layout).
 """
 
 from __future__ import annotations

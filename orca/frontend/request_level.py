@@ -1,30 +1,13 @@
 """The paper's baseline: request-level batching (docs/design.md, "The problem Orca solves"), on the
 same engine model code.
 
-FasterTransformer behind Triton's dynamic batcher fixes a batch when it starts and runs it until its
-longest member is done. A member that finished early keeps its place in the batch (its rows are still
-computed, the results thrown away) and no member is answered before the whole batch ends; a request that
-arrives meanwhile waits for the next batch. ``RequestLevelBatcher.run`` reproduces that on an
-``LLMEngine``, so the only difference from ``orca_gpt`` is the scheduling policy.
-
-How: every member joins the engine with max_tokens = the batch's largest and its EOS ignored, so all of
-them are admitted in the first iteration and leave together in the last one (as in FasterTransformer, which
-pads every sequence to the batch's output length). Afterwards each member's tokens are cut back at its own
-stop condition (its max_tokens, EOS unless ignore_eos, stop_token_ids, stop strings), with the engine's
-rules. The answer is what orca_gpt gives for the same request: greedy decoding does not depend on the
-batch, and the seeded sampler draws from (seed, step, token) only, never from the batch's composition.
-
-Memory, where FasterTransformer would run out of it (documented choices, both rare with the defaults):
-- A member whose context cannot hold the batch's largest max_tokens runs as long as its context allows
-  (never shorter than its own max_tokens) and then idles, its keys and values freed, until the batch ends.
-- When the K/V budget (n_slots) cannot hold every member at the batch's length, the batch is run as
-  consecutive sub-batches in arrival order (as if Triton's max_batch_size were smaller); every member is
-  still answered only when the last sub-batch ends.
-
-With the engine's trace on (EngineConfig.trace), its timeline (orca/core/timeline.py) says
-``scheduling: "request-level"`` and, after each batch, a ``batch`` record gives every member's
-``run_tokens`` and the ``kept_tokens`` its own stop condition kept: the iterations in between computed
-tokens that were thrown away, which ``orca-bench timeline`` draws as such.
+As FasterTransformer behind Triton's dynamic batcher, a batch is fixed when it starts and runs until its
+longest member is done; no member is answered before. ``RequestLevelBatcher.run`` does it on an
+``LLMEngine``: every member joins with the batch's largest max_tokens and its EOS ignored, and its tokens
+are cut back afterwards at its own stop condition, so answers equal orca_gpt's. Where memory is short, a
+member past its context idles until the batch ends, and a batch beyond n_slots runs as consecutive
+sub-batches. With a trace on, the timeline says ``scheduling: "request-level"`` and adds ``batch`` records
+(orca/core/timeline.py).
 """
 
 from __future__ import annotations
@@ -39,9 +22,7 @@ from orca.frontend.llm_engine import LLMEngine
 from orca.frontend.output_processor import RequestOutput
 from orca.sampling_params import SamplingParams
 
-# What the baseline's engine must be: FasterTransformer reserves each member's memory up front, runs
-# every prompt whole in the batch's first iteration and computes every prompt's keys and values (no
-# prefix cache), and one token per member per iteration (no speculative decoding).
+# FasterTransformer's engine: memory reserved up front, prompts whole, no prefix cache, no speculation.
 REQUEST_LEVEL_OPTIONS = {"kv_admission": "reserve", "max_num_batched_tokens": None, "enable_prefix_caching": False,
                          "speculative_method": "off"}
 
