@@ -6,12 +6,13 @@ SmolLM2's heads (9 query heads, 3 K/V heads, head size 64), bfloat16, 30 layers,
 stream through it between two layers' attention), `--rows` increments (default 32) with U(33, 190) cached
 tokens each, their blocks scattered over the pool. Microseconds a layer, medians of 9 rounds:
 
-- ``batched (write + attend)``: what the opaque attention op runs today (selective_attention's write, then
-  BatchedMetadata.attend over groups built by BatchedMetadata.for_iteration);
+- ``batched (write + attend)``: what the opaque attention op runs today (AttentionMetadata.write_and_attend:
+  selective_attention's write, then BatchedMetadata.attend over groups built by BatchedMetadata.for_iteration);
 - ``  its gathers alone``: read_blocks for each group (the padded copy of the rows' blocks);
 - ``graph: gather + bmm``: one compiled function (dynamic sizes) gathering each row's blocks through its
   table inside the graph, two bmm calls and the softmax fused around them, the new keys beside the cached
-  ones (as LoneDecode does for one row), the pool written after every layer in one copy;
+  ones (as LoneDecode, orca/worker/cpu_graphs/decode_attention.py, does for one row), the pool written after
+  every layer in one copy;
 - ``graph: multiply + sum``: the same with LoneDecode's multiplies and sums instead of bmm.
 
     PYTHONPATH=. .venv/bin/python scripts/experiments/batched_attention_forms.py [--rows 32]
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from orca.models.attention.base import _write_and_attend, read_blocks
+from orca.models.attention.base import read_blocks
 from orca.models.attention.batched import BatchedMetadata
 
 LAYERS, KV_HEADS, GROUP, DIM, BLOCK, POOL_BLOCKS = 30, 3, 3, 64, 16, 2912
@@ -102,7 +103,7 @@ def main() -> None:
             pool.index_copy_(3, slots, kv.permute(0, 2, 3, 1, 4))
 
         forms[f"graph: {name}"] = in_graph
-    reference = _write_and_attend(q[0], kv[0], meta, 0, SCALE, None).float()
+    reference = meta.write_and_attend(q[0], kv[0], 0, SCALE, None).float()
     for name, bmm in (("gather + bmm", True), ("multiply + sum", False)):
         got = torch.compile(graph_attend, dynamic=True)(q[0], kv[0], blocks[0], padded, past_t, bmm).float()
         assert (got - reference).abs().max() < 0.05, f"{name} disagrees with the batched backend"
@@ -111,7 +112,7 @@ def main() -> None:
 
     def batched() -> None:
         for layer in range(LAYERS):
-            _write_and_attend(q[layer], kv[layer], meta, layer, SCALE, None)
+            meta.write_and_attend(q[layer], kv[layer], layer, SCALE, None)
 
     def gathers() -> None:
         for layer in range(LAYERS):

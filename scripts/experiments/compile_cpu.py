@@ -12,12 +12,14 @@ oneDNN-packed linears (what ships), and one torch.compile graph of the whole sta
 so it packs the weights itself), with attention as a registered custom op so that the graph holds every
 layer whatever the batch's composition: dynamic token counts, then a static graph for one row.
 
-What ships since (orca/worker/compiled.py, `torch_compile`) is the `stack` idea in another form: no
+What ships since (orca/worker/cpu_graphs/, `torch_compile`) is the `stack` idea in another form: no
 freezing, the packed linears and attention as low-level torch.library ops, the iteration's layout in
 scope rather than in a global, the token count unbacked (docs/BENCHMARKS.md, the third step).
 
 `shipped`: the worker's own forward pass for the decode batches of `stack` (and the head), eager, then
-through orca.worker.compiled.CompiledForward (what `torch_compile auto` runs), median of 20.
+through orca.worker.cpu_graphs.CPUGraphs (the runner `torch_compile auto` loads; its warm-up one iteration
+of each size, so that each takes its graph: the lone step at 1 row, the few step at 4, the graph of every
+token count at 16 and 32), median of 20.
 
 `regions`: add + RMSNorm, rotary and SiLU x up, each its own torch.compile function (dynamic), against
 eager, at 1 and 8 rows, microseconds a call (median of 2000).
@@ -48,6 +50,13 @@ N_SLOTS = 16384
 def _decode_meta(worker: Worker, requests: int, context: int, backend: str = "reference") -> A.AttentionMetadata:
     tables = [list(range(i * 20, i * 20 + 20)) for i in range(requests)]
     return A.AttentionMetadata.build([1] * requests, [context] * requests, tables, 16, worker.kv_pool, backend=backend)
+
+
+def _decode_layout(worker: Worker, requests: int, context: int) -> A.IterationLayout:
+    """_decode_meta's iteration as the worker hands it to a runner (reference attention)."""
+    tables = [list(range(i * 20, i * 20 + 20)) for i in range(requests)]
+    return A.IterationLayout(A.get_backend("reference"), [1] * requests, [context] * requests, tables, 16,
+                             worker.kv_pool)
 
 
 def _median_ms(fn, reps: int = 20) -> float:  # noqa: ANN001
@@ -127,21 +136,26 @@ def shipped() -> None:
     import os
 
     os.environ.pop("ORCA_TORCH_COMPILE", None)
-    from orca.worker.compiled import CompiledForward
+    from orca.worker.cpu_graphs import CPUGraphs
 
     worker = Worker(EngineConfig(dtype="float32", device="cpu", n_slots=N_SLOTS, torch_compile="off"))
     worker.init_kv_pool(N_SLOTS // 16)
-    model, compiled = worker.model, CompiledForward(worker.model)
+    model, compiled = worker.model, CPUGraphs(worker.model)  # (an int8 head's compiled graph installed)
     with torch.inference_mode():
-        metas = {n: _decode_meta(worker, n, 100) for n in (1, 4, 16, 32)}
-        inputs = {n: (torch.randint(0, 1000, (n,)), torch.full((n,), 100)) for n in metas}
+        layouts = {n: _decode_layout(worker, n, 100) for n in (1, 4, 16, 32)}
+        inputs = {n: (torch.randint(0, 1000, (n,)), torch.full((n,), 100)) for n in layouts}
+
+        def warm_up() -> None:  # each size compiles the graph it takes, and the first one the head's
+            for n, layout in layouts.items():
+                model.compute_logits(compiled.forward(*inputs[n], layout))
+
         t0 = time.perf_counter()
-        compiled.compile(lambda: compiled(*inputs[4], metas[4]), worker.device)
+        compiled.compile(warm_up, worker.device)
         print(f"compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-        for n, meta in metas.items():
+        for n, layout in layouts.items():
             ids, pos = inputs[n]
-            eager = _median_ms(lambda: model.compute_logits(model(ids, pos, meta)))  # noqa: B023
-            comp = _median_ms(lambda: model.compute_logits(compiled(ids, pos, meta)))  # noqa: B023
+            eager = _median_ms(lambda: model.compute_logits(model(ids, pos, layout.metadata())))  # noqa: B023
+            comp = _median_ms(lambda: model.compute_logits(compiled.forward(ids, pos, layout)))  # noqa: B023
             print(f"{n} rows: eager {eager:.1f} ms, compiled {comp:.1f} ms, {eager / comp:.2f}x", flush=True)
 
 

@@ -1,5 +1,6 @@
-"""The int8 LM head at 1-16 rows: its compiled graph (CompiledHead, orca/worker/compiled.py: inductor's
-weight-only GEMM template or torch's kernel, whichever max_autotune measured faster at load), torch's
+"""The int8 LM head at 1-16 rows: its compiled graph (CompiledHead, orca/worker/cpu_graphs/head.py: inductor's
+weight-only GEMM template or torch's kernel, whichever max_autotune measured faster at load; its switch to the
+float copy from COMPILED_HEAD_FLOAT_ROWS turned off here, so that every row count runs the graph), torch's
 _weight_int8pack_mm eagerly, and the bfloat16 float copy that linear_backend hybrid multiplies from its
 threshold on (oneDNN). SmolLM2's head shape (49152 x 576), random weights, bfloat16 activations, 2 threads;
 64 MB streamed through the caches before every call, as a decode step's other layers do. Median
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from orca.models.quantization import QuantizedLinear, quantize
-from orca.worker.compiled import CompiledForward
+from orca.worker.cpu_graphs import CPUGraphs
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
@@ -36,7 +37,7 @@ def main() -> None:
                            torch.bfloat16, float_copy=True)
     model = torch.nn.Module()
     model.lm_head = head
-    forward = CompiledForward(model)
+    forward = CPUGraphs(model)  # (installs the compiled head as the head's matmul)
     flush = torch.randn(64 * 1024 * 1024 // 4)
 
     def bench(fns: dict[str, Callable[[], object]]) -> dict[str, float]:
@@ -54,14 +55,14 @@ def main() -> None:
 
     with torch.inference_mode():
         assert forward.head is not None
+        forward.head.float_rows = None  # the compiled int8 graph at every row count (the float copy: "copy")
         forward.head(torch.randn(1, hidden, dtype=torch.bfloat16))  # compiles (autotunes at one row)
-        forward.ready = True
         print("rows | compiled int8 ms | eager int8 (_weight_int8pack_mm) ms | bfloat16 copy (oneDNN) ms")
         for rows in ROWS:
             x = torch.randn(rows, hidden, dtype=torch.bfloat16)
             r = bench({
                 "compiled": lambda x=x: forward.head(x),  # type: ignore[misc]
-                "eager": lambda x=x: head.int_linear(x),
+                "eager": lambda x=x: head.quantized_matmul(x),
                 "copy": lambda x=x: torch.ops.mkldnn._linear_pointwise(x, head.float_packed, None, "none", [], ""),
             })
             print(f"{rows} | {r['compiled']} | {r['eager']} | {r['copy']}", flush=True)

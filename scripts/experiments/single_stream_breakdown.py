@@ -1,10 +1,11 @@
 """Where a single-stream decode step goes, without a profiler: the shipped SmolLM2 GGUF (options as shipped),
 one request of a --prompt-len-token random prompt decoding greedily, perf_counter around the worker's calls
-(the iteration, its preparation, the forward pass, LoneStep's graph, the opaque attention op and its SDPA
-calls, the final norm, the compiled head, the logits, sampling), --blocks blocks of --steps steps. Printed:
-each call's median milliseconds a step (a call nested in another counts in both). ``--no-lone`` runs the
-graph of every token count instead of LoneStep (orca/worker/compiled.py). Not a test, not a benchmark of
-record: docs/BENCHMARKS.md quotes its output with the command and the host.
+(the iteration, its preparation, the forward pass (CPUGraphs.forward), the lone step's graph (GraphStep),
+the opaque attention op (AttentionMetadata.write_and_attend) and its SDPA calls, the final norm, the
+compiled head, the logits, sampling), --blocks blocks of --steps steps. Printed: each call's median
+milliseconds a step (a call nested in another counts in both). ``--no-lone`` runs the graph of every token
+count instead of the lone step (``runner.lone = None``; orca/worker/cpu_graphs/). Not a test, not a
+benchmark of record: docs/BENCHMARKS.md quotes its output with the command and the host.
 
     PYTHONPATH=. .venv/bin/python scripts/experiments/single_stream_breakdown.py [--no-lone]
 """
@@ -23,8 +24,10 @@ import torch.nn.functional as F
 
 import orca.worker.worker as worker_module
 from orca import EngineConfig, LLMEngine, SamplingParams
-from orca.models.attention import base as attention_base
-from orca.worker import compiled as compiled_module
+from orca.models.attention import AttentionMetadata
+from orca.worker.cpu_graphs import CPUGraphs
+from orca.worker.cpu_graphs.head import CompiledHead
+from orca.worker.cpu_graphs.steps import GraphStep
 
 TOTALS: dict[str, float] = collections.defaultdict(float)
 LABELS: list[str] = []  # in the order they were installed: nested calls under their callers
@@ -51,22 +54,22 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--blocks", type=int, default=10)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--no-lone", action="store_true", help="the graph of every token count, not LoneStep")
+    p.add_argument("--no-lone", action="store_true", help="the graph of every token count, not the lone step")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, block_size=16))
     worker = engine.core.executor.worker
-    if args.no_lone and worker.compiled is not None:
-        worker.compiled.lone = None
+    if args.no_lone and isinstance(worker.runner, CPUGraphs):
+        worker.runner.lone = None
     timed(worker_module.Worker, "execute", "iteration")
     timed(worker_module.Worker, "_prepare", "  preparation")
-    timed(compiled_module.CompiledForward, "__call__", "  forward pass")
-    timed(compiled_module.LoneStep, "__call__", "    LoneStep")
-    timed(attention_base, "_write_and_attend", "    attention op")
+    timed(CPUGraphs, "forward", "  forward pass")
+    timed(GraphStep, "__call__", "    lone step")
+    timed(AttentionMetadata, "write_and_attend", "    attention op")
     timed(F, "scaled_dot_product_attention", "      SDPA")
     timed(worker.model, "compute_logits", "  logits")
     if getattr(worker.model, "norm", None) is not None:
         timed(worker.model.norm, "forward", "    final norm")
-    timed(compiled_module.CompiledHead, "__call__", "    compiled head")
+    timed(CompiledHead, "__call__", "    compiled head")
     timed(worker_module, "sample", "  sampling")
     rng = random.Random(0)
     prompt = [rng.randrange(3, engine.core.model_config.vocab_size) for _ in range(args.prompt_len)]
@@ -84,7 +87,7 @@ def main() -> None:
         block["step"] = (time.perf_counter() - t0) / args.steps * 1e3
         blocks.append(block)
     context = f"context {args.prompt_len + 6}..{args.prompt_len + 6 + args.blocks * args.steps}"
-    print(f"ms a step ({'graph of every count' if args.no_lone else 'LoneStep'}; {context}; medians of "
+    print(f"ms a step ({'graph of every count' if args.no_lone else 'lone step'}; {context}; medians of "
           f"{args.blocks} blocks of {args.steps} steps):")
     for label in ["step", *(label for label in LABELS if label in blocks[0])]:
         print(f"  {label:<20} {statistics.median(b.get(label, 0.0) for b in blocks):7.3f}")

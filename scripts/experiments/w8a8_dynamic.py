@@ -11,7 +11,9 @@ dequantized int4), the int32 products scaled back.
 
 This script patches that path into QuantizedLinear (the experiment only: the engine has no such option) for
 the layers `--layers` names, by shape (SmolLM2's: qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536,
-head 49152x576), where the bfloat16 copy would run.
+head 49152x576), where the bfloat16 copy would run: eagerly QuantizedLinear.float_matmul (the row policy's
+float side, `matmul`, and the compiled head's from its float rows), in the CPU graphs the float view's matmul
+(orca/worker/cpu_graphs/views.py, _float_copy, which the runner's graph takes from float_rows rows).
 
     PYTHONPATH=.:client .venv/bin/python scripts/experiments/w8a8_dynamic.py perplexity
     PYTHONPATH=.:client .venv/bin/python scripts/experiments/w8a8_dynamic.py speed --reps 6
@@ -39,12 +41,13 @@ import time
 import torch
 
 from orca.models import quantization as Q
+from orca.worker.cpu_graphs import views
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 BF16_PACKED = torch.ops.mkldnn._linear_pointwise  # oneDNN's matmul on a weight packed at load (the copies')
 CHOSEN: set[tuple[int, int]] = set()  # the (out, in) shapes QuantizedLinear gives a W8A8 path at construction
 
-_init, _forward = Q.QuantizedLinear.__init__, Q.QuantizedLinear.forward
+_init, _float_matmul, _float_copy = Q.QuantizedLinear.__init__, Q.QuantizedLinear.float_matmul, views._float_copy
 
 
 def _patched_init(self, weight, bias, device, dtype, par=None, float_copy=False):  # type: ignore[no-untyped-def]
@@ -57,24 +60,25 @@ def _patched_init(self, weight, bias, device, dtype, par=None, float_copy=False)
     self.register_buffer("w8_scales", scales, persistent=False)
 
 
-def _patched_forward(self, x):  # type: ignore[no-untyped-def]
-    if self.w8 is None:
-        return _forward(self, x)
-    x2 = x.reshape(-1, self.in_features)
-    large = Q.FLOAT_COPY_ROWS.on if torch.compiler.is_compiling() else x2.shape[0] >= self.float_min_rows
-    if not large:
-        return _forward(self, x)
+def _w8a8(layer, x2):  # type: ignore[no-untyped-def]
+    """x2 (T, in) -> (T, out), no bias (forward adds it): the activations int8 per token, torch._int_mm."""
     xf = x2.float()
     row_scale = (xf.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)  # (T, 1): per token
     xq = (xf / row_scale).round().to(torch.int8)
-    y = (torch._int_mm(xq, self.w8).float() * row_scale * self.w8_scales).to(x2.dtype)
-    if self.bias is not None:
-        y = y + self.bias
-    return y.view(*x.shape[:-1], self.out_features)
+    return (torch._int_mm(xq, layer.w8).float() * row_scale * layer.w8_scales).to(x2.dtype)
+
+
+def _patched_float_matmul(self, x2):  # type: ignore[no-untyped-def]
+    return _float_matmul(self, x2) if self.w8 is None else _w8a8(self, x2)
+
+
+def _patched_float_copy(layer, x2):  # type: ignore[no-untyped-def]
+    return _float_copy(layer, x2) if layer.w8 is None else _w8a8(layer, x2)
 
 
 Q.QuantizedLinear.__init__ = _patched_init  # type: ignore[method-assign]
-Q.QuantizedLinear.forward = _patched_forward  # type: ignore[method-assign]
+Q.QuantizedLinear.float_matmul = _patched_float_matmul  # type: ignore[method-assign]
+views._float_copy = _patched_float_copy  # (graph_view reads it when a runner builds its float view)
 
 
 def perplexity(args: argparse.Namespace) -> dict:
